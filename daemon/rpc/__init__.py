@@ -1,0 +1,1 @@
+"""Generated from proto/ by proto/generate.sh. Do not edit."""

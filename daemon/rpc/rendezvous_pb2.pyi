@@ -1,0 +1,256 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATUS_UNSPECIFIED: _ClassVar[WorkerStatus]
+    WORKER_STATUS_RUNNING: _ClassVar[WorkerStatus]
+    WORKER_STATUS_SUCCEEDED: _ClassVar[WorkerStatus]
+    WORKER_STATUS_FAILED: _ClassVar[WorkerStatus]
+    WORKER_STATUS_STALLED: _ClassVar[WorkerStatus]
+    WORKER_STATUS_STOPPED: _ClassVar[WorkerStatus]
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_WAITING: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_RESTARTING: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+WORKER_STATUS_UNSPECIFIED: WorkerStatus
+WORKER_STATUS_RUNNING: WorkerStatus
+WORKER_STATUS_SUCCEEDED: WorkerStatus
+WORKER_STATUS_FAILED: WorkerStatus
+WORKER_STATUS_STALLED: WorkerStatus
+WORKER_STATUS_STOPPED: WorkerStatus
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_WAITING: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_RESTARTING: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
+
+class JobSpec(_message.Message):
+    __slots__ = ("job", "command_digest", "min_nodes", "max_nodes", "max_restarts", "restart_window_seconds", "stall_timeout_seconds", "backup_dir")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    RESTART_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STALL_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_DIR_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    command_digest: bytes
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int
+    restart_window_seconds: float
+    stall_timeout_seconds: float
+    backup_dir: str
+    def __init__(self, job: _Optional[str] = ..., command_digest: _Optional[bytes] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., stall_timeout_seconds: _Optional[float] = ..., backup_dir: _Optional[str] = ...) -> None: ...
+
+class Join(_message.Message):
+    __slots__ = ("node_id", "spec", "host", "worker_port", "last_generation", "restart_count")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PORT_FIELD_NUMBER: _ClassVar[int]
+    LAST_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    spec: JobSpec
+    host: str
+    worker_port: int
+    last_generation: int
+    restart_count: int
+    def __init__(self, node_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., last_generation: _Optional[int] = ..., restart_count: _Optional[int] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("step", "loss", "has_loss", "examples", "age_seconds", "checkpoint_step")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    loss: float
+    has_loss: bool
+    examples: int
+    age_seconds: float
+    checkpoint_step: int
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: bool = ..., examples: _Optional[int] = ..., age_seconds: _Optional[float] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
+
+class WorkerReport(_message.Message):
+    __slots__ = ("generation", "status", "exit_code", "pid", "progress", "has_progress", "detail")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    status: WorkerStatus
+    exit_code: int
+    pid: int
+    progress: Progress
+    has_progress: bool
+    detail: str
+    def __init__(self, generation: _Optional[int] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., exit_code: _Optional[int] = ..., pid: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., has_progress: bool = ..., detail: _Optional[str] = ...) -> None: ...
+
+class Leave(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class AgentMessage(_message.Message):
+    __slots__ = ("join", "heartbeat", "report", "leave")
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    join: Join
+    heartbeat: Heartbeat
+    report: WorkerReport
+    leave: Leave
+    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
+
+class Member(_message.Message):
+    __slots__ = ("node_id", "rank", "host", "worker_port")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PORT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    rank: int
+    host: str
+    worker_port: int
+    def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("generation", "rank", "world_size", "members", "restart_count")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    rank: int
+    world_size: int
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    restart_count: int
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., restart_count: _Optional[int] = ...) -> None: ...
+
+class StopWorkers(_message.Message):
+    __slots__ = ("generation", "reason")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    reason: str
+    def __init__(self, generation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class JobFinished(_message.Message):
+    __slots__ = ("state", "reason")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    reason: str
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Waiting(_message.Message):
+    __slots__ = ("joined", "min_nodes", "max_nodes", "detail")
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    joined: int
+    min_nodes: int
+    max_nodes: int
+    detail: str
+    def __init__(self, joined: _Optional[int] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class CoordinatorMessage(_message.Message):
+    __slots__ = ("heartbeat", "waiting", "assignment", "stop", "finished")
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    heartbeat: Heartbeat
+    waiting: Waiting
+    assignment: Assignment
+    stop: StopWorkers
+    finished: JobFinished
+    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., stop: _Optional[_Union[StopWorkers, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("node_id", "rank", "host", "worker_port", "state", "worker_pid", "progress", "has_progress")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PORT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    rank: int
+    host: str
+    worker_port: int
+    state: str
+    worker_pid: int
+    progress: Progress
+    has_progress: bool
+    def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., state: _Optional[str] = ..., worker_pid: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., has_progress: bool = ...) -> None: ...
+
+class RestartCount(_message.Message):
+    __slots__ = ("reason", "count")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    count: int
+    def __init__(self, reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes", "restarts_total", "restarts_by_reason", "max_restarts", "nodes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    state: JobState
+    reason: str
+    generation: int
+    world_size: int
+    min_nodes: int
+    max_nodes: int
+    restarts_total: int
+    restarts_by_reason: _containers.RepeatedCompositeFieldContainer[RestartCount]
+    max_restarts: int
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., restarts_total: _Optional[int] = ..., restarts_by_reason: _Optional[_Iterable[_Union[RestartCount, _Mapping]]] = ..., max_restarts: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ...) -> None: ...
