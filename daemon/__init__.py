@@ -1,0 +1,1 @@
+"""tfelastic.daemon: the per-node agent, the coordinator, and the `tfelastic` command."""

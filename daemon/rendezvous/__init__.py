@@ -1,0 +1,1 @@
+"""The rendezvous: the coordinator's logic (state), its gRPC adapter (server) and the agent's client."""

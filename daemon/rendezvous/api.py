@@ -1,0 +1,222 @@
+"""Interfaces of the rendezvous: the job spec every agent must agree on, what a generation is, the orders the
+coordinator sends, and the errors it raises.
+
+The coordinator's logic (:mod:`tfelastic.daemon.rendezvous.state`) speaks only these types; the gRPC servicer
+translates them to and from ``tfelastic.v1`` messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class JobState(enum.Enum):
+    """State of the whole job, as the coordinator sees it.
+
+    ``WAITING -> RUNNING``      a round closed and a generation was formed
+    ``RUNNING -> RESTARTING``   a failure, a scale-up or a planned leave; members were told to stop
+    ``RESTARTING -> WAITING``   every old member that is still connected confirmed its workers are gone
+    ``RUNNING -> SUCCEEDED``    every member's trainer exited 0
+    ``* -> FAILED``             restart budget exhausted, or too few nodes for ``join_timeout``
+    """
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED)
+
+
+class RestartReason(enum.Enum):
+    WORKER_EXIT = "worker_exit"  # a trainer exited non-zero
+    NODE_LOST = "node_lost"  # an agent died or was cut off
+    STALLED = "stalled"  # a trainer reported no progress for stall_timeout
+    SCALE_UP = "scale_up"  # nodes joined while the world was below max_nodes
+    NODE_LEFT = "node_left"  # an agent left on purpose (SIGTERM, drain)
+
+    @property
+    def counts_against_budget(self) -> bool:
+        """Only failures spend the restart budget; growing the job or draining a node does not."""
+        return self not in (RestartReason.SCALE_UP, RestartReason.NODE_LEFT)
+
+
+class NodeState(enum.Enum):
+    """A node as the coordinator sees it."""
+
+    WAITING = "waiting"  # in the open round, or a standby while the job is at max_nodes
+    RUNNING = "running"  # a member of the current generation
+    SUCCEEDED = "succeeded"  # a member whose trainer exited 0
+    STOPPING = "stopping"  # a member told to stop; it has not yet confirmed its workers are gone
+    LEAVING = "leaving"  # left on purpose; removed once its workers are gone and its session closed
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Settings that must be equal on every agent of a job."""
+
+    job: str
+    command_digest: bytes
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int
+    restart_window_seconds: float
+    stall_timeout_seconds: float
+    backup_dir: str
+
+    def differences(self, other: JobSpec) -> list[str]:
+        """Human-readable differences, naming each setting, ``other`` being the joining agent's."""
+        diffs = []
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                if f.name == "command_digest":
+                    diffs.append("the trainer command differs")
+                else:
+                    diffs.append(f"{f.name}: job has {mine!r}, joining agent has {theirs!r}")
+        return diffs
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    host: str
+    worker_port: int
+
+
+@dataclass(frozen=True)
+class Member:
+    node_id: str
+    rank: int
+    host: str
+    worker_port: int
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.worker_port}"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A node's place in a generation: everything its trainer needs to join the collective."""
+
+    generation: int
+    rank: int
+    world_size: int
+    members: tuple[Member, ...]
+    restart_count: int
+
+    def tf_config(self) -> str:
+        """The ``TF_CONFIG`` of this rank: every worker in rank order, rank 0 being the chief."""
+        cluster = {"worker": [m.address for m in self.members]}
+        return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": self.rank}})
+
+
+@dataclass(frozen=True)
+class WorkerProgress:
+    step: int
+    examples: int = 0
+    loss: float | None = None
+    checkpoint_step: int = -1
+    reported_at: float = 0.0  # on the coordinator's clock
+
+
+# Orders from the coordinator to one agent. The servicer pushes each down that agent's stream.
+@dataclass(frozen=True)
+class Waiting:
+    joined: int
+    min_nodes: int
+    max_nodes: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class StopWorkers:
+    generation: int
+    reason: RestartReason
+
+
+@dataclass(frozen=True)
+class Finished:
+    state: JobState
+    reason: str
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Close this node's session: it was declared lost and must join again from scratch."""
+
+    reason: str
+
+
+Order = Waiting | Assignment | StopWorkers | Finished | Evict
+
+
+@dataclass(frozen=True)
+class Send:
+    node_id: str
+    order: Order
+
+
+@dataclass(frozen=True)
+class NodeSnapshot:
+    node_id: str
+    rank: int
+    host: str
+    worker_port: int
+    state: NodeState
+    worker_pid: int
+    progress: WorkerProgress | None
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    job: str
+    state: JobState
+    reason: str
+    generation: int
+    world_size: int
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int
+    restarts_total: int
+    restarts_by_reason: dict[str, int]
+    nodes: Sequence[NodeSnapshot] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """Timing of the coordinator. Defaults favour fast recovery; every one is a documented option."""
+
+    last_call_seconds: float = 1.0  # after min_nodes joined, how long to wait for more (first round only)
+    settle_seconds: float = 3.0  # after a node joins a running job below max_nodes, wait for more
+    join_timeout_seconds: float = 600.0  # how long a round may stay below min_nodes before the job fails
+    node_timeout_seconds: float = 2.0  # silence after which a node is declared lost
+
+
+class RendezvousError(Exception):
+    """A join or message the coordinator refuses. The message says what is wrong and how to fix it."""
+
+
+class SpecMismatchError(RendezvousError):
+    pass
+
+
+class DuplicateNodeError(RendezvousError):
+    pass
+
+
+class JobClosedError(RendezvousError):
+    pass
+
+
+class ProtocolError(RendezvousError):
+    pass

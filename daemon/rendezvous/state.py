@@ -1,0 +1,362 @@
+"""The coordinator's logic: rendezvous rounds, membership, ranks, failures and the restart budget.
+
+Plain code over an injected monotonic clock, with no sockets and no threads: every input is a method call that
+returns the orders to send, and :meth:`Rendezvous.tick` fires the timers. The gRPC servicer is a thin adapter
+that calls these methods from one event loop.
+
+Round rules:
+
+* A round closes when ``max_nodes`` have joined; or when every old member that is still connected has joined
+  again after a restart (recovery does not wait for a last call); or ``last_call_seconds`` after
+  ``min_nodes`` joined.
+* A round never closes while an old member has not confirmed that its workers are gone: a stale worker must
+  never meet the next generation (FACTS 4).
+* Ranks: the old members that survive keep their relative order, so a surviving chief stays chief; new nodes
+  follow in the order they joined.
+* Below ``min_nodes`` the round waits, for at most ``join_timeout_seconds``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tfelastic.daemon.rendezvous.api import (
+    Assignment,
+    ClusterSnapshot,
+    DuplicateNodeError,
+    Evict,
+    Finished,
+    JobClosedError,
+    JobSpec,
+    JobState,
+    Member,
+    NodeInfo,
+    NodeSnapshot,
+    NodeState,
+    Order,
+    ProtocolError,
+    RendezvousSettings,
+    RestartReason,
+    Send,
+    SpecMismatchError,
+    StopWorkers,
+    Waiting,
+    WorkerProgress,
+)
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class _Node:
+    info: NodeInfo
+    state: NodeState
+    joined_at: float
+    last_seen: float
+    worker_pid: int = 0
+    progress: WorkerProgress | None = None
+
+
+class Rendezvous:
+    def __init__(self, settings: RendezvousSettings, clock: Clock, spec: JobSpec | None = None) -> None:
+        self.settings = settings
+        self._clock = clock
+        self.spec = spec
+        self.state = JobState.WAITING
+        self.reason = ""
+        self.generation = 0
+        self._nodes: dict[str, _Node] = {}
+        self._members: list[str] = []  # node ids of the current generation, in rank order
+        self._round_opened_at = clock()
+        self._min_reached_at: float | None = None
+        self._scale_up_at: float | None = None
+        self._failures: deque[float] = deque()  # times of failures inside the restart window
+        self.restarts_total = 0
+        self.restarts_by_reason: Counter[str] = Counter()
+
+    # ----------------------------------------------------------------------------------------------- inputs
+
+    def has_node(self, node_id: str) -> bool:
+        return node_id in self._nodes
+
+    def join(
+        self, info: NodeInfo, spec: JobSpec, *, last_generation: int = 0, restart_count: int = 0,
+        rejoin: bool = False,
+    ) -> list[Send]:
+        """A node enters the rendezvous.
+
+        ``rejoin`` marks a Join on a session that is already registered: the agent sends it after it confirmed
+        that every process of its previous worker is gone, so it doubles as that confirmation.
+        """
+        if self.state.is_terminal:
+            raise JobClosedError(f"job {self._job_name()!r} has already {self.state.value}: {self.reason}")
+        self._check_spec(spec)
+        now = self._clock()
+        existing = self._nodes.get(info.node_id)
+        if existing is not None and not rejoin:
+            raise DuplicateNodeError(
+                f"node id {info.node_id!r} is already in the job; give each node a unique --node-id"
+            )
+        if existing is not None and existing.state in (NodeState.RUNNING, NodeState.SUCCEEDED, NodeState.LEAVING):
+            raise ProtocolError(f"node {info.node_id!r} joined again while {existing.state.value}")
+        self.generation = max(self.generation, last_generation)
+        self.restarts_total = max(self.restarts_total, restart_count)
+        self._nodes[info.node_id] = _Node(info, NodeState.WAITING, now, now)
+        return self._after_join(info.node_id, now)
+
+    def heartbeat(self, node_id: str) -> None:
+        node = self._nodes.get(node_id)
+        if node is not None:
+            node.last_seen = self._clock()
+
+    def worker_started(self, node_id: str, generation: int, pid: int) -> None:
+        node = self._member_of(node_id, generation)
+        if node is not None:
+            node.worker_pid = pid
+
+    def progress(self, node_id: str, generation: int, progress: WorkerProgress) -> None:
+        node = self._member_of(node_id, generation)
+        if node is not None:
+            node.progress = progress
+
+    def worker_succeeded(self, node_id: str, generation: int) -> list[Send]:
+        node = self._member_of(node_id, generation)
+        if node is None or node.state is not NodeState.RUNNING:
+            return []
+        node.state = NodeState.SUCCEEDED  # RUNNING -> SUCCEEDED
+        if all(self._nodes[m].state is NodeState.SUCCEEDED for m in self._members):
+            return self._finish(JobState.SUCCEEDED, f"every trainer of generation {generation} exited 0")
+        return []
+
+    def worker_failed(self, node_id: str, generation: int, reason: RestartReason, detail: str) -> list[Send]:
+        """A member's trainer exited non-zero or stalled. Stale reports (older generations) are ignored."""
+        if self._member_of(node_id, generation) is None:
+            return []
+        return self._restart(reason, f"{node_id}: {detail}")
+
+    def leave(self, node_id: str, reason: str) -> list[Send]:
+        """A planned leave: the job re-forms without the node at once, and it is not counted as a failure."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return []
+        if node.state is NodeState.WAITING:  # no worker to wait for: gone at once
+            del self._nodes[node_id]
+            return self._try_close_round(self._clock())
+        was_member = node.state in (NodeState.RUNNING, NodeState.SUCCEEDED) and node_id in self._members
+        node.state = NodeState.LEAVING  # RUNNING|SUCCEEDED|STOPPING -> LEAVING
+        if was_member and self.state is JobState.RUNNING:
+            return self._restart(RestartReason.NODE_LEFT, f"{node_id}: {reason}")
+        return self._try_close_round(self._clock())
+
+    def disconnect(self, node_id: str) -> list[Send]:
+        """The node's session ended. Without a Leave before it, the node is lost."""
+        node = self._nodes.pop(node_id, None)
+        if node is None:
+            return []
+        if node.state is NodeState.LEAVING:
+            return self._try_close_round(self._clock())
+        return self._lost(node_id, node, "its session closed")
+
+    def tick(self) -> list[Send]:
+        """Fire due timers: node leases, the last call, the scale-up settle delay, the join timeout."""
+        now = self._clock()
+        sends: list[Send] = []
+        for node_id, node in list(self._nodes.items()):
+            if now - node.last_seen > self.settings.node_timeout_seconds and node_id in self._nodes:
+                del self._nodes[node_id]
+                silent = now - node.last_seen
+                sends.append(Send(node_id, Evict(f"no message for {silent:.1f}s")))
+                sends += self._lost(node_id, node, f"silent for {silent:.1f}s")
+        if self._scale_up_due(now):
+            sends += self._restart(RestartReason.SCALE_UP, f"{len(self._waiting())} node(s) waiting to join")
+        sends += self._try_close_round(now)
+        return sends
+
+    # ------------------------------------------------------------------------------------------- snapshot
+
+    def snapshot(self) -> ClusterSnapshot:
+        nodes = []
+        for node_id, node in self._nodes.items():
+            rank = self._members.index(node_id) if self._is_current_member(node_id) else -1
+            progress = node.progress
+            nodes.append(NodeSnapshot(
+                node_id, rank, node.info.host, node.info.worker_port, node.state,
+                node.worker_pid if rank >= 0 else 0, progress,
+            ))
+        nodes.sort(key=lambda n: (n.rank < 0, n.rank, n.node_id))
+        spec = self.spec
+        running = self.state in (JobState.RUNNING, JobState.SUCCEEDED)
+        return ClusterSnapshot(
+            job=self._job_name(),
+            state=self.state,
+            reason=self.reason,
+            generation=self.generation,
+            world_size=len(self._members) if running else 0,
+            min_nodes=spec.min_nodes if spec else 0,
+            max_nodes=spec.max_nodes if spec else 0,
+            max_restarts=spec.max_restarts if spec else 0,
+            restarts_total=self.restarts_total,
+            restarts_by_reason=dict(self.restarts_by_reason),
+            nodes=tuple(nodes),
+        )
+
+    # ------------------------------------------------------------------------------------------ internals
+
+    def _job_name(self) -> str:
+        return self.spec.job if self.spec else ""
+
+    def _check_spec(self, spec: JobSpec) -> None:
+        if self.spec is None:
+            self.spec = spec
+            return
+        diffs = self.spec.differences(spec)
+        if diffs:
+            raise SpecMismatchError(
+                f"refused: this agent's job settings differ from job {self.spec.job!r} "
+                f"({'; '.join(diffs)}). Every agent of a job needs the same job name, command and settings."
+            )
+
+    def _member_of(self, node_id: str, generation: int) -> _Node | None:
+        if generation != self.generation or not self._is_current_member(node_id):
+            return None
+        return self._nodes.get(node_id)
+
+    def _is_current_member(self, node_id: str) -> bool:
+        return self.state in (JobState.RUNNING, JobState.SUCCEEDED) and node_id in self._members
+
+    def _waiting(self) -> list[str]:
+        return [n for n, node in self._nodes.items() if node.state is NodeState.WAITING]
+
+    def _stopping(self) -> list[str]:
+        return [n for n, node in self._nodes.items() if node.state in (NodeState.STOPPING, NodeState.LEAVING)]
+
+    def _after_join(self, node_id: str, now: float) -> list[Send]:
+        spec = self._require_spec()
+        if self.state is JobState.RUNNING:
+            if len(self._members) < spec.max_nodes:
+                if self._scale_up_at is None:
+                    self._scale_up_at = now + self.settings.settle_seconds
+                detail = "scale-up pending: the job will re-form to take this node in"
+            else:
+                detail = f"standby: the job is at max_nodes={spec.max_nodes}"
+            return [self._waiting_notice(node_id, detail)]
+        sends = self._try_close_round(now)
+        if not any(s.node_id == node_id for s in sends):
+            sends.append(self._waiting_notice(node_id, "waiting for the round to close"))
+        return sends
+
+    def _waiting_notice(self, node_id: str, detail: str) -> Send:
+        spec = self._require_spec()
+        return Send(node_id, Waiting(len(self._waiting()), spec.min_nodes, spec.max_nodes, detail))
+
+    def _require_spec(self) -> JobSpec:
+        if self.spec is None:
+            raise ProtocolError("no job spec yet: the first message of a session must be a Join")
+        return self.spec
+
+    def _scale_up_due(self, now: float) -> bool:
+        if self._scale_up_at is None or now < self._scale_up_at:
+            return False
+        self._scale_up_at = None
+        spec = self._require_spec()
+        return self.state is JobState.RUNNING and bool(self._waiting()) and len(self._members) < spec.max_nodes
+
+    def _lost(self, node_id: str, node: _Node, why: str) -> list[Send]:
+        if node.state is NodeState.RUNNING and self.state is JobState.RUNNING:
+            return self._restart(RestartReason.NODE_LOST, f"{node_id}: {why}")
+        if node.state is NodeState.SUCCEEDED and self.state is JobState.RUNNING:
+            return self._restart(RestartReason.NODE_LOST, f"{node_id}: {why} before the job finished")
+        return self._try_close_round(self._clock())
+
+    def _restart(self, reason: RestartReason, detail: str) -> list[Send]:
+        if self.state is not JobState.RUNNING:
+            return []  # a restart is already under way; later reports of the same fault add nothing
+        now = self._clock()
+        if reason.counts_against_budget and self._budget_exhausted(now):
+            spec = self._require_spec()
+            return self._finish(
+                JobState.FAILED,
+                f"restart budget exhausted: {len(self._failures)} failures within "
+                f"{spec.restart_window_seconds:g}s exceed max_restarts={spec.max_restarts}; "
+                f"last: {reason.value} ({detail})",
+            )
+        self.restarts_by_reason[reason.value] += 1
+        self.restarts_total += 1
+        self.state = JobState.RESTARTING  # RUNNING -> RESTARTING
+        self.reason = f"{reason.value}: {detail}"
+        self._scale_up_at = None
+        sends = []
+        for node_id in self._members:
+            node = self._nodes.get(node_id)
+            if node is not None and node.state in (NodeState.RUNNING, NodeState.SUCCEEDED):
+                node.state = NodeState.STOPPING  # RUNNING -> STOPPING
+                sends.append(Send(node_id, StopWorkers(self.generation, reason)))
+        self._open_round(now)
+        return sends + self._try_close_round(now)
+
+    def _budget_exhausted(self, now: float) -> bool:
+        spec = self._require_spec()
+        self._failures.append(now)
+        while self._failures and now - self._failures[0] > spec.restart_window_seconds:
+            self._failures.popleft()
+        return len(self._failures) > spec.max_restarts
+
+    def _open_round(self, now: float) -> None:
+        self._round_opened_at = now
+        self._min_reached_at = None
+
+    def _try_close_round(self, now: float) -> list[Send]:
+        if self.spec is None or self.state not in (JobState.WAITING, JobState.RESTARTING) or self._stopping():
+            return []
+        self.state = JobState.WAITING  # RESTARTING -> WAITING: every old worker is confirmed gone
+        spec = self._require_spec()
+        waiting = self._waiting()
+        if len(waiting) < spec.min_nodes:
+            self._min_reached_at = None  # the last call starts again once min_nodes are back
+            if now - self._round_opened_at >= self.settings.join_timeout_seconds:
+                return self._finish(
+                    JobState.FAILED,
+                    f"only {len(waiting)} of min_nodes={spec.min_nodes} nodes joined within "
+                    f"join_timeout={self.settings.join_timeout_seconds:g}s",
+                )
+            return []
+        if self._min_reached_at is None:
+            self._min_reached_at = now
+        survivors_back = bool(self._members) and all(m in waiting for m in self._members if m in self._nodes)
+        last_call_over = now - self._min_reached_at >= self.settings.last_call_seconds
+        if len(waiting) >= spec.max_nodes or survivors_back or last_call_over:
+            return self._form_generation(waiting)
+        return []
+
+    def _form_generation(self, waiting: list[str]) -> list[Send]:
+        spec = self._require_spec()
+        survivors = [m for m in self._members if m in waiting]
+        newcomers = sorted((n for n in waiting if n not in survivors),
+                           key=lambda n: (self._nodes[n].joined_at, n))
+        chosen = (survivors + newcomers)[: spec.max_nodes]
+        self.generation += 1
+        self._members = chosen
+        self.state = JobState.RUNNING  # WAITING -> RUNNING
+        self.reason = ""
+        members = tuple(
+            Member(n, rank, self._nodes[n].info.host, self._nodes[n].info.worker_port)
+            for rank, n in enumerate(chosen)
+        )
+        sends: list[Send] = []
+        for rank, node_id in enumerate(chosen):
+            node = self._nodes[node_id]
+            node.state = NodeState.RUNNING  # WAITING -> RUNNING
+            node.progress = None
+            node.worker_pid = 0
+            order: Order = Assignment(self.generation, rank, len(chosen), members, self.restarts_total)
+            sends.append(Send(node_id, order))
+        for node_id in self._waiting():
+            sends.append(self._waiting_notice(node_id, f"standby: the job is at max_nodes={spec.max_nodes}"))
+        return sends
+
+    def _finish(self, state: JobState, reason: str) -> list[Send]:
+        self.state = state  # RUNNING -> SUCCEEDED, * -> FAILED
+        self.reason = reason
+        return [Send(node_id, Finished(state, reason)) for node_id in self._nodes]
