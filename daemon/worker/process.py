@@ -1,0 +1,142 @@
+"""One worker: the trainer command run under the keeper, in a session of its own.
+
+``stop`` is the only way a worker ends on purpose: SIGTERM (and SIGCONT, so a stopped process can act on it) to
+the whole process group, a grace period, then SIGKILL of every process of the tree, repeated until none is
+left. It returns only once every process is confirmed gone, so the next generation never meets a stale one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from tfelastic.daemon.worker import keeper
+
+log = logging.getLogger("tfelastic.worker")
+
+KEEPER_PATH = str(Path(keeper.__file__).resolve())
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    command: Sequence[str]
+    env: Mapping[str, str]
+    cwd: str | None
+    log_prefix: str
+    stop_grace_seconds: float
+
+
+class WorkerProcess:
+    def __init__(self, proc: asyncio.subprocess.Process, spec: WorkerSpec) -> None:
+        self._proc = proc
+        self._spec = spec
+        self.pid = proc.pid  # the keeper: session leader, so also the process group id
+        self._output = asyncio.create_task(self._forward_output())
+
+    @classmethod
+    async def start(cls, spec: WorkerSpec) -> WorkerProcess:
+        env = dict(spec.env)
+        env[keeper.GRACE_ENV] = str(spec.stop_grace_seconds)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-S", KEEPER_PATH, *spec.command,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env=env, cwd=spec.cwd, start_new_session=True,
+        )
+        return cls(proc, spec)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self) -> int:
+        code = await self._proc.wait()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._output), 1.0)  # flush the last lines of output
+        return code
+
+    def trainer_pid(self) -> int:
+        """The trainer itself (the keeper's child), or the keeper while the trainer is not yet forked."""
+        with contextlib.suppress(psutil.Error):
+            children = psutil.Process(self.pid).children()
+            if children:
+                return children[0].pid
+        return self.pid
+
+    async def stop(self) -> None:
+        """SIGTERM the group, wait for the grace period, SIGKILL what is left; return once all are gone."""
+        tree = _tree(self.pid)
+        _signal_group(self.pid, signal.SIGTERM)
+        _signal_group(self.pid, signal.SIGCONT)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._proc.wait()), self._spec.stop_grace_seconds)
+        tree += _tree(self.pid)  # anything forked during the grace period
+        await asyncio.to_thread(_kill_until_gone, self.pid, tree)
+        await self._proc.wait()
+        self._output.cancel()
+
+    async def _forward_output(self) -> None:
+        assert self._proc.stdout is not None
+        while True:
+            try:
+                line = await self._proc.stdout.readline()
+            except ValueError:  # a line longer than the stream limit: log what we have
+                line = await self._proc.stdout.read(65536)
+            if not line:
+                return
+            log.info("%s %s", self._spec.log_prefix, line.decode(errors="replace").rstrip())
+
+
+def _tree(root: int) -> list[psutil.Process]:
+    try:
+        process = psutil.Process(root)
+        return [process, *process.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes (zombies excluded) whose process group is ``pgid``."""
+    members = []
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != b"Z" and int(fields[2]) == pgid:
+            members.append(pid)
+    return members
+
+
+def _kill_until_gone(pgid: int, tree: list[psutil.Process]) -> None:
+    """SIGKILL the group and every process of the tree until none is alive. Blocking: run in a thread."""
+    while True:
+        alive = [p for p in tree if _alive(p)]
+        members = group_members(pgid)
+        if not alive and not members:
+            return
+        _signal_group(pgid, signal.SIGKILL)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(alive, timeout=0.5)
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

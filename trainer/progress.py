@@ -1,0 +1,121 @@
+"""Progress reports from a trainer to its local agent: one datagram on a Unix socket per report.
+
+The agent sets ``TFELASTIC_PROGRESS_SOCKET``. Without it (no agent) every call is a no-op. A send never blocks
+and never raises: if the agent is busy or gone, the report is dropped, and training goes on.
+
+Wire format (the agent decodes it with :func:`decode`): a JSON object with ``g`` (generation), ``pid``,
+``step`` and the optional ``examples``, ``loss`` and ``ckpt`` (the step of the last checkpoint saved).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+SOCKET_ENV = "TFELASTIC_PROGRESS_SOCKET"
+GENERATION_ENV = "TFELASTIC_GENERATION"
+MAX_DATAGRAM = 512
+
+
+@dataclass(frozen=True)
+class ProgressMessage:
+    generation: int
+    pid: int
+    step: int
+    examples: int | None = None
+    loss: float | None = None
+    checkpoint_step: int | None = None
+
+
+def encode(message: ProgressMessage) -> bytes:
+    payload: dict[str, float | int] = {"g": message.generation, "pid": message.pid, "step": message.step}
+    if message.examples is not None:
+        payload["examples"] = message.examples
+    if message.loss is not None and math.isfinite(message.loss):
+        payload["loss"] = message.loss
+    if message.checkpoint_step is not None:
+        payload["ckpt"] = message.checkpoint_step
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> ProgressMessage:
+    """Raises ValueError on anything that is not a well-formed report."""
+    if len(data) > MAX_DATAGRAM:
+        raise ValueError(f"progress datagram of {len(data)} bytes exceeds {MAX_DATAGRAM}")
+    raw = json.loads(data)
+    if not isinstance(raw, dict):
+        raise ValueError("progress datagram is not a JSON object")
+
+    def integer(key: str, required: bool = False) -> int | None:
+        value = raw.get(key)
+        if value is None and not required:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"progress field {key!r} must be an integer, got {value!r}")
+        return value
+
+    loss = raw.get("loss")
+    if loss is not None and (not isinstance(loss, (int, float)) or isinstance(loss, bool)):
+        raise ValueError(f"progress field 'loss' must be a number, got {loss!r}")
+    return ProgressMessage(
+        generation=integer("g", True) or 0,
+        pid=integer("pid", True) or 0,
+        step=integer("step", True) or 0,
+        examples=integer("examples"),
+        loss=float(loss) if loss is not None else None,
+        checkpoint_step=integer("ckpt"),
+    )
+
+
+class ProgressReporter:
+    """Sends progress to the agent, at most one report every ``min_interval`` seconds unless forced."""
+
+    def __init__(self, path: str | None, generation: int, min_interval: float = 0.1) -> None:
+        self._path = path
+        self._generation = generation
+        self._min_interval = min_interval
+        self._last_sent = -math.inf
+        self._sock: socket.socket | None = None
+        if path:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sock.setblocking(False)
+
+    @classmethod
+    def from_env(cls, min_interval: float = 0.1) -> ProgressReporter:
+        return cls(os.environ.get(SOCKET_ENV), int(os.environ.get(GENERATION_ENV, "0")), min_interval)
+
+    @property
+    def enabled(self) -> bool:
+        return self._sock is not None
+
+    def report(self, step: int, *, examples: int | None = None, loss: float | None = None,
+               checkpoint_step: int | None = None, force: bool = False) -> bool:
+        """Returns whether a datagram was sent."""
+        if self._sock is None:
+            return False
+        now = time.monotonic()
+        if not force and checkpoint_step is None and now - self._last_sent < self._min_interval:
+            return False
+        message = ProgressMessage(self._generation, os.getpid(), int(step), examples, loss, checkpoint_step)
+        try:
+            self._sock.sendto(encode(message), self._path)  # type: ignore[arg-type]
+        except OSError:
+            return False  # the agent is busy or gone; progress is advisory
+        self._last_sent = now
+        return True
+
+
+_default: ProgressReporter | None = None
+
+
+def report(step: int, *, examples: int | None = None, loss: float | None = None,
+           checkpoint_step: int | None = None, force: bool = False) -> bool:
+    """Report progress through a reporter built from the environment the agent set."""
+    global _default
+    if _default is None:
+        _default = ProgressReporter.from_env()
+    return _default.report(step, examples=examples, loss=loss, checkpoint_step=checkpoint_step, force=force)
