@@ -1,0 +1,422 @@
+"""The per-node agent: joins the rendezvous, runs this node's worker, and reports what happens to it.
+
+The agent obeys the coordinator: it launches a worker on an Assignment, stops it on StopWorkers and joins
+again, and exits on JobFinished. It decides on its own only to fence itself: when the coordinator is silent for
+``node_timeout`` it stops its worker at once, since the others have already re-formed without it.
+
+If this node owns the rendezvous endpoint, the agent also tries to host the coordinator; when several agents on
+one host try, the exclusive bind lets exactly one succeed, and after that one dies another takes over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Coroutine
+
+import grpc
+from tfelastic.daemon.agent.api import ExitCode, FatalSessionError
+from tfelastic.daemon.config import AgentConfig, is_loopback_host
+from tfelastic.daemon.rendezvous import api, convert
+from tfelastic.daemon.rendezvous.client import call_metadata, open_channel
+from tfelastic.daemon.rendezvous.server import BindError, Coordinator, create_server
+from tfelastic.daemon.rpc import rendezvous_pb2 as pb
+from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
+from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
+from tfelastic.daemon.worker.progress import ProgressListener
+from tfelastic.daemon.worker.stall import StallDetector
+from tfelastic.daemon.worker.states import WorkerState, WorkerStateMachine
+from tfelastic.trainer.progress import ProgressMessage
+
+log = logging.getLogger("tfelastic.agent")
+
+_FATAL_CODES = {
+    grpc.StatusCode.UNAUTHENTICATED: ExitCode.CONFIG,
+    grpc.StatusCode.FAILED_PRECONDITION: ExitCode.CONFIG,
+    grpc.StatusCode.ALREADY_EXISTS: ExitCode.CONFIG,
+    grpc.StatusCode.INVALID_ARGUMENT: ExitCode.CONFIG,
+    grpc.StatusCode.ABORTED: ExitCode.FAILED,
+}
+
+
+SessionCall = grpc.aio.StreamStreamCall[pb.AgentMessage, pb.CoordinatorMessage]
+
+
+class _SessionLost(Exception):
+    pass
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, token: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._token = token
+        self._clock = clock
+        self.worker_state = WorkerStateMachine()
+        self._worker: WorkerProcess | None = None
+        self._assignment: api.Assignment | None = None
+        self._last_generation = 0
+        self._restart_count = 0
+        self._stall = StallDetector(config.stall_timeout, clock)
+        self._stall_reported = False
+        self._progress: ProgressMessage | None = None
+        self._progress_at = 0.0
+        self._progress_sent: ProgressMessage | None = None
+        self._coordinator: Coordinator | None = None
+        self._outbox: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
+        self._session_number = 0  # a Join queued for an older session must not reach a newer one
+        self._coordinator_seen = 0.0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._worker_lock = asyncio.Lock()
+        self._shutdown_requested = asyncio.Event()
+        self._exit_code: ExitCode | None = None
+        self._host = config.advertise_address or _route_address(config.rendezvous.host)
+        self._listener: ProgressListener | None = None
+        self.on_status: Callable[[str], None] = lambda text: None  # systemd STATUS= lines hook here
+
+    # ------------------------------------------------------------------------------------------ main loop
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._shutdown_requested.set)
+        self._listener = ProgressListener(self._on_progress)
+        self._listener.start()
+        try:
+            return int(await self._run_sessions())
+        finally:
+            await self._stop_worker("agent exiting")
+            self._listener.close()
+            await self._stop_hosting()
+
+    async def _run_sessions(self) -> ExitCode:
+        give_up_at = self._clock() + self.config.join_timeout
+        while True:
+            await self._try_hosting()
+            try:
+                await self._session()
+                give_up_at = self._clock() + self.config.join_timeout
+            except FatalSessionError as e:
+                log.error("%s", e)
+                return e.exit_code
+            except _SessionLost as e:
+                log.warning("lost the coordinator at %s: %s", self.config.rendezvous, e)
+            if self._exit_code is not None:
+                return self._exit_code
+            if self._shutdown_requested.is_set():
+                return ExitCode.SUCCEEDED
+            await self._stop_worker("fencing: the coordinator is unreachable")  # the others moved on
+            if self._clock() > give_up_at:
+                log.error("the coordinator at %s stayed unreachable for join_timeout=%gs; giving up",
+                          self.config.rendezvous, self.config.join_timeout)
+                return ExitCode.FAILED
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._shutdown_requested.wait(), 0.2)
+
+    async def _session(self) -> None:
+        """One stream to the coordinator. Returns when it ended as planned; raises when it was lost."""
+        self._session_number += 1
+        self._outbox = asyncio.Queue()
+        self._outbox.put_nowait(self._join_message())
+        self._coordinator_seen = self._clock()
+        async with open_channel(self.config.rendezvous, self.config.tls) as channel:
+            stub = pb_grpc.RendezvousStub(channel)  # type: ignore[no-untyped-call]
+            call = stub.Session(metadata=call_metadata(self._token))
+            tasks = [asyncio.create_task(coro) for coro in
+                     (self._write(call), self._read(call), self._tick(), self._watch_shutdown())]
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                error = next((t.exception() for t in done if t.exception() is not None), None)
+                if error is not None and not isinstance(error, _SessionOver):
+                    raise error
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                call.cancel()
+
+    async def _write(self, call: SessionCall) -> None:
+        while True:
+            message = await self._outbox.get()
+            if message is None:
+                await call.done_writing()
+                return
+            try:
+                await call.write(message)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+                raise _SessionLost(f"write failed: {e}") from None
+
+    async def _read(self, call: SessionCall) -> None:
+        try:
+            async for message in call:
+                self._coordinator_seen = self._clock()
+                await self._handle(message)
+                if self._exit_code is not None:
+                    self._outbox.put_nowait(None)  # hang up; the coordinator then ends the stream
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            if code in _FATAL_CODES:
+                raise FatalSessionError(f"the coordinator refused this agent: {e.details()}",
+                                        _FATAL_CODES[code]) from None
+            raise _SessionLost(f"{code.name}: {e.details()}") from None
+        if self._exit_code is None and not self._shutdown_requested.is_set():
+            raise _SessionLost("the coordinator closed the session")
+        raise _SessionOver()
+
+    async def _tick(self) -> None:
+        interval = self.config.heartbeat_interval
+        while True:
+            await asyncio.sleep(interval)
+            silent = self._clock() - self._coordinator_seen
+            if silent > self.config.node_timeout:
+                raise _SessionLost(f"no message from the coordinator for {silent:.1f}s")
+            self._check_stall()
+            self._outbox.put_nowait(self._progress_report() or pb.AgentMessage(heartbeat=pb.Heartbeat()))
+
+    async def _watch_shutdown(self) -> None:
+        await self._shutdown_requested.wait()
+        log.info("stopping: leaving the rendezvous and stopping the worker")
+        self.on_status("stopping: draining the worker")
+        self._outbox.put_nowait(pb.AgentMessage(leave=pb.Leave(reason="agent stopped (SIGTERM)")))
+        await self._stop_worker("agent stopping")
+        self._outbox.put_nowait(None)
+        await asyncio.sleep(self.config.node_timeout)  # the read loop ends when the coordinator hangs up
+        raise _SessionOver()
+
+    # ----------------------------------------------------------------------------------- coordinator orders
+
+    async def _handle(self, message: pb.CoordinatorMessage) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "assignment":
+            await self._launch(convert.assignment_from_proto(message.assignment))
+        elif kind == "stop":
+            self._spawn(self._restart(message.stop.generation, message.stop.reason, self._session_number))
+        elif kind == "finished":
+            state = convert.JOB_STATE_NAMES[message.finished.state]
+            log.info("job %s: %s", state.value, message.finished.reason)
+            self.on_status(f"job {state.value}: {message.finished.reason}")
+            self._exit_code = ExitCode.SUCCEEDED if state is api.JobState.SUCCEEDED else ExitCode.FAILED
+        elif kind == "waiting":
+            w = message.waiting
+            self.on_status(f"waiting in rendezvous: {w.joined} joined, need {w.min_nodes}-{w.max_nodes}")
+            log.info("waiting: %d node(s) joined (min %d, max %d): %s", w.joined, w.min_nodes, w.max_nodes,
+                     w.detail)
+
+    async def _launch(self, assignment: api.Assignment) -> None:
+        async with self._worker_lock:
+            if self.worker_state.state is not WorkerState.WAITING or self._shutdown_requested.is_set():
+                log.warning("ignored the assignment to generation %d: worker is %s", assignment.generation,
+                            self.worker_state.state.value)
+                return
+            self._assignment = assignment
+            self._last_generation = assignment.generation
+            self._restart_count = assignment.restart_count
+            self._stall.reset()
+            self._stall_reported = False
+            self._progress = self._progress_sent = None
+            spec = WorkerSpec(self.config.command, self._trainer_env(assignment), self.config.workdir or None,
+                              f"[rank {assignment.rank}]", self.config.stop_grace)
+            self._worker = await WorkerProcess.start(spec)
+            self.worker_state.to(WorkerState.RUNNING)  # WAITING -> RUNNING
+        log.info("generation %d: started worker pid %d as rank %d of %d", assignment.generation,
+                 self._worker.pid, assignment.rank, assignment.world_size)
+        self.on_status(f"running generation {assignment.generation} as rank {assignment.rank} "
+                       f"of {assignment.world_size}")
+        self._report(pb.WORKER_STATUS_RUNNING, pid=self._worker.pid)
+        self._spawn(self._await_exit(self._worker, assignment.generation))
+
+    async def _await_exit(self, worker: WorkerProcess, generation: int) -> None:
+        code = await worker.wait()
+        if worker is not self._worker or self.worker_state.state is not WorkerState.RUNNING:
+            return  # we stopped it on purpose
+        if code == 0:
+            self.worker_state.to(WorkerState.SUCCEEDED)  # RUNNING -> SUCCEEDED
+            log.info("generation %d: trainer exited 0", generation)
+            self._report(pb.WORKER_STATUS_SUCCEEDED, exit_code=0)
+            return
+        self.worker_state.to(WorkerState.FAILED)  # RUNNING -> FAILED
+        detail = _describe_exit(code)
+        log.warning("generation %d: trainer %s", generation, detail)
+        self._report(pb.WORKER_STATUS_FAILED, exit_code=code, detail=f"trainer {detail}")
+
+    async def _restart(self, generation: int, reason: str, session_number: int) -> None:
+        if self._assignment is None or generation != self._assignment.generation:
+            return
+        log.info("generation %d: stopping the worker (%s)", generation, reason)
+        self.on_status(f"restarting: {reason}")
+        await self._stop_worker(reason)
+        if self._exit_code is None and not self._shutdown_requested.is_set() and \
+                session_number == self._session_number:
+            self._outbox.put_nowait(self._join_message())  # the Join confirms the old worker is gone
+
+    def _spawn(self, coro: Coroutine[None, None, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+
+    async def _stop_worker(self, why: str) -> None:
+        """Stop the worker if one may be alive, and return once every process of it is gone."""
+        async with self._worker_lock:
+            if not self.worker_state.state.has_live_worker:
+                return
+            self.worker_state.to(WorkerState.STOPPING)  # RUNNING|FAILED|SUCCEEDED -> STOPPING
+            if self._worker is not None:
+                started = self._clock()
+                await self._worker.stop()
+                log.info("worker stopped in %.3fs (%s)", self._clock() - started, why)
+            self.worker_state.to(WorkerState.STOPPED)  # STOPPING -> STOPPED
+
+    # ------------------------------------------------------------------------------------ agent messages
+
+    def _join_message(self) -> pb.AgentMessage:
+        state = self.worker_state.state
+        if state is WorkerState.INIT or state is WorkerState.STOPPED:
+            self.worker_state.to(WorkerState.WAITING)  # INIT|STOPPED -> WAITING
+        cfg = self.config
+        spec = api.JobSpec(cfg.job, cfg.command_digest(), cfg.min_nodes, cfg.max_nodes, cfg.max_restarts,
+                           cfg.restart_window, cfg.stall_timeout, cfg.resolved_backup_dir())
+        port = cfg.worker_port or _free_port(self._host)
+        return pb.AgentMessage(join=pb.Join(
+            node_id=cfg.node_id, spec=convert.spec_to_proto(spec), host=self._host, worker_port=port,
+            last_generation=self._last_generation, restart_count=self._restart_count))
+
+    def _report(self, status: pb.WorkerStatus, *, pid: int = 0, exit_code: int = 0, detail: str = "") -> None:
+        assert self._assignment is not None
+        report = pb.WorkerReport(generation=self._assignment.generation, status=status, pid=pid,
+                                 exit_code=exit_code, detail=detail)
+        self._attach_progress(report)
+        self._outbox.put_nowait(pb.AgentMessage(report=report))
+
+    def _progress_report(self) -> pb.AgentMessage | None:
+        if self._progress is None or self._progress is self._progress_sent or self._assignment is None:
+            return None
+        report = pb.WorkerReport(generation=self._assignment.generation, status=pb.WORKER_STATUS_RUNNING,
+                                 pid=self._progress.pid)
+        self._attach_progress(report)
+        return pb.AgentMessage(report=report)
+
+    def _attach_progress(self, report: pb.WorkerReport) -> None:
+        p = self._progress
+        if p is None:
+            return
+        report.has_progress = True
+        report.progress.CopyFrom(pb.Progress(
+            step=p.step, examples=p.examples or 0, loss=p.loss or 0.0, has_loss=p.loss is not None,
+            age_seconds=self._clock() - self._progress_at,
+            checkpoint_step=p.checkpoint_step if p.checkpoint_step is not None else -1))
+        self._progress_sent = p
+
+    def _on_progress(self, message: ProgressMessage) -> None:
+        if self._assignment is None or message.generation != self._assignment.generation:
+            return  # a report from an older generation's worker
+        if self.worker_state.state is not WorkerState.RUNNING:
+            return
+        if self._progress is not None and message.checkpoint_step is None:
+            message = ProgressMessage(message.generation, message.pid, message.step, message.examples,
+                                      message.loss, self._progress.checkpoint_step)
+        self._progress, self._progress_at = message, self._clock()
+        self._stall.progress()
+
+    def _check_stall(self) -> None:
+        if self.worker_state.state is not WorkerState.RUNNING or self._stall_reported:
+            return
+        if self._stall.stalled():
+            self._stall_reported = True
+            silent = self._stall.silent_for() or 0.0
+            log.warning("trainer stalled: no progress for %.1fs (stall_timeout=%gs)", silent,
+                        self.config.stall_timeout)
+            self._report(pb.WORKER_STATUS_STALLED,
+                         detail=f"no progress for {silent:.1f}s (stall_timeout={self.config.stall_timeout:g}s)")
+
+    def _trainer_env(self, a: api.Assignment) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.config.env)
+        env.setdefault("TF_USE_LEGACY_KERAS", "1")
+        assert self._listener is not None
+        env.update({
+            "TF_CONFIG": a.tf_config(),
+            "TFELASTIC_JOB": self.config.job,
+            "TFELASTIC_NODE_ID": self.config.node_id,
+            "TFELASTIC_RANK": str(a.rank),
+            "TFELASTIC_WORLD_SIZE": str(a.world_size),
+            "TFELASTIC_GENERATION": str(a.generation),
+            "TFELASTIC_RESTART_COUNT": str(a.restart_count),
+            "TFELASTIC_BACKUP_DIR": self.config.resolved_backup_dir(),
+            "TFELASTIC_PROGRESS_SOCKET": self._listener.path,
+        })
+        return env
+
+    # -------------------------------------------------------------------------------------------- hosting
+
+    async def _try_hosting(self) -> None:
+        if self._coordinator is not None or not _is_local_address(self.config.rendezvous.host):
+            return
+        cfg = self.config
+        settings = api.RendezvousSettings(cfg.last_call, cfg.settle, cfg.join_timeout, cfg.node_timeout)
+        try:
+            self._coordinator = await create_server(
+                str(cfg.rendezvous), settings, token=self._token, tls=cfg.tls,
+                heartbeat_interval=cfg.heartbeat_interval)
+        except BindError:
+            return  # another agent on this host hosts it
+        log.info("hosting the coordinator on %s", cfg.rendezvous)
+
+    async def _stop_hosting(self) -> None:
+        if self._coordinator is None:
+            return
+        # Let the other agents read the verdict and hang up before the coordinator goes away.
+        await self._coordinator.wait_agents_gone(timeout=5.0 if self._exit_code is not None else 0.0)
+        await self._coordinator.stop()
+        self._coordinator = None
+
+
+class _SessionOver(Exception):
+    """The session ended as planned (the job finished, or the agent is leaving)."""
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _route_address(rendezvous_host: str) -> str:
+    """The local address this node uses to reach the rendezvous host: what its peers can reach it at."""
+    if is_loopback_host(rendezvous_host):
+        return "127.0.0.1"
+    try:
+        family = socket.getaddrinfo(rendezvous_host, None)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((rendezvous_host, 9))  # UDP connect sends nothing; it only picks the route
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _is_local_address(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((sockaddr[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,38 @@
+"""The agent's and the status client's side of the connection to a coordinator."""
+
+from __future__ import annotations
+
+import grpc
+from tfelastic.daemon.auth import bearer, channel_credentials
+from tfelastic.daemon.config import Endpoint, TlsConfig
+from tfelastic.daemon.rendezvous.server import MAX_MESSAGE_BYTES
+from tfelastic.daemon.rpc import rendezvous_pb2 as pb
+from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 16 * MAX_MESSAGE_BYTES),
+    # Reconnect at once after a coordinator fails over instead of backing off for seconds.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def open_channel(endpoint: Endpoint, tls: TlsConfig | None = None) -> grpc.aio.Channel:
+    target = str(endpoint)
+    if tls is not None and tls.enabled:
+        return grpc.aio.secure_channel(target, channel_credentials(tls), options=_CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return bearer(token) if token else ()
+
+
+async def fetch_status(endpoint: Endpoint, token: str | None, tls: TlsConfig | None = None,
+                       timeout: float = 5.0) -> pb.ClusterStatus:
+    async with open_channel(endpoint, tls) as channel:
+        stub = pb_grpc.RendezvousStub(channel)  # type: ignore[no-untyped-call]
+        status: pb.ClusterStatus = await stub.GetStatus(pb.StatusRequest(), metadata=call_metadata(token),
+                                                        timeout=timeout)
+        return status
