@@ -1,0 +1,7 @@
+"""python -m tfelastic.daemon"""
+
+import sys
+
+from tfelastic.daemon.cli import main
+
+sys.exit(main())

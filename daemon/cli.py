@@ -1,0 +1,257 @@
+"""The `tfelastic` command. Every subcommand checks its whole configuration before it starts anything; a bad
+value exits with code 78 (EX_CONFIG) and a message that names the option and the fix."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from typing import NoReturn
+
+import grpc
+from tfelastic.daemon.config import (
+    EX_CONFIG,
+    AgentConfig,
+    ConfigError,
+    Endpoint,
+    TlsConfig,
+    load_toml,
+    parse_nodes,
+    read_token,
+    validate,
+)
+
+DEFAULT = AgentConfig(command=("true",), rendezvous=Endpoint("localhost", 29400))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EX_CONFIG, f"tfelastic: error: {message}\n")
+
+
+def _add_security(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", default="", metavar="PATH",
+                   help="file holding the shared secret (mode 600); required for non-loopback addresses")
+    p.add_argument("--tls-cert", default="", metavar="PEM", help="certificate chain of this process (TLS)")
+    p.add_argument("--tls-key", default="", metavar="PEM", help="private key of --tls-cert")
+    p.add_argument("--tls-ca", default="", metavar="PEM",
+                   help="CA bundle of the peers; on a server it makes client certificates required (mTLS)")
+
+
+def _add_timing(p: argparse.ArgumentParser) -> None:
+    d = DEFAULT
+    p.add_argument("--last-call", type=float, default=d.last_call, metavar="S",
+                   help=f"after min nodes joined, wait this long for more (default {d.last_call:g})")
+    p.add_argument("--settle", type=float, default=d.settle, metavar="S",
+                   help=f"after a node joins a running job below max, wait this long (default {d.settle:g})")
+    p.add_argument("--join-timeout", type=float, default=d.join_timeout, metavar="S",
+                   help=f"how long to wait below min nodes before failing (default {d.join_timeout:g})")
+    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval, metavar="S",
+                   help=f"heartbeat period (default {d.heartbeat_interval:g})")
+    p.add_argument("--node-timeout", type=float, default=d.node_timeout, metavar="S",
+                   help=f"silence after which a node is lost (default {d.node_timeout:g})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = DEFAULT
+    parser = _Parser(prog="tfelastic", description="Fault-tolerant, elastic TensorFlow training daemon.")
+    sub = parser.add_subparsers(dest="command_name", required=True, parser_class=_Parser)
+
+    agent = sub.add_parser("agent", help="run the node daemon from a TOML job file")
+    agent.add_argument("--config", required=True, metavar="JOB.toml")
+
+    run = sub.add_parser("run", help="run the node daemon from flags (like torchrun)")
+    run.add_argument("--nodes", default="1", metavar="MIN[:MAX]", help="node count range (default 1)")
+    run.add_argument("--rendezvous", required=True, metavar="HOST:PORT", help="the coordinator's endpoint")
+    run.add_argument("--job", default=d.job, help=f"job name (default {d.job!r})")
+    run.add_argument("--node-id", default=d.node_id, metavar="ID", help="unique node id (default: hostname)")
+    run.add_argument("--worker-port", type=int, default=0, metavar="PORT",
+                     help="trainer port (default 0: a free port, new for every generation)")
+    run.add_argument("--advertise-address", default="", metavar="ADDR",
+                     help="address peers reach this node's trainer at (default: the route to the rendezvous)")
+    run.add_argument("--backup-dir", default="", metavar="DIR",
+                     help="BackupAndRestore directory on shared storage (default ./tfelastic-backup/JOB)")
+    run.add_argument("--workdir", default="", metavar="DIR", help="trainer working directory (default: cwd)")
+    run.add_argument("--max-restarts", type=int, default=d.max_restarts, metavar="N",
+                     help=f"failures allowed per restart window (default {d.max_restarts})")
+    run.add_argument("--restart-window", type=float, default=d.restart_window, metavar="S",
+                     help=f"restart budget window (default {d.restart_window:g})")
+    run.add_argument("--stall-timeout", type=float, default=d.stall_timeout, metavar="SECONDS",
+                     help=f"no progress for this long is a hang; 0 disables (default {d.stall_timeout:g})")
+    run.add_argument("--stop-grace", type=float, default=d.stop_grace, metavar="S",
+                     help=f"SIGTERM to SIGKILL grace period (default {d.stop_grace:g})")
+    run.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
+    _add_security(run)
+    _add_timing(run)
+    run.add_argument("trainer", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
+
+    coord = sub.add_parser("coordinator", help="run a standalone coordinator (e.g. on a head node)")
+    coord.add_argument("--listen", required=True, metavar="HOST:PORT")
+    coord.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    _add_security(coord)
+    _add_timing(coord)
+
+    status = sub.add_parser("status", help="show the cluster as the coordinator sees it")
+    status.add_argument("--rendezvous", required=True, metavar="HOST:PORT")
+    status.add_argument("--json", action="store_true", help="print the documented JSON document")
+    status.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="S",
+                        help="refresh every S seconds (default 2)")
+    _add_security(status)
+
+    demo = sub.add_parser("demo", help="train on 2 local agents, kill a worker, show the recovery")
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.add_argument("--nodes", type=int, default=2, choices=(2, 3))
+    demo.add_argument("--faults", type=int, default=1, choices=range(1, 4), metavar="N",
+                      help="how many workers to kill (default 1)")
+    demo.add_argument("--workdir", default="", help="keep the demo's files here (default: a temp dir)")
+    return parser
+
+
+def _tls(args: argparse.Namespace) -> TlsConfig:
+    return TlsConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
+
+
+def config_from_run_args(args: argparse.Namespace) -> AgentConfig:
+    command = list(args.trainer)
+    if command and command[0] == "--":
+        command = command[1:]
+    min_nodes, max_nodes = parse_nodes(args.nodes)
+    return validate(AgentConfig(
+        command=tuple(command), rendezvous=Endpoint.parse(args.rendezvous, "--rendezvous"), job=args.job,
+        min_nodes=min_nodes, max_nodes=max_nodes, node_id=args.node_id, worker_port=args.worker_port,
+        advertise_address=args.advertise_address, backup_dir=args.backup_dir, workdir=args.workdir,
+        max_restarts=args.max_restarts, restart_window=args.restart_window, stall_timeout=args.stall_timeout,
+        stop_grace=args.stop_grace, token_file=args.token_file, tls=_tls(args), last_call=args.last_call,
+        settle=args.settle, join_timeout=args.join_timeout, heartbeat_interval=args.heartbeat_interval,
+        node_timeout=args.node_timeout, log_level=args.log_level,
+    ))
+
+
+def _token_for(endpoint: Endpoint, token_file: str, option: str = "--token-file") -> str | None:
+    """Reads the token; a non-loopback endpoint without one is refused."""
+    if token_file:
+        return read_token(token_file, option)
+    if not endpoint.is_loopback():
+        raise ConfigError(f"{option}: {endpoint} is not a loopback address, so a shared token is required; "
+                          "create one with 'openssl rand -hex 32 > token && chmod 600 token' and pass "
+                          f"{option} token")
+    return None
+
+
+def _check_environment(config: AgentConfig) -> None:
+    """Checks that depend on this machine: the trainer command exists, the TLS files can be read."""
+    workdir = config.workdir or "."
+    if not os.path.isdir(workdir):
+        raise ConfigError(f"--workdir: {workdir!r} is not a directory")
+    program = config.command[0]
+    found = (os.access(os.path.join(workdir, program), os.X_OK) if "/" in program
+             else shutil.which(program, path=dict(config.env).get("PATH", os.environ.get("PATH"))))
+    if not found:
+        raise ConfigError(f"trainer command: {program!r} was not found or is not executable; "
+                          "give a program on PATH or a path to an executable")
+    for option, path in (("--tls-cert", config.tls.cert), ("--tls-key", config.tls.key),
+                         ("--tls-ca", config.tls.ca)):
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"{option}: cannot read {path!r}")
+
+
+def setup_logging(level: str, node: str = "") -> None:
+    tag = f"tfelastic[{node}]" if node else "tfelastic"
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s.%(msecs)03d %(levelname)s {tag} %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+
+
+def _run_agent(config: AgentConfig) -> int:
+    from tfelastic.daemon.agent.agent import Agent
+
+    token = _token_for(config.rendezvous, config.token_file)
+    _check_environment(config)
+    setup_logging(config.log_level, config.node_id)
+    return asyncio.run(Agent(config, token).run())
+
+
+def _run_coordinator(args: argparse.Namespace) -> int:
+    from tfelastic.daemon.rendezvous.api import RendezvousSettings
+    from tfelastic.daemon.rendezvous.server import BindError, create_server
+
+    listen = Endpoint.parse(args.listen, "--listen", allow_port_zero=True)
+    token = _token_for(listen, args.token_file)
+    tls = _tls(args)
+    timing = validate(AgentConfig(command=("coordinator",), rendezvous=listen, last_call=args.last_call,
+                                  settle=args.settle, join_timeout=args.join_timeout,
+                                  heartbeat_interval=args.heartbeat_interval, node_timeout=args.node_timeout,
+                                  tls=tls))
+    setup_logging(args.log_level, "coordinator")
+    settings = RendezvousSettings(timing.last_call, timing.settle, timing.join_timeout, timing.node_timeout)
+
+    async def serve() -> int:
+        try:
+            coordinator = await create_server(str(listen), settings, token=token, tls=tls,
+                                              heartbeat_interval=timing.heartbeat_interval)
+        except BindError as e:
+            raise ConfigError(f"--listen: {e}") from None
+        logging.getLogger("tfelastic.coordinator").info("listening on %s:%d", listen.host, coordinator.port)
+        await coordinator.servicer.finished.wait()
+        await coordinator.wait_agents_gone(timeout=10.0)
+        await coordinator.stop()
+        return 0 if coordinator.servicer.rendezvous.state.value == "succeeded" else 1
+
+    return asyncio.run(serve())
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from tfelastic.daemon.rendezvous.client import fetch_status
+    from tfelastic.daemon.status import render_table, status_to_json
+
+    endpoint = Endpoint.parse(args.rendezvous, "--rendezvous")
+    token = read_token(args.token_file) if args.token_file else None
+    while True:
+        try:
+            doc = status_to_json(asyncio.run(fetch_status(endpoint, token, _tls(args))))
+        except grpc.RpcError as e:
+            code = e.code()
+            hint = " (pass the job's --token-file)" if code is grpc.StatusCode.UNAUTHENTICATED else ""
+            print(f"tfelastic status: no cluster reachable at {endpoint}: {code.name}: "
+                  f"{e.details()}{hint}", file=sys.stderr)
+            return 1
+        if args.watch is not None:
+            print("\033[2J\033[H", end="")
+        print(json.dumps(doc, indent=2) if args.json else render_table(doc), flush=True)
+        if args.watch is None:
+            return 0
+        time.sleep(args.watch)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command_name == "agent":
+            return _run_agent(load_toml(args.config))
+        if args.command_name == "run":
+            return _run_agent(config_from_run_args(args))
+        if args.command_name == "coordinator":
+            return _run_coordinator(args)
+        if args.command_name == "status":
+            return _run_status(args)
+        if args.command_name == "demo":
+            from tfelastic.daemon.demo import run_demo
+
+            return run_demo(nodes=args.nodes, faults=args.faults, as_json=args.json, workdir=args.workdir)
+    except ConfigError as e:
+        print(f"tfelastic: configuration error: {e}", file=sys.stderr)
+        return EX_CONFIG
+    except KeyboardInterrupt:
+        return 130
+    return EX_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

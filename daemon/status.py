@@ -1,0 +1,69 @@
+"""`tfelastic status`: the cluster as the coordinator sees it, as a table or as JSON.
+
+The JSON shape is a stable contract (docs/status-json.md); fields are only ever added.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tfelastic.daemon.rendezvous import convert
+from tfelastic.daemon.rpc import rendezvous_pb2 as pb
+
+SCHEMA_VERSION = 1
+
+
+def status_to_json(status: pb.ClusterStatus) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "job": status.job,
+        "state": convert.JOB_STATE_NAMES[status.state].value if status.state else "unknown",
+        "reason": status.reason,
+        "generation": status.generation,
+        "world_size": status.world_size,
+        "min_nodes": status.min_nodes,
+        "max_nodes": status.max_nodes,
+        "max_restarts": status.max_restarts,
+        "restarts_total": status.restarts_total,
+        "restarts_by_reason": {r.reason: r.count for r in status.restarts_by_reason},
+        "nodes": [_node_json(n) for n in status.nodes],
+    }
+
+
+def _node_json(node: pb.NodeStatus) -> dict[str, Any]:
+    progress = node.progress if node.has_progress else None
+    return {
+        "node_id": node.node_id,
+        "rank": node.rank if node.rank >= 0 else None,
+        "address": f"{node.host}:{node.worker_port}",
+        "state": node.state,
+        "worker_pid": node.worker_pid or None,
+        "step": progress.step if progress else None,
+        "loss": progress.loss if progress and progress.has_loss else None,
+        "last_checkpoint_step": progress.checkpoint_step if progress and progress.checkpoint_step >= 0 else None,
+        "progress_age_seconds": round(progress.age_seconds, 3) if progress else None,
+    }
+
+
+def render_table(doc: dict[str, Any]) -> str:
+    restarts = ", ".join(f"{k}={v}" for k, v in sorted(doc["restarts_by_reason"].items())) or "none"
+    lines = [
+        f"job {doc['job']}: {doc['state']}" + (f" ({doc['reason']})" if doc["reason"] else ""),
+        f"generation {doc['generation']}, world size {doc['world_size']} "
+        f"(min {doc['min_nodes']}, max {doc['max_nodes']})",
+        f"restarts: {doc['restarts_total']} ({restarts}); budget {doc['max_restarts']} failures per window",
+        "",
+    ]
+    header = ("NODE", "RANK", "ADDRESS", "STATE", "PID", "STEP", "LAST PROGRESS")
+    rows = [header] + [(
+        n["node_id"], _dash(n["rank"]), n["address"], n["state"], _dash(n["worker_pid"]), _dash(n["step"]),
+        "-" if n["progress_age_seconds"] is None else f"{n['progress_age_seconds']:.1f}s ago",
+    ) for n in doc["nodes"]]
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+    lines += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+              for row in rows]
+    return "\n".join(lines)
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)
