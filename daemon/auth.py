@@ -9,21 +9,26 @@ from __future__ import annotations
 import hmac
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from tfelastic.daemon.config import TlsConfig
 
 METADATA_KEY = "authorization"
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)
-Handler = grpc.RpcMethodHandler[Any, Any]
+if TYPE_CHECKING:  # the grpc classes are generic only in their stubs
+    Handler = grpc.RpcMethodHandler[Any, Any]
+    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
+else:
+    Handler = grpc.RpcMethodHandler
+    _Interceptor = grpc.aio.ServerInterceptor
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
     return ((METADATA_KEY, f"Bearer {token}"),)
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor[Any, Any]):
+class TokenInterceptor(_Interceptor):
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 

@@ -18,6 +18,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING
 
 import grpc
 from tfelastic.daemon.agent.api import ExitCode, FatalSessionError
@@ -44,7 +45,8 @@ _FATAL_CODES = {
 }
 
 
-SessionCall = grpc.aio.StreamStreamCall[pb.AgentMessage, pb.CoordinatorMessage]
+if TYPE_CHECKING:  # generic only in the stubs
+    SessionCall = grpc.aio.StreamStreamCall[pb.AgentMessage, pb.CoordinatorMessage]
 
 
 class _SessionLost(Exception):
@@ -70,8 +72,11 @@ class Agent:
         self._coordinator: Coordinator | None = None
         self._outbox: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
         self._session_number = 0  # a Join queued for an older session must not reach a newer one
-        self._coordinator_seen = 0.0
+        self._coordinator_seen = 0.0  # last message on the current session (the coordinator's lease)
+        self._last_contact = 0.0  # last message on any session (the join_timeout deadline)
+        self._outage = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._stop_task: asyncio.Task[None] | None = None
         self._worker_lock = asyncio.Lock()
         self._shutdown_requested = asyncio.Event()
         self._exit_code: ExitCode | None = None
@@ -95,23 +100,24 @@ class Agent:
             await self._stop_hosting()
 
     async def _run_sessions(self) -> ExitCode:
-        give_up_at = self._clock() + self.config.join_timeout
+        self._last_contact = self._clock()
         while True:
             await self._try_hosting()
             try:
                 await self._session()
-                give_up_at = self._clock() + self.config.join_timeout
             except FatalSessionError as e:
                 log.error("%s", e)
                 return e.exit_code
             except _SessionLost as e:
-                log.warning("lost the coordinator at %s: %s", self.config.rendezvous, e)
+                if not self._outage:  # once per outage, not once per retry
+                    log.warning("lost the coordinator at %s: %s; retrying", self.config.rendezvous, e)
+                self._outage = True
             if self._exit_code is not None:
                 return self._exit_code
             if self._shutdown_requested.is_set():
                 return ExitCode.SUCCEEDED
             await self._stop_worker("fencing: the coordinator is unreachable")  # the others moved on
-            if self._clock() > give_up_at:
+            if self._clock() - self._last_contact > self.config.join_timeout:
                 log.error("the coordinator at %s stayed unreachable for join_timeout=%gs; giving up",
                           self.config.rendezvous, self.config.join_timeout)
                 return ExitCode.FAILED
@@ -148,13 +154,19 @@ class Agent:
                 return
             try:
                 await call.write(message)
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            except grpc.aio.AioRpcError as e:
+                raise _SessionLost(f"{e.code().name}: {e.details()}") from None
+            except (grpc.aio.UsageError, asyncio.InvalidStateError) as e:
                 raise _SessionLost(f"write failed: {e}") from None
 
     async def _read(self, call: SessionCall) -> None:
         try:
             async for message in call:
                 self._coordinator_seen = self._clock()
+                self._last_contact = self._coordinator_seen
+                if self._outage:
+                    self._outage = False
+                    log.info("reconnected to the coordinator at %s", self.config.rendezvous)
                 await self._handle(message)
                 if self._exit_code is not None:
                     self._outbox.put_nowait(None)  # hang up; the coordinator then ends the stream
@@ -260,7 +272,16 @@ class Agent:
         task.add_done_callback(self._tasks.discard)
 
     async def _stop_worker(self, why: str) -> None:
-        """Stop the worker if one may be alive, and return once every process of it is gone."""
+        """Stop the worker if one may be alive, and return once every process of it is gone.
+
+        The stop runs as one task that every caller awaits, shielded: a caller that is cancelled (its session
+        ended) does not interrupt it, so a worker is never left half stopped.
+        """
+        if self._stop_task is None or self._stop_task.done():
+            self._stop_task = asyncio.create_task(self._stop_worker_now(why))
+        await asyncio.shield(self._stop_task)
+
+    async def _stop_worker_now(self, why: str) -> None:
         async with self._worker_lock:
             if not self.worker_state.state.has_live_worker:
                 return

@@ -64,6 +64,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     def start(self) -> None:
         self._ticker = asyncio.create_task(self._tick_forever())
 
+    def close_sessions(self, details: str) -> None:
+        for session in self._sessions.values():
+            session.outbox.put_nowait(_Close(grpc.StatusCode.UNAVAILABLE, details))
+
     async def stop(self) -> None:
         if self._ticker:
             self._ticker.cancel()
@@ -218,6 +222,7 @@ class Coordinator:
 
     async def stop(self, grace: float = 0.5) -> None:
         await self.servicer.stop()
+        self.servicer.close_sessions("the coordinator is shutting down")
         await self.server.stop(grace)
 
 
@@ -286,6 +291,8 @@ def _port_taken(address: str) -> bool:
         return False
     for family, _, _, _, sockaddr in infos:
         with socket.socket(family, socket.SOCK_STREAM) as s:
+            # Like gRPC's own bind: connections of a coordinator that died (TIME_WAIT) do not block it.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(sockaddr)
             except OSError:

@@ -2,7 +2,12 @@
 
 It resumes from a step file in TFELASTIC_BACKUP_DIR, like a checkpoint. Environment knobs:
 COUNTER_STEPS (target, default 50), COUNTER_STEP_SECONDS (default 0.05), COUNTER_EVENTS (a file to which
-every rank appends one JSON line when it starts and when it ends).
+every rank appends one JSON line when it starts and when it ends), COUNTER_HANG_AT (a step at which rank 1
+stops making progress while its process stays alive, once), COUNTER_FAIL_AT (a step at which rank 1 exits 3,
+once).
+
+At start it records in its event every live process of the same job from an older generation ("stale"): the
+agents promise there is none (FACTS 4).
 """
 
 import json
@@ -10,7 +15,31 @@ import os
 import sys
 import time
 
+import psutil
 from tfelastic.trainer.progress import ProgressReporter
+
+
+def stale_workers(backup: str, generation: int) -> list[int]:
+    stale = []
+    for p in psutil.process_iter(["environ"]):
+        try:
+            env = p.info["environ"] or {}
+            same_job = env.get("TFELASTIC_BACKUP_DIR") == backup
+            older = int(env.get("TFELASTIC_GENERATION", generation)) < generation
+            if same_job and older and p.status() != psutil.STATUS_ZOMBIE:
+                stale.append(p.pid)
+        except (psutil.Error, ValueError):
+            continue
+    return stale
+
+
+def once(backup: str, name: str) -> bool:
+    """True the first time it is called for ``name`` in this job."""
+    try:
+        os.close(os.open(os.path.join(backup, name), os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
 
 
 def main() -> int:
@@ -35,7 +64,11 @@ def main() -> int:
                                     "restart_count": int(os.environ["TFELASTIC_RESTART_COUNT"]),
                                     "step": step, **extra}) + "\n")
 
-    event("start", tf_config=os.environ["TF_CONFIG"], legacy_keras=os.environ.get("TF_USE_LEGACY_KERAS"))
+    generation = int(os.environ["TFELASTIC_GENERATION"])
+    event("start", tf_config=os.environ["TF_CONFIG"], legacy_keras=os.environ.get("TF_USE_LEGACY_KERAS"),
+          stale=stale_workers(backup, generation))
+    hang_at = int(os.environ.get("COUNTER_HANG_AT", "-1"))
+    fail_at = int(os.environ.get("COUNTER_FAIL_AT", "-1"))
     reporter = ProgressReporter.from_env(min_interval=0)
     while step < target:
         time.sleep(pause)
@@ -45,6 +78,12 @@ def main() -> int:
                 f.write(str(step))
             os.replace(state + ".tmp", state)
         reporter.report(step, examples=step * 32, loss=1.0 / step)
+        if rank == 1 and step == hang_at and once(backup, "hung"):
+            event("hang")
+            time.sleep(3600)
+        if rank == 1 and step == fail_at and once(backup, "failed"):
+            event("fail")
+            return 3
     event("end")
     return 0
 

@@ -1,0 +1,167 @@
+"""Test harness: real agents (``python -m tfelastic.daemon run``) on localhost or in network namespaces.
+
+Waits are conditions polled with a deadline, never bare sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.rendezvous.client import fetch_status
+from tfelastic.daemon.status import status_to_json
+
+ROOT = Path(__file__).resolve().parent.parent
+COUNTER = str(ROOT / "tests" / "trainers" / "counter.py")
+TF_TRAINER = [sys.executable, "-m", "tfelastic.trainer.demo_trainer"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class Agent:
+    node_id: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+
+@dataclass
+class Cluster:
+    tmp: Path
+    endpoint: Endpoint
+    trainer: Sequence[str]
+    nodes: str = "2"
+    extra_args: Sequence[str] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    token: str | None = None
+    netns_prefix: str = ""  # "tfe" runs agent i in namespace tfe-h<i+1>
+    agents: list[Agent] = field(default_factory=list)
+
+    @property
+    def events_path(self) -> Path:
+        return self.tmp / "events.jsonl"
+
+    def start(self, node_id: str, *, extra: Sequence[str] = (), netns: str = "") -> Agent:
+        command = [sys.executable, "-m", "tfelastic.daemon", "run", "--nodes", self.nodes,
+                   "--rendezvous", str(self.endpoint), "--node-id", node_id,
+                   "--backup-dir", str(self.tmp / "backup"), *self.extra_args, *extra, "--", *self.trainer]
+        if netns:
+            command = ["ip", "netns", "exec", netns, *command]
+        env = dict(os.environ, COUNTER_EVENTS=str(self.events_path), TFELASTIC_DEMO_EVENTS=str(self.events_path),
+                   TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **self.env)
+        log_path = self.tmp / f"agent-{node_id}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.tmp)
+        agent = Agent(node_id, proc, log_path)
+        self.agents.append(agent)
+        return agent
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            return status_to_json(asyncio.run(fetch_status(self.endpoint, self.token, timeout=1.0)))
+        except Exception:
+            return None
+
+    def wait_status(self, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            doc = self.status()
+            return doc if doc is not None and predicate(doc) else None
+
+        result: dict[str, Any] = wait_for(check, timeout, what, interval=0.1)
+        return result
+
+    def wait_running(self, generation: int, world: int, timeout: float = 30.0, step: int = 0) -> dict[str, Any]:
+        return self.wait_status(
+            lambda d: d["state"] == "running" and d["generation"] == generation and d["world_size"] == world
+            and all(n["step"] is not None and n["step"] >= step for n in members(d)),
+            timeout, f"generation {generation} running with {world} workers past step {step}")
+
+    def events(self) -> list[dict[str, Any]]:
+        if not self.events_path.exists():
+            return []
+        return [json.loads(line) for line in self.events_path.read_text().splitlines() if line.strip()]
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {a.node_id}\n{a.log()}" for a in self.agents)
+
+    def wait_all(self, timeout: float) -> list[int]:
+        return [a.wait(timeout) for a in self.agents]
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            if agent.proc.poll() is None:
+                agent.proc.send_signal(signal.SIGTERM)
+        for agent in self.agents:
+            try:
+                agent.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                agent.proc.kill()
+                agent.proc.wait()
+
+
+def members(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return sorted((n for n in doc["nodes"] if n["rank"] is not None), key=lambda n: n["rank"])
+
+
+def processes_of(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line or environment mentions ``marker`` (a test's tmp path)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "environ", "status"]):
+        try:
+            if p.info["status"] == psutil.STATUS_ZOMBIE or p.pid == os.getpid():
+                continue
+            text = " ".join(p.info["cmdline"] or []) + " " + " ".join(
+                f"{k}={v}" for k, v in (p.info["environ"] or {}).items())
+            if marker in text:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def trainer_pids(doc: dict[str, Any]) -> list[int]:
+    return [n["worker_pid"] for n in members(doc) if n["worker_pid"]]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    os.kill(pid, sig)

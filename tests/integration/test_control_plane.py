@@ -1,0 +1,178 @@
+"""Real agents, real gRPC, real processes; the trainer is the counter (no TensorFlow), so these are quick."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Any
+
+import pytest
+
+from tests.cluster import COUNTER, alive, kill, members, trainer_pids, wait_for
+from tests.conftest import ClusterFactory
+
+pytestmark = pytest.mark.integration
+
+TRAINER = [sys.executable, COUNTER]
+FAST = ["--stall-timeout", "3", "--stop-grace", "2", "--last-call", "0.5", "--settle", "1"]
+
+
+def starts(events: list[dict[str, Any]], generation: int) -> list[dict[str, Any]]:
+    return [e for e in events if e["event"] == "start" and e["generation"] == generation]
+
+
+def assert_no_stale_workers(events: list[dict[str, Any]]) -> None:
+    stale = [(e["generation"], e["rank"], e["stale"]) for e in events if e["event"] == "start" and e["stale"]]
+    assert not stale, f"workers of an older generation were alive when a newer one started: {stale}"
+
+
+def test_worker_exit_restarts_the_whole_set_and_resumes(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, extra_args=FAST, env={"COUNTER_STEPS": "60", "COUNTER_FAIL_AT": "20"})
+    cluster.start("a")
+    cluster.start("b")
+    assert cluster.wait_all(60) == [0, 0], cluster.logs()
+    events = cluster.events()
+    gen2 = starts(events, 2)
+    assert {e["rank"] for e in gen2} == {0, 1}
+    assert all(e["step"] >= 19 and e["restart_count"] == 1 for e in gen2), gen2  # resumed, not from 0
+    assert [e["step"] for e in events if e["event"] == "end"] == [60, 60]
+    assert_no_stale_workers(events)
+    assert "trainer exited with code 3" in cluster.logs()
+
+
+def test_trainer_environment(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, env={"COUNTER_STEPS": "3"})
+    cluster.start("a")
+    cluster.start("b")
+    assert cluster.wait_all(60) == [0, 0], cluster.logs()
+    gen1 = sorted(starts(cluster.events(), 1), key=lambda e: e["rank"])
+    configs = [__import__("json").loads(e["tf_config"]) for e in gen1]
+    assert [c["task"] for c in configs] == [{"type": "worker", "index": 0}, {"type": "worker", "index": 1}]
+    assert configs[0]["cluster"] == configs[1]["cluster"] and len(configs[0]["cluster"]["worker"]) == 2
+    assert all(e["legacy_keras"] == "1" and e["world_size"] == 2 for e in gen1)
+
+
+def test_stalled_worker_is_caught(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, extra_args=FAST, env={"COUNTER_STEPS": "60", "COUNTER_HANG_AT": "15"})
+    cluster.start("a")
+    cluster.start("b")
+    assert cluster.wait_all(60) == [0, 0], cluster.logs()
+    assert starts(cluster.events(), 2), "no second generation after the hang"
+    assert "trainer stalled: no progress" in cluster.logs()
+    assert_no_stale_workers(cluster.events())
+
+
+def test_sigstopped_worker_is_caught(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, extra_args=FAST, env={"COUNTER_STEPS": "80"})
+    cluster.start("a")
+    cluster.start("b")
+    doc = cluster.wait_running(1, 2, step=10)
+    victim = trainer_pids(doc)[1]
+    kill(victim, signal.SIGSTOP)
+    doc = cluster.wait_status(lambda d: d["restarts_by_reason"].get("stalled") == 1, 20, "a stall restart")
+    assert cluster.wait_all(60) == [0, 0], cluster.logs()
+    assert not alive(victim)
+
+
+def test_killed_agent_takes_its_worker_along_and_the_others_reform(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=FAST, env={"COUNTER_STEPS": "100"})
+    host = cluster.start("a")
+    wait_for(lambda: "hosting the coordinator" in host.log(), 20, "agent a to host")
+    cluster.start("b")
+    victim_agent = cluster.start("c")
+    doc = cluster.wait_running(1, 3, step=5)
+    victim_worker = next(n["worker_pid"] for n in members(doc) if n["node_id"] == "c")
+    victim_agent.proc.send_signal(signal.SIGKILL)
+    wait_for(lambda: not alive(victim_worker), 15, "the killed agent's worker to die")
+    doc = cluster.wait_running(2, 2)
+    assert doc["restarts_by_reason"] == {"node_lost": 1}
+    assert [n["node_id"] for n in members(doc)] == ["a", "b"]
+    assert host.wait(60) == 0, cluster.logs()
+    assert_no_stale_workers(cluster.events())
+
+
+def test_sigterm_leaves_cleanly_and_is_not_a_failure(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=FAST, env={"COUNTER_STEPS": "100"})
+    host = cluster.start("a")
+    wait_for(lambda: "hosting the coordinator" in host.log(), 20, "agent a to host")
+    cluster.start("b")
+    leaving = cluster.start("c")
+    cluster.wait_running(1, 3, step=5)
+    leaving.proc.send_signal(signal.SIGTERM)
+    assert leaving.wait(20) == 0, leaving.log()
+    doc = cluster.wait_running(2, 2)
+    assert doc["restarts_by_reason"] == {"node_left": 1}
+    assert "agent stopped (SIGTERM)" in cluster.logs()
+
+
+def test_scale_up_when_a_node_joins_a_running_job(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=FAST, env={"COUNTER_STEPS": "120"})
+    cluster.start("a")
+    cluster.start("b")
+    before = [n["node_id"] for n in members(cluster.wait_running(1, 2, step=10))]
+    cluster.start("c")
+    doc = cluster.wait_running(2, 3)
+    assert doc["restarts_by_reason"] == {"scale_up": 1}
+    assert [n["node_id"] for n in members(doc)] == [*before, "c"]  # the old ranks are kept
+    assert cluster.wait_all(60) == [0, 0, 0], cluster.logs()
+    gen2 = starts(cluster.events(), 2)
+    assert len(gen2) == 3 and all(e["step"] >= 10 for e in gen2)
+
+
+def test_restart_budget_exhausted_fails_the_job(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster([sys.executable, "-c", "import sys; sys.exit(5)"],
+                           extra_args=[*FAST, "--max-restarts", "2"])
+    cluster.start("a")
+    cluster.start("b")
+    assert cluster.wait_all(60) == [1, 1], cluster.logs()
+    assert "restart budget exhausted: 3 failures within 3600s exceed max_restarts=2" in cluster.logs()
+
+
+def test_hosting_agent_dies_and_another_takes_over(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=FAST, env={"COUNTER_STEPS": "150"})
+    host = cluster.start("a")
+    wait_for(lambda: "hosting the coordinator" in host.log(), 20, "agent a to host")
+    cluster.start("b")
+    cluster.start("c")
+    cluster.wait_running(1, 3, step=5)
+    host.proc.send_signal(signal.SIGKILL)
+    doc = cluster.wait_running(2, 2, timeout=30)
+    assert {n["node_id"] for n in members(doc)} == {"b", "c"}
+    assert [a.wait(60) for a in cluster.agents[1:]] == [0, 0], cluster.logs()
+    assert_no_stale_workers(cluster.events())
+
+
+def test_job_waits_below_min_nodes(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="2", extra_args=["--join-timeout", "60"], env={"COUNTER_STEPS": "3"})
+    cluster.start("a")
+    doc = cluster.wait_status(lambda d: d["state"] == "waiting" and len(d["nodes"]) == 1, 20, "a waiting round")
+    assert doc["generation"] == 0
+    cluster.start("b")
+    assert cluster.wait_all(60) == [0, 0], cluster.logs()
+
+
+def test_join_timeout_fails_the_job(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="2", extra_args=["--join-timeout", "1.5"])
+    agent = cluster.start("a")
+    assert agent.wait(30) == 1
+    assert "only 1 of min_nodes=2 nodes joined within join_timeout=1.5s" in agent.log()
+
+
+def test_different_job_settings_are_refused(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="2", env={"COUNTER_STEPS": "3"})
+    cluster.start("a")
+    wait_for(lambda: cluster.status() is not None, 20, "the coordinator")
+    odd = cluster.start("odd", extra=["--job", "other"])
+    assert odd.wait(30) == 78
+    assert "job: job has 'default', joining agent has 'other'" in odd.log()
+    doc = cluster.status()
+    assert doc is not None and [n["node_id"] for n in doc["nodes"]] == ["a"]
+
+
+def test_duplicate_node_id_is_refused(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="2", env={"COUNTER_STEPS": "3"})
+    cluster.start("a")
+    wait_for(lambda: cluster.status() is not None, 20, "the coordinator")
+    twin = cluster.start("a")
+    assert twin.wait(30) == 78
+    assert "node id 'a' is already in the job" in twin.log()
