@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"no progress for this long is a hang; 0 disables (default {d.stall_timeout:g})")
     run.add_argument("--stop-grace", type=float, default=d.stop_grace, metavar="S",
                      help=f"SIGTERM to SIGKILL grace period (default {d.stop_grace:g})")
+    run.add_argument("--failure-stop-grace", type=float, default=d.failure_stop_grace, metavar="S",
+                     help=f"SIGTERM to SIGKILL grace after a failure (default {d.failure_stop_grace:g})")
     run.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     _add_security(run)
     _add_timing(run)
@@ -128,7 +130,8 @@ def config_from_run_args(args: argparse.Namespace) -> AgentConfig:
         min_nodes=min_nodes, max_nodes=max_nodes, node_id=args.node_id, worker_port=args.worker_port,
         advertise_address=args.advertise_address, backup_dir=args.backup_dir, workdir=args.workdir,
         max_restarts=args.max_restarts, restart_window=args.restart_window, stall_timeout=args.stall_timeout,
-        stop_grace=args.stop_grace, token_file=args.token_file, tls=_tls(args), last_call=args.last_call,
+        stop_grace=args.stop_grace, failure_stop_grace=args.failure_stop_grace, token_file=args.token_file,
+        tls=_tls(args), last_call=args.last_call,
         settle=args.settle, join_timeout=args.join_timeout, heartbeat_interval=args.heartbeat_interval,
         node_timeout=args.node_timeout, log_level=args.log_level,
     ))

@@ -39,7 +39,7 @@ class Endpoint:
     def parse(cls, text: str, option: str, *, allow_port_zero: bool = False) -> Endpoint:
         host, sep, port_text = text.rpartition(":")
         host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        if not sep or not host or not port_text.isdigit():
+        if not sep or not host or not (port_text.isascii() and port_text.isdigit()):
             raise ConfigError(f"{option}: {text!r} is not HOST:PORT; write it like 'head-node:29400'")
         port = int(port_text)
         if not (0 if allow_port_zero else 1) <= port <= 65535:
@@ -89,7 +89,8 @@ class AgentConfig:
     max_restarts: int = 3
     restart_window: float = 3600.0
     stall_timeout: float = 300.0  # 0 disables hang detection
-    stop_grace: float = 10.0
+    stop_grace: float = 10.0  # planned stops: scale-up, leave, shutdown (time for a trainer to checkpoint)
+    failure_stop_grace: float = 1.0  # restarts after a failure: the collective is broken, nothing to save
     token_file: str = ""
     tls: TlsConfig = TlsConfig()
     last_call: float = 1.0
@@ -107,23 +108,31 @@ class AgentConfig:
         return hashlib.sha256(shlex.join(self.command).encode()).digest()
 
 
-_DURATIONS = ("restart_window", "stall_timeout", "stop_grace", "last_call", "settle", "join_timeout",
-              "heartbeat_interval", "node_timeout")
+_DURATIONS = ("restart_window", "stall_timeout", "stop_grace", "failure_stop_grace", "last_call", "settle",
+              "join_timeout", "heartbeat_interval", "node_timeout")
 
 
-def validate(config: AgentConfig, where: str = "--") -> AgentConfig:
-    """Checks values that do not depend on the environment; raises ConfigError naming the option."""
+_FLAGS = {"min_nodes": "--nodes", "max_nodes": "--nodes", "job": "--job", "command": "the trainer command (after --)"}
+
+
+def validate(config: AgentConfig, where: str = "") -> AgentConfig:
+    """Checks values that do not depend on the environment; raises ConfigError naming the option.
+
+    ``where`` is "" for flags (messages name ``--flag``) or a TOML file path (messages name ``section.key``).
+    """
 
     def opt(name: str) -> str:
-        return f"{where}{name.replace('_', '-')}" if where == "--" else f"{where}{name}"
+        if where:
+            return f"{where}: {_TOML_NAMES.get(name, name)}"
+        return _FLAGS.get(name, "--" + name.replace("_", "-"))
 
     if not config.command:
         raise ConfigError(f"{opt('command')}: no trainer command given; add it after '--', "
                           "e.g. tfelastic run ... -- python train.py")
     if config.min_nodes < 1:
-        raise ConfigError(f"{opt('nodes')}: min_nodes is {config.min_nodes}; it must be at least 1")
+        raise ConfigError(f"{opt('min_nodes')}: min_nodes is {config.min_nodes}; it must be at least 1")
     if config.max_nodes < config.min_nodes:
-        raise ConfigError(f"{opt('nodes')}: max_nodes {config.max_nodes} is below min_nodes "
+        raise ConfigError(f"{opt('max_nodes')}: max_nodes {config.max_nodes} is below min_nodes "
                           f"{config.min_nodes}; write MIN:MAX with MIN <= MAX, e.g. 2:4")
     if not config.job or not all(c.isalnum() or c in "-_." for c in config.job):
         raise ConfigError(f"{opt('job')}: {config.job!r} must be non-empty letters, digits, '-', '_' or '.'")
@@ -138,9 +147,11 @@ def validate(config: AgentConfig, where: str = "--") -> AgentConfig:
         value = getattr(config, name)
         if value < 0 or value != value:
             raise ConfigError(f"{opt(name)}: {value} seconds must be 0 or more")
-    if config.heartbeat_interval <= 0 or config.node_timeout <= config.heartbeat_interval:
+    if config.heartbeat_interval <= 0:
+        raise ConfigError(f"{opt('heartbeat_interval')}: {config.heartbeat_interval}s must be more than 0")
+    if config.node_timeout <= config.heartbeat_interval:
         raise ConfigError(f"{opt('node_timeout')}: {config.node_timeout}s must exceed "
-                          f"heartbeat_interval {config.heartbeat_interval}s (which must be > 0)")
+                          f"heartbeat_interval {config.heartbeat_interval}s")
     if config.log_level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"{opt('log_level')}: {config.log_level!r} is not one of debug, info, warning, error")
     if bool(config.tls.cert) != bool(config.tls.key):
@@ -149,10 +160,10 @@ def validate(config: AgentConfig, where: str = "--") -> AgentConfig:
 
 
 def parse_nodes(text: str, option: str = "--nodes") -> tuple[int, int]:
-    low, _, high = text.partition(":")
+    low, sep, high = text.partition(":")
     try:
         min_nodes = int(low)
-        max_nodes = int(high) if high else min_nodes
+        max_nodes = int(high) if sep else min_nodes
     except ValueError:
         raise ConfigError(f"{option}: {text!r} is not MIN[:MAX], e.g. 2 or 2:4") from None
     if min_nodes < 1:
@@ -170,6 +181,9 @@ def read_token(path: str, option: str = "--token-file") -> str:
         token = Path(path).read_text().strip()
     except OSError as e:
         raise ConfigError(f"{option}: cannot read {path!r}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{option}: {path!r} is not text; write a printable secret, e.g. "
+                          f"openssl rand -hex 32 > {shlex.quote(path)}") from None
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(f"{option}: {path!r} is readable by other users (mode {stat.S_IMODE(info.st_mode):o}); "
                           f"run: chmod 600 {shlex.quote(path)}")
@@ -187,12 +201,15 @@ _TOML_KEYS: dict[str, dict[str, str]] = {
             "max_restarts": "max_restarts", "restart_window": "restart_window",
             "stall_timeout": "stall_timeout", "backup_dir": "backup_dir", "workdir": "workdir", "env": "env"},
     "node": {"id": "node_id", "worker_port": "worker_port", "advertise_address": "advertise_address",
-             "stop_grace": "stop_grace", "log_level": "log_level"},
+             "stop_grace": "stop_grace", "failure_stop_grace": "failure_stop_grace", "log_level": "log_level"},
     "rendezvous": {"endpoint": "rendezvous", "token_file": "token_file", "last_call": "last_call",
                    "settle": "settle", "join_timeout": "join_timeout",
                    "heartbeat_interval": "heartbeat_interval", "node_timeout": "node_timeout",
                    "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_ca": "tls_ca"},
 }
+
+
+_TOML_NAMES = {field: f"{section}.{key}" for section, keys in _TOML_KEYS.items() for key, field in keys.items()}
 
 
 def load_toml(path: str) -> AgentConfig:
@@ -201,8 +218,8 @@ def load_toml(path: str) -> AgentConfig:
             raw = tomllib.load(f)
     except OSError as e:
         raise ConfigError(f"--config: cannot read {path!r}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config: {path!r} is not valid TOML: {e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config: {path!r} is not valid TOML (UTF-8): {e}") from None
     values: dict[str, Any] = {}
     for section, content in raw.items():
         if section not in _TOML_KEYS or not isinstance(content, dict):
@@ -213,7 +230,7 @@ def load_toml(path: str) -> AgentConfig:
                 raise ConfigError(f"{path}: unknown key {section}.{key}; expected one of "
                                   f"{', '.join(sorted(_TOML_KEYS[section]))}")
             values[_TOML_KEYS[section][key]] = (f"{section}.{key}", value)
-    return validate(_from_values(values, path), where=f"{path}: ")
+    return validate(_from_values(values, path), where=path)
 
 
 def _from_values(values: dict[str, tuple[str, Any]], path: str) -> AgentConfig:
@@ -224,7 +241,10 @@ def _from_values(values: dict[str, tuple[str, Any]], path: str) -> AgentConfig:
         where = f"{path}: {key}"
         if name == "command":
             if isinstance(value, str):
-                value = shlex.split(value)
+                try:
+                    value = shlex.split(value)
+                except ValueError as e:
+                    raise ConfigError(f"{where}: cannot split {value!r} into words: {e}") from None
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ConfigError(f"{where}: must be a list of strings, e.g. [\"python\", \"train.py\"]")
             kwargs[name] = tuple(value)

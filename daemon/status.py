@@ -35,7 +35,7 @@ def _node_json(node: pb.NodeStatus) -> dict[str, Any]:
     return {
         "node_id": node.node_id,
         "rank": node.rank if node.rank >= 0 else None,
-        "address": f"{node.host}:{node.worker_port}",
+        "address": f"[{node.host}]:{node.worker_port}" if ":" in node.host else f"{node.host}:{node.worker_port}",
         "state": node.state,
         "worker_pid": node.worker_pid or None,
         "step": progress.step if progress else None,

@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--steps-per-epoch", type=int, default=50)
     parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--step-seconds", type=float, default=0.0,
+                        help="extra time per step, to stand in for a heavier model (tests use it)")
     args = parser.parse_args(argv)
 
     import tensorflow as tf
@@ -82,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                 _event("first_step", step=step)
             reporter.report(step, examples=step * GLOBAL_BATCH, loss=(logs or {}).get("loss"),
                             checkpoint_step=step if step % args.save_every == 0 else None)
+            if args.step_seconds:
+                time.sleep(args.step_seconds)
 
         def on_train_end(self, logs: dict[str, float] | None = None) -> None:
             step = int(self.model.optimizer.iterations.numpy())

@@ -49,6 +49,9 @@ if TYPE_CHECKING:  # generic only in the stubs
     SessionCall = grpc.aio.StreamStreamCall[pb.AgentMessage, pb.CoordinatorMessage]
 
 
+_PLANNED_REASONS = frozenset(r.value for r in api.RestartReason if not r.counts_against_budget)
+
+
 class _SessionLost(Exception):
     pass
 
@@ -95,7 +98,8 @@ class Agent:
         try:
             return int(await self._run_sessions())
         finally:
-            await self._stop_worker("agent exiting")
+            clean = self._exit_code is ExitCode.SUCCEEDED or self._shutdown_requested.is_set()
+            await self._stop_worker("agent exiting", planned=clean)
             self._listener.close()
             await self._stop_hosting()
 
@@ -116,7 +120,7 @@ class Agent:
                 return self._exit_code
             if self._shutdown_requested.is_set():
                 return ExitCode.SUCCEEDED
-            await self._stop_worker("fencing: the coordinator is unreachable")  # the others moved on
+            await self._stop_worker("fencing: the coordinator is unreachable", planned=False)  # others moved on
             if self._clock() - self._last_contact > self.config.join_timeout:
                 log.error("the coordinator at %s stayed unreachable for join_timeout=%gs; giving up",
                           self.config.rendezvous, self.config.join_timeout)
@@ -195,7 +199,7 @@ class Agent:
         log.info("stopping: leaving the rendezvous and stopping the worker")
         self.on_status("stopping: draining the worker")
         self._outbox.put_nowait(pb.AgentMessage(leave=pb.Leave(reason="agent stopped (SIGTERM)")))
-        await self._stop_worker("agent stopping")
+        await self._stop_worker("agent stopping", planned=True)
         self._outbox.put_nowait(None)
         await asyncio.sleep(self.config.node_timeout)  # the read loop ends when the coordinator hangs up
         raise _SessionOver()
@@ -232,7 +236,7 @@ class Agent:
             self._stall_reported = False
             self._progress = self._progress_sent = None
             spec = WorkerSpec(self.config.command, self._trainer_env(assignment), self.config.workdir or None,
-                              f"[rank {assignment.rank}]", self.config.stop_grace)
+                              f"[rank {assignment.rank}]", self.config.failure_stop_grace)
             self._worker = await WorkerProcess.start(spec)
             self.worker_state.to(WorkerState.RUNNING)  # WAITING -> RUNNING
         log.info("generation %d: started worker pid %d as rank %d of %d", assignment.generation,
@@ -261,7 +265,8 @@ class Agent:
             return
         log.info("generation %d: stopping the worker (%s)", generation, reason)
         self.on_status(f"restarting: {reason}")
-        await self._stop_worker(reason)
+        planned = reason in _PLANNED_REASONS
+        await self._stop_worker(reason, planned=planned)
         if self._exit_code is None and not self._shutdown_requested.is_set() and \
                 session_number == self._session_number:
             self._outbox.put_nowait(self._join_message())  # the Join confirms the old worker is gone
@@ -271,25 +276,32 @@ class Agent:
         self._tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)
 
-    async def _stop_worker(self, why: str) -> None:
+    async def _stop_worker(self, why: str, *, planned: bool) -> None:
         """Stop the worker if one may be alive, and return once every process of it is gone.
 
-        The stop runs as one task that every caller awaits, shielded: a caller that is cancelled (its session
-        ended) does not interrupt it, so a worker is never left half stopped.
+        A planned stop (scale-up, leave, shutdown) gives the trainer ``stop_grace`` to checkpoint; after a failure
+        the collective is broken, so nothing can be saved and ``failure_stop_grace`` is short. The stop runs as
+        one task that every caller awaits, shielded: a caller that is cancelled (its session ended) does not
+        interrupt it, so a worker is never left half stopped.
         """
         if self._stop_task is None or self._stop_task.done():
-            self._stop_task = asyncio.create_task(self._stop_worker_now(why))
+            grace = self.config.stop_grace if planned else self.config.failure_stop_grace
+            self._stop_task = asyncio.create_task(self._stop_worker_now(why, grace))
         await asyncio.shield(self._stop_task)
 
-    async def _stop_worker_now(self, why: str) -> None:
+    async def _stop_worker_now(self, why: str, grace: float) -> None:
         async with self._worker_lock:
             if not self.worker_state.state.has_live_worker:
                 return
-            self.worker_state.to(WorkerState.STOPPING)  # RUNNING|FAILED|SUCCEEDED -> STOPPING
+            was_running = self.worker_state.to(WorkerState.STOPPING) is WorkerState.RUNNING
             if self._worker is not None:
                 started = self._clock()
-                await self._worker.stop()
+                await self._worker.stop(grace)
                 log.info("worker stopped in %.3fs (%s)", self._clock() - started, why)
+                if was_running and self._worker.returncode == 0:
+                    # It finished training while we stopped it: the coordinator must know (see state.py).
+                    log.info("the trainer completed (exit 0) while stopping")
+                    self._report(pb.WORKER_STATUS_SUCCEEDED, exit_code=0)
             self.worker_state.to(WorkerState.STOPPED)  # STOPPING -> STOPPED
 
     # ------------------------------------------------------------------------------------ agent messages

@@ -14,6 +14,12 @@ Round rules:
 * Ranks: the old members that survive keep their relative order, so a surviving chief stays chief; new nodes
   follow in the order they joined.
 * Below ``min_nodes`` the round waits, for at most ``join_timeout_seconds``.
+
+Completion: the job succeeds when every member's trainer exits 0. Once the chief (rank 0) has exited 0,
+training is complete: with MultiWorkerMirroredStrategy the last step is collective, and the chief owns the
+checkpoint, which BackupAndRestore deletes on success. A restart then would retrain from scratch, so after the
+chief's success a failure of another member ends the job as SUCCEEDED (the reason says what failed), no
+scale-up starts, and a chief that completes while the set is being stopped completes the job.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class Rendezvous:
         self._min_reached_at: float | None = None
         self._scale_up_at: float | None = None
         self._failures: deque[float] = deque()  # times of failures inside the restart window
+        self._chief_succeeded = False  # the chief of the current generation exited 0
         self.restarts_total = 0
         self.restarts_by_reason: Counter[str] = Counter()
 
@@ -91,6 +98,8 @@ class Rendezvous:
         that every process of its previous worker is gone, so it doubles as that confirmation.
         """
         if self.state.is_terminal:
+            if rejoin:  # a member that confirmed its stop after the verdict: tell it again
+                return [Send(info.node_id, Finished(self.state, self.reason))]
             raise JobClosedError(f"job {self._job_name()!r} has already {self.state.value}: {self.reason}")
         self._check_spec(spec)
         now = self._clock()
@@ -122,10 +131,15 @@ class Rendezvous:
             node.progress = progress
 
     def worker_succeeded(self, node_id: str, generation: int) -> list[Send]:
+        is_chief = bool(self._members) and self._members[0] == node_id
+        if self.state is JobState.RESTARTING and generation == self.generation and is_chief:
+            return self._finish(JobState.SUCCEEDED,
+                                f"the chief of generation {generation} completed training while the set stopped")
         node = self._member_of(node_id, generation)
         if node is None or node.state is not NodeState.RUNNING:
             return []
         node.state = NodeState.SUCCEEDED  # RUNNING -> SUCCEEDED
+        self._chief_succeeded = self._chief_succeeded or is_chief
         if all(self._nodes[m].state is NodeState.SUCCEEDED for m in self._members):
             return self._finish(JobState.SUCCEEDED, f"every trainer of generation {generation} exited 0")
         return []
@@ -273,6 +287,10 @@ class Rendezvous:
     def _restart(self, reason: RestartReason, detail: str) -> list[Send]:
         if self.state is not JobState.RUNNING:
             return []  # a restart is already under way; later reports of the same fault add nothing
+        if self._chief_succeeded:  # training is complete; see the module docstring
+            if not reason.counts_against_budget:
+                return []
+            return self._finish(JobState.SUCCEEDED, f"training completed on the chief; then {reason.value}: {detail}")
         now = self._clock()
         if reason.counts_against_budget and self._budget_exhausted(now):
             spec = self._require_spec()
@@ -340,6 +358,7 @@ class Rendezvous:
         self._members = chosen
         self.state = JobState.RUNNING  # WAITING -> RUNNING
         self.reason = ""
+        self._chief_succeeded = False
         members = tuple(
             Member(n, rank, self._nodes[n].info.host, self._nodes[n].info.worker_port)
             for rank, n in enumerate(chosen)

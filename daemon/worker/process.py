@@ -1,8 +1,9 @@
 """One worker: the trainer command run under the keeper, in a session of its own.
 
-``stop`` is the only way a worker ends on purpose: SIGTERM (and SIGCONT, so a stopped process can act on it) to
-the whole process group, a grace period, then SIGKILL of every process of the tree, repeated until none is
-left. It returns only once every process is confirmed gone, so the next generation never meets a stale one.
+``stop`` is the only way a worker ends on purpose: SIGTERM to the whole process group, a grace period, then
+SIGKILL of every process of the tree, repeated until none is left. It returns only once every process is
+confirmed gone, so the next generation never meets a stale one. A stopped (SIGSTOP) process is deliberately not
+continued: it is a hung worker, and letting it run again would let the old collective make progress.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class WorkerSpec:
     env: Mapping[str, str]
     cwd: str | None
     log_prefix: str
-    stop_grace_seconds: float
+    orphan_grace_seconds: float  # how long the keeper waits between SIGTERM and SIGKILL if the agent dies
 
 
 class WorkerProcess:
@@ -44,7 +45,7 @@ class WorkerProcess:
     @classmethod
     async def start(cls, spec: WorkerSpec) -> WorkerProcess:
         env = dict(spec.env)
-        env[keeper.GRACE_ENV] = str(spec.stop_grace_seconds)
+        env[keeper.GRACE_ENV] = str(spec.orphan_grace_seconds)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-S", KEEPER_PATH, *spec.command,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
@@ -70,13 +71,12 @@ class WorkerProcess:
                 return children[0].pid
         return self.pid
 
-    async def stop(self) -> None:
+    async def stop(self, grace_seconds: float) -> None:
         """SIGTERM the group, wait for the grace period, SIGKILL what is left; return once all are gone."""
         tree = _tree(self.pid)
         _signal_group(self.pid, signal.SIGTERM)
-        _signal_group(self.pid, signal.SIGCONT)
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._proc.wait()), self._spec.stop_grace_seconds)
+            await asyncio.wait_for(asyncio.shield(self._proc.wait()), grace_seconds)
         tree += _tree(self.pid)  # anything forked during the grace period
         await asyncio.to_thread(_kill_until_gone, self.pid, tree)
         await self._proc.wait()

@@ -633,22 +633,64 @@ def test_all_members_succeeded_finishes_the_job_for_every_node() -> None:
     ]
 
 
-def test_failure_after_some_members_succeeded_restarts_all_of_them() -> None:
+def test_failure_after_a_non_chief_succeeded_restarts_all_of_them() -> None:
     clock = FakeClock()
     rv = running(clock, ["a", "b", "c"])
-    assert rv.worker_succeeded("a", 1) == []
+    assert rv.worker_succeeded("c", 1) == []
     assert rv.worker_failed("b", 1, RestartReason.WORKER_EXIT, "exit 1") == stops(
         1, ["a", "b", "c"], RestartReason.WORKER_EXIT
     )
     assert rejoin_all(rv, "a", "b", "c") == assignments(2, ["a", "b", "c"], restarts=1)
 
 
-def test_member_lost_after_its_trainer_succeeded_restarts_the_job() -> None:
+def test_failure_after_the_chief_succeeded_completes_the_job() -> None:
+    # The chief's exit 0 means training completed (and BackupAndRestore deleted its checkpoint): a restart
+    # would retrain from scratch, so the job succeeds and the reason names the later failure.
+    clock = FakeClock()
+    rv = running(clock, ["a", "b", "c"])
+    assert rv.worker_succeeded("a", 1) == []
+    reason = "training completed on the chief; then worker_exit: b: exit 1"
+    assert rv.worker_failed("b", 1, RestartReason.WORKER_EXIT, "exit 1") == [
+        Send(n, Finished(JobState.SUCCEEDED, reason)) for n in ["a", "b", "c"]
+    ]
+    assert rv.state is JobState.SUCCEEDED and rv.restarts_total == 0
+
+
+def test_member_lost_after_the_chief_succeeded_completes_the_job() -> None:
     clock = FakeClock()
     rv = running(clock, ["a", "b"])
     rv.worker_succeeded("a", 1)
-    assert rv.disconnect("a") == stops(1, ["b"], RestartReason.NODE_LOST)
-    assert rv.reason == "node_lost: a: its session closed before the job finished"
+    reason = "training completed on the chief; then node_lost: b: its session closed"
+    assert rv.disconnect("b") == [Send("a", Finished(JobState.SUCCEEDED, reason))]
+
+
+def test_no_scale_up_once_the_chief_succeeded() -> None:
+    clock = FakeClock()
+    rv = running(clock, ["a", "b"], max_nodes=3)
+    rv.worker_succeeded("a", 1)
+    rv.join(info("c"), spec(max_nodes=3))
+    at(clock, rv, 100.0)
+    assert rv.tick() == []
+    assert rv.state is JobState.RUNNING
+
+
+def test_chief_completing_while_the_set_stops_completes_the_job() -> None:
+    clock = FakeClock()
+    rv = running(clock, ["a", "b"])
+    rv.worker_failed("b", 1, RestartReason.STALLED, "no progress")
+    assert rv.state is JobState.RESTARTING
+    reason = "the chief of generation 1 completed training while the set stopped"
+    assert rv.worker_succeeded("a", 1) == [Send(n, Finished(JobState.SUCCEEDED, reason)) for n in ["a", "b"]]
+    # the members' rejoins after the verdict are answered with the verdict, not refused
+    assert rv.join(info("b"), SPEC, rejoin=True) == [Send("b", Finished(JobState.SUCCEEDED, reason))]
+
+
+def test_non_chief_completing_while_the_set_stops_changes_nothing() -> None:
+    clock = FakeClock()
+    rv = running(clock, ["a", "b"])
+    rv.worker_failed("a", 1, RestartReason.STALLED, "no progress")
+    assert rv.worker_succeeded("b", 1) == []
+    assert rv.state is JobState.RESTARTING
 
 
 # ----------------------------------------------------------------------------- coordinator restarts

@@ -1,0 +1,104 @@
+"""The elastic loop with a real TensorFlow MultiWorkerMirroredStrategy trainer and BackupAndRestore, on the CPU."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tests.cluster import TF_TRAINER, alive, kill, members, wait_for
+from tests.conftest import ClusterFactory
+
+pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
+
+EPOCHS, STEPS, SAVE_EVERY = 3, 60, 10
+TARGET = EPOCHS * STEPS
+# 20 ms a step: restarts must land mid-training, not race a run that completes during the stop.
+TRAINER = [*TF_TRAINER, "--epochs", str(EPOCHS), "--steps-per-epoch", str(STEPS), "--save-every", str(SAVE_EVERY),
+           "--step-seconds", "0.02"]
+ARGS = ["--stall-timeout", "8", "--stop-grace", "1", "--last-call", "0.5", "--settle", "1"]
+
+
+def by_event(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["event"] == kind]
+
+
+def assert_finished_at_target_after_resuming(events: list[dict[str, Any]], generations: int) -> None:
+    starts = by_event(events, "start")
+    assert [e["generation"] for e in starts] == list(range(1, generations + 1)), starts
+    assert starts[0]["initial_step"] == 0
+    for start in starts[1:]:
+        assert start["initial_step"] > 0, f"generation {start['generation']} started from scratch"
+        assert start["initial_step"] % SAVE_EVERY == 0  # a BackupAndRestore checkpoint, not a guess
+    assert [e["final_step"] for e in by_event(events, "end")] == [TARGET]
+
+
+def test_killed_worker_restarts_the_set_from_the_checkpoint(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, extra_args=ARGS)
+    cluster.start("a")
+    cluster.start("b")
+    doc = cluster.wait_running(1, 2, timeout=90, step=25)
+    kill(members(doc)[1]["worker_pid"])
+    assert cluster.wait_all(180) == [0, 0], cluster.logs()
+    assert_finished_at_target_after_resuming(cluster.events(), 2)
+    assert by_event(cluster.events(), "start")[1]["initial_step"] >= 20
+
+
+def test_sigstopped_worker_is_caught_as_a_stall(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, extra_args=ARGS)
+    cluster.start("a")
+    cluster.start("b")
+    doc = cluster.wait_running(1, 2, timeout=90, step=25)
+    victim = members(doc)[1]["worker_pid"]
+    kill(victim, signal.SIGSTOP)
+    doc = cluster.wait_status(lambda d: d["generation"] >= 2, 60, "the restart after the stall")
+    assert "stalled" in doc["restarts_by_reason"], doc
+    assert not alive(victim)
+    assert cluster.wait_all(180) == [0, 0], cluster.logs()
+    assert_finished_at_target_after_resuming(cluster.events(), 2)
+
+
+def test_killed_agent_takes_its_worker_and_the_others_reform(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=ARGS)
+    host = cluster.start("a")
+    wait_for(lambda: "hosting the coordinator" in host.log(), 30, "agent a to host")
+    cluster.start("b")
+    victim = cluster.start("c")
+    doc = cluster.wait_running(1, 3, timeout=120, step=15)
+    worker = next(n["worker_pid"] for n in members(doc) if n["node_id"] == "c")
+    victim.proc.send_signal(signal.SIGKILL)
+    wait_for(lambda: not alive(worker), 15, "the killed agent's worker to die")
+    doc = cluster.wait_running(2, 2, timeout=60)
+    assert doc["restarts_by_reason"] == {"node_lost": 1}
+    assert [a.wait(180) for a in cluster.agents[:2]] == [0, 0], cluster.logs()
+    assert_finished_at_target_after_resuming(cluster.events(), 2)
+    assert by_event(cluster.events(), "start")[1]["world_size"] == 2
+
+
+def test_third_agent_scales_the_job_up_from_the_checkpoint(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=ARGS)
+    cluster.start("a")
+    cluster.start("b")
+    cluster.wait_running(1, 2, timeout=90, step=25)
+    cluster.start("c")
+    doc = cluster.wait_running(2, 3, timeout=60)
+    assert doc["restarts_by_reason"] == {"scale_up": 1}
+    assert cluster.wait_all(240) == [0, 0, 0], cluster.logs()
+    assert_finished_at_target_after_resuming(cluster.events(), 2)
+    assert by_event(cluster.events(), "start")[1]["world_size"] == 3
+
+
+def test_demo_shows_a_real_recovery() -> None:
+    result = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "demo", "--json"], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is True, doc
+    assert doc["faults_injected"] == 1 and doc["restarts_total"] == 1
+    assert doc["final_step"] == doc["target_step"] == 200
+    assert len(doc["resumed_from_step"]) == 1 and doc["resumed_from_step"][0] > 0
+    assert len(doc["recovery_seconds"]) == 1 and doc["recovery_seconds"][0] > 0

@@ -1,0 +1,103 @@
+"""The worker process group with real processes: the keeper, the confirmed stop, and SIGTERM -> SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec, group_members
+
+from tests.cluster import alive, wait_for
+
+pytestmark = pytest.mark.integration
+
+# A trainer that starts a child, a grandchild that escapes into its own session, and records all their pids.
+FAMILY = textwrap.dedent("""
+    import os, subprocess, sys, time, signal
+    if len(sys.argv) > 2 and sys.argv[2] == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    escaped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    with open(sys.argv[1], "w") as f:
+        f.write(f"{os.getpid()} {child.pid} {escaped.pid}")
+    time.sleep(600)
+""")
+
+
+def _family(tmp_path: Path, *extra: str) -> list[str]:
+    script = tmp_path / "family.py"
+    script.write_text(FAMILY)
+    return [sys.executable, str(script), str(tmp_path / "pids"), *extra]
+
+
+def _pids(tmp_path: Path) -> list[int]:
+    path = tmp_path / "pids"
+    wait_for(lambda: path.exists() and path.read_text().strip(), 20, "the trainer to start its family")
+    return [int(p) for p in path.read_text().split()]
+
+
+def test_stop_terminates_the_whole_tree_and_confirms(tmp_path: Path) -> None:
+    async def scenario() -> list[int]:
+        worker = await WorkerProcess.start(WorkerSpec(_family(tmp_path), dict(os.environ), None, "[t]", 5.0))
+        pids = await asyncio.to_thread(_pids, tmp_path)
+        await worker.stop(5.0)
+        assert worker.returncode is not None
+        assert group_members(worker.pid) == []
+        return pids
+
+    pids = asyncio.run(scenario())
+    assert [p for p in pids if alive(p)] == []
+
+
+def test_stop_escalates_to_sigkill_after_the_grace_period(tmp_path: Path) -> None:
+    async def scenario() -> tuple[list[int], float]:
+        worker = await WorkerProcess.start(WorkerSpec(_family(tmp_path, "ignore-term"), dict(os.environ), None,
+                                                      "[t]", 1.0))
+        pids = await asyncio.to_thread(_pids, tmp_path)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await worker.stop(1.0)
+        return pids, loop.time() - started
+
+    pids, took = asyncio.run(scenario())
+    assert [p for p in pids if alive(p)] == []
+    assert took >= 1.0  # SIGTERM was ignored, so only the SIGKILL after the grace period ended it
+
+
+def test_exit_status_and_signal_pass_through_the_keeper(tmp_path: Path) -> None:
+    async def run(command: list[str]) -> int:
+        worker = await WorkerProcess.start(WorkerSpec(command, dict(os.environ), None, "[t]", 5.0))
+        return await worker.wait()
+
+    assert asyncio.run(run([sys.executable, "-c", "raise SystemExit(7)"])) == 7
+    assert asyncio.run(run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])) \
+        == -signal.SIGKILL
+    assert asyncio.run(run(["/nonexistent/trainer"])) == 127
+
+
+def test_worker_never_outlives_a_sigkilled_agent(tmp_path: Path) -> None:
+    """The agent here is a small Python process that starts a worker and waits; we SIGKILL it."""
+    agent_script = tmp_path / "agent.py"
+    agent_script.write_text(textwrap.dedent(f"""
+        import asyncio, os
+        from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
+        async def main():
+            worker = await WorkerProcess.start(WorkerSpec({_family(tmp_path)!r}, dict(os.environ), None, "[t]", 2.0))
+            await worker.wait()
+        asyncio.run(main())
+    """))
+    agent = subprocess.Popen([sys.executable, str(agent_script)])
+    try:
+        pids = _pids(tmp_path)
+        assert all(alive(p) for p in pids)
+        agent.kill()
+        agent.wait()
+        wait_for(lambda: not any(alive(p) for p in pids), 15, "every worker process to die with its agent")
+    finally:
+        agent.kill()

@@ -1,0 +1,331 @@
+"""The progress channel: wire format (:mod:`tfelastic.trainer.progress`), the trainer's reporter and the agent's
+listener (:mod:`tfelastic.daemon.worker.progress`), over real Unix datagram sockets. No sleeps: the reporter's
+clock is replaced, and the listener is awaited on an event."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import socket
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tfelastic.daemon.worker.progress import ProgressListener
+from tfelastic.trainer import progress
+from tfelastic.trainer.progress import MAX_DATAGRAM, ProgressMessage, ProgressReporter, decode, encode
+
+# ------------------------------------------------------------------------------------------------ wire format
+
+
+@pytest.mark.parametrize("message", [
+    ProgressMessage(generation=3, pid=4242, step=120),
+    ProgressMessage(generation=3, pid=4242, step=120, examples=7680, loss=0.125, checkpoint_step=100),
+    ProgressMessage(generation=0, pid=1, step=0, examples=0, loss=0.0, checkpoint_step=0),
+    ProgressMessage(generation=2**40, pid=99999, step=2**53, loss=-1.5e-300),
+])
+def test_encode_decode_round_trip(message: ProgressMessage) -> None:
+    assert decode(encode(message)) == message
+
+
+def test_encode_uses_the_documented_short_keys() -> None:
+    data = encode(ProgressMessage(generation=3, pid=42, step=7, examples=70, loss=0.5, checkpoint_step=5))
+    assert json.loads(data) == {"g": 3, "pid": 42, "step": 7, "examples": 70, "loss": 0.5, "ckpt": 5}
+    assert json.loads(encode(ProgressMessage(1, 2, 3))) == {"g": 1, "pid": 2, "step": 3}
+
+
+@pytest.mark.parametrize("loss", [math.nan, math.inf, -math.inf])
+def test_encode_drops_a_loss_that_is_not_finite(loss: float) -> None:
+    data = encode(ProgressMessage(generation=1, pid=2, step=3, loss=loss))
+    assert json.loads(data) == {"g": 1, "pid": 2, "step": 3}
+    assert decode(data) == ProgressMessage(generation=1, pid=2, step=3, loss=None)
+
+
+def test_decode_accepts_an_integer_loss_as_a_float() -> None:
+    message = decode(b'{"g":1,"pid":2,"step":3,"loss":2}')
+    assert message.loss == 2.0
+    assert isinstance(message.loss, float)
+
+
+@pytest.mark.parametrize("data", [
+    b"",
+    b"not json",
+    b'{"g":1,"pid":2,"step":',
+    b"\xff\xfe\x00",
+])
+def test_decode_rejects_what_is_not_json(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode(data)
+
+
+@pytest.mark.parametrize("data", [b"[1,2,3]", b"42", b'"step"', b"null", b"true"])
+def test_decode_rejects_json_that_is_not_an_object(data: bytes) -> None:
+    with pytest.raises(ValueError, match=r"^progress datagram is not a JSON object$"):
+        decode(data)
+
+
+@pytest.mark.parametrize(("payload", "field"), [
+    ({"pid": 2, "step": 3}, "g"),
+    ({"g": 1, "step": 3}, "pid"),
+    ({"g": 1, "pid": 2}, "step"),
+    ({"g": None, "pid": 2, "step": 3}, "g"),
+    ({}, "g"),
+])
+def test_decode_rejects_missing_required_fields(payload: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^progress field '{field}' must be an integer, got None$"):
+        decode(json.dumps(payload).encode())
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("g", True),
+    ("g", "1"),
+    ("pid", False),
+    ("step", "3"),
+    ("step", 3.0),
+    ("step", [3]),
+    ("examples", True),
+    ("examples", "70"),
+    ("ckpt", True),
+    ("ckpt", "5"),
+    ("ckpt", 5.5),
+])
+def test_decode_rejects_non_integers_where_integers_are_needed(field: str, value: object) -> None:
+    payload: dict[str, object] = {"g": 1, "pid": 2, "step": 3, field: value}
+    expected = f"progress field '{field}' must be an integer, got {value!r}"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        decode(json.dumps(payload).encode())
+
+
+@pytest.mark.parametrize("loss", [True, False, "0.5", [0.5], {"v": 1}])
+def test_decode_rejects_a_loss_that_is_not_a_number(loss: object) -> None:
+    payload = {"g": 1, "pid": 2, "step": 3, "loss": loss}
+    with pytest.raises(ValueError, match=r"^progress field 'loss' must be a number"):
+        decode(json.dumps(payload).encode())
+
+
+def test_decode_rejects_an_oversized_datagram() -> None:
+    base = b'{"g":1,"pid":2,"step":3}'
+    exactly = base[:-1] + b"," + b'"pad":"' + b"x" * (MAX_DATAGRAM - len(base) - 9) + b'"}'
+    assert len(exactly) == MAX_DATAGRAM
+    assert decode(exactly) == ProgressMessage(1, 2, 3)  # unknown keys are ignored; the limit is inclusive
+    oversized = exactly[:-2] + b'x"}'
+    assert len(oversized) == MAX_DATAGRAM + 1
+    with pytest.raises(ValueError, match=rf"^progress datagram of {MAX_DATAGRAM + 1} bytes exceeds {MAX_DATAGRAM}$"):
+        decode(oversized)
+
+
+# ------------------------------------------------------------------------------------------------ reporter
+
+
+class FakeTime:
+    """Stands in for the ``time`` module inside tfelastic.trainer.progress."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def fake_time(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    fake = FakeTime()
+    monkeypatch.setattr(progress, "time", fake)
+    return fake
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[socket.socket]:
+    """An agent-side socket: bound in tmp_path, non-blocking, so 'nothing was sent' is BlockingIOError."""
+    path = tmp_path / "p.sock"
+    assert len(str(path)) < 100, "AF_UNIX paths are limited to 107 bytes"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.setblocking(False)
+    yield sock
+    sock.close()
+
+
+def received(sock: socket.socket) -> list[ProgressMessage]:
+    """Every datagram waiting on the socket. Unix datagrams are queued by sendto itself, so no wait is needed."""
+    messages: list[ProgressMessage] = []
+    while True:
+        try:
+            data = sock.recv(MAX_DATAGRAM + 1)
+        except BlockingIOError:
+            return messages
+        messages.append(decode(data))
+
+
+def test_reporter_without_a_socket_path_is_disabled() -> None:
+    for path in (None, ""):
+        reporter = ProgressReporter(path, generation=1)
+        assert reporter.enabled is False
+        assert reporter.report(1) is False
+        assert reporter.report(2, force=True) is False
+        assert reporter.report(3, checkpoint_step=3) is False
+
+
+def test_reporter_from_env_without_the_agent_is_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(progress.SOCKET_ENV, raising=False)
+    monkeypatch.delenv(progress.GENERATION_ENV, raising=False)
+    reporter = ProgressReporter.from_env()
+    assert reporter.enabled is False
+    assert reporter.report(1, force=True) is False
+
+
+def test_reporter_from_env_reads_the_socket_and_generation(
+        monkeypatch: pytest.MonkeyPatch, server: socket.socket) -> None:
+    monkeypatch.setenv(progress.SOCKET_ENV, server.getsockname())
+    monkeypatch.setenv(progress.GENERATION_ENV, "7")
+    reporter = ProgressReporter.from_env()
+    assert reporter.enabled is True
+    assert reporter.report(5, examples=50, loss=0.75) is True
+    assert received(server) == [ProgressMessage(7, os.getpid(), 5, 50, 0.75, None)]
+
+
+def test_reporter_sends_what_was_reported(server: socket.socket, fake_time: FakeTime) -> None:
+    reporter = ProgressReporter(server.getsockname(), generation=4, min_interval=0.0)
+    assert reporter.enabled is True
+    assert reporter.report(1) is True
+    assert reporter.report(2, examples=64, loss=1.5) is True
+    assert reporter.report(3, loss=math.nan, checkpoint_step=3) is True
+    pid = os.getpid()
+    assert received(server) == [
+        ProgressMessage(4, pid, 1),
+        ProgressMessage(4, pid, 2, examples=64, loss=1.5),
+        ProgressMessage(4, pid, 3, checkpoint_step=3),
+    ]
+
+
+def test_reporter_throttles_unless_forced_or_checkpointed(server: socket.socket, fake_time: FakeTime) -> None:
+    reporter = ProgressReporter(server.getsockname(), generation=1, min_interval=1.0)
+    pid = os.getpid()
+    assert reporter.report(1) is True  # the first report is never throttled
+    fake_time.now += 0.5
+    assert reporter.report(2) is False  # throttled: 0.5s < 1.0s
+    assert received(server) == [ProgressMessage(1, pid, 1)]
+
+    assert reporter.report(3, force=True) is True
+    assert reporter.report(4, checkpoint_step=4) is True
+    assert received(server) == [ProgressMessage(1, pid, 3), ProgressMessage(1, pid, 4, checkpoint_step=4)]
+
+    # a forced or checkpoint report restarts the interval
+    fake_time.now += 0.999
+    assert reporter.report(5) is False
+    fake_time.now += 0.001
+    assert reporter.report(6) is True
+    assert received(server) == [ProgressMessage(1, pid, 6)]
+
+
+def test_reporter_to_a_missing_socket_returns_false_and_does_not_raise(tmp_path: Path, fake_time: FakeTime) -> None:
+    reporter = ProgressReporter(str(tmp_path / "gone.sock"), generation=1, min_interval=0.0)
+    assert reporter.enabled is True
+    assert reporter.report(1) is False
+    assert reporter.report(2, force=True) is False
+    assert reporter.report(3, checkpoint_step=3) is False
+
+
+def test_a_failed_send_does_not_start_the_throttle_interval(tmp_path: Path, fake_time: FakeTime) -> None:
+    path = tmp_path / "late.sock"
+    reporter = ProgressReporter(str(path), generation=1, min_interval=10.0)
+    assert reporter.report(1) is False  # the agent is not there yet
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        sock.setblocking(False)
+        assert reporter.report(2) is True  # not throttled by the send that failed
+        assert received(sock) == [ProgressMessage(1, os.getpid(), 2)]
+
+
+def test_reporter_to_a_closed_agent_socket_returns_false(server: socket.socket, fake_time: FakeTime) -> None:
+    path = server.getsockname()
+    reporter = ProgressReporter(path, generation=1, min_interval=0.0)
+    server.close()  # the file stays, nobody reads it: ECONNREFUSED
+    assert os.path.exists(path)
+    assert reporter.report(1) is False
+
+
+# ------------------------------------------------------------------------------------------------ listener
+
+
+async def _listen(tmp_path: Path, datagrams: list[bytes | ProgressMessage], want: int) -> list[ProgressMessage]:
+    """Starts a listener, sends the datagrams (raw bytes, or messages through a ProgressReporter) and returns
+    what its callback got once ``want`` messages arrived. Checks the directory's mode and its removal."""
+    got: list[ProgressMessage] = []
+    enough = asyncio.Event()
+
+    def on_message(message: ProgressMessage) -> None:
+        got.append(message)
+        if len(got) >= want:
+            enough.set()
+
+    listener = ProgressListener(on_message, runtime_dir=str(tmp_path))
+    directory = os.path.dirname(listener.path)
+    try:
+        assert os.path.dirname(directory) == str(tmp_path)
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        assert stat.S_ISSOCK(os.stat(listener.path).st_mode)
+        listener.start()
+        reporters: dict[int, ProgressReporter] = {}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:
+            for item in datagrams:
+                if isinstance(item, bytes):
+                    raw.sendto(item, listener.path)
+                else:
+                    reporter = reporters.setdefault(
+                        item.generation, ProgressReporter(listener.path, item.generation, min_interval=0.0))
+                    assert reporter.report(item.step, examples=item.examples, loss=item.loss,
+                                           checkpoint_step=item.checkpoint_step) is True
+        await asyncio.wait_for(enough.wait(), timeout=10.0)
+    finally:
+        listener.close()
+    assert not os.path.exists(directory)
+    return got
+
+
+def test_listener_delivers_decoded_messages(tmp_path: Path) -> None:
+    pid = os.getpid()
+    sent: list[bytes | ProgressMessage] = [
+        ProgressMessage(2, pid, 10),
+        ProgressMessage(2, pid, 20, examples=640, loss=0.5),
+        ProgressMessage(3, pid, 30, checkpoint_step=30),
+    ]
+    assert asyncio.run(_listen(tmp_path, sent, want=3)) == sent
+
+
+def test_listener_ignores_malformed_datagrams(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pid = os.getpid()
+    good = ProgressMessage(5, pid, 1, loss=2.5)
+    last = ProgressMessage(5, pid, 2)
+    sent: list[bytes | ProgressMessage] = [
+        b"garbage",
+        b"[1,2]",
+        b'{"g":1}',
+        good,
+        b'{"g":1,"pid":2,"step":true}',
+        b"x" * (MAX_DATAGRAM + 100),  # truncated by the listener, then refused as oversized
+        b"\xff",
+        last,
+    ]
+    with caplog.at_level("WARNING", logger="tfelastic.progress"):
+        assert asyncio.run(_listen(tmp_path, sent, want=2)) == [good, last]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tfelastic.progress"]
+    assert len(warnings) == 3  # only the first three malformed reports are logged
+    assert all(w.startswith("ignored a malformed progress report: ") for w in warnings)
+
+
+def test_listener_close_removes_its_directory_without_start(tmp_path: Path) -> None:
+    async def main() -> str:
+        listener = ProgressListener(lambda m: None, runtime_dir=str(tmp_path))
+        directory = os.path.dirname(listener.path)
+        assert os.path.isdir(directory)
+        listener.close()
+        return directory
+
+    directory = asyncio.run(main())
+    assert not os.path.exists(directory)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,95 @@
+"""Unit tests of hang detection (:mod:`tfelastic.daemon.worker.stall`) on a fake clock: no sleeps."""
+
+from __future__ import annotations
+
+from tfelastic.daemon.worker.stall import StallDetector
+
+
+class FakeClock:
+    """A monotonic clock that moves only when the test moves it."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def detector(timeout: float = 10.0) -> tuple[StallDetector, FakeClock]:
+    clock = FakeClock()
+    return StallDetector(timeout, clock), clock
+
+
+def test_not_stalled_before_the_first_report_however_long_it_takes() -> None:
+    stall, clock = detector()
+    assert stall.silent_for() is None
+    assert stall.stalled() is False
+    clock.advance(1_000_000.0)
+    assert stall.silent_for() is None
+    assert stall.stalled() is False
+
+
+def test_stalled_only_strictly_after_the_timeout() -> None:
+    stall, clock = detector(timeout=10.0)
+    stall.progress()
+    assert stall.silent_for() == 0.0
+    assert stall.stalled() is False
+    clock.advance(9.5)
+    assert stall.silent_for() == 9.5
+    assert stall.stalled() is False
+    clock.advance(0.5)  # exactly the timeout: not yet
+    assert stall.silent_for() == 10.0
+    assert stall.stalled() is False
+    clock.advance(0.25)
+    assert stall.silent_for() == 10.25
+    assert stall.stalled() is True
+
+
+def test_progress_resets_the_silence() -> None:
+    stall, clock = detector(timeout=10.0)
+    stall.progress()
+    clock.advance(8.0)
+    stall.progress()
+    clock.advance(8.0)  # 16s since the first report, 8s since the last
+    assert stall.silent_for() == 8.0
+    assert stall.stalled() is False
+    clock.advance(4.0)
+    assert stall.stalled() is True
+    stall.progress()  # a stalled trainer that reports again is no longer stalled
+    assert stall.silent_for() == 0.0
+    assert stall.stalled() is False
+
+
+def test_reset_forgets_the_last_report() -> None:
+    stall, clock = detector(timeout=10.0)
+    stall.progress()
+    clock.advance(20.0)
+    assert stall.stalled() is True
+    stall.reset()  # a new worker starts
+    assert stall.silent_for() is None
+    assert stall.stalled() is False
+    clock.advance(100.0)
+    assert stall.stalled() is False  # not checked until its first report
+    stall.progress()
+    clock.advance(10.5)
+    assert stall.stalled() is True
+
+
+def test_timeout_zero_disables_hang_detection() -> None:
+    stall, clock = detector(timeout=0.0)
+    stall.progress()
+    clock.advance(1_000_000.0)
+    assert stall.silent_for() == 1_000_000.0
+    assert stall.stalled() is False
+
+
+def test_the_timeout_is_read_at_each_check() -> None:
+    stall, clock = detector(timeout=0.0)
+    stall.progress()
+    clock.advance(5.0)
+    assert stall.stalled() is False
+    stall.timeout_seconds = 4.0
+    assert stall.stalled() is True

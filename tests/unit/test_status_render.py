@@ -1,0 +1,142 @@
+"""`tfelastic status` output (:mod:`tfelastic.daemon.status`): the JSON document is a stable contract, so its
+keys and values are asserted exactly; the table is asserted line by line."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from tfelastic.daemon.rpc import rendezvous_pb2 as pb
+from tfelastic.daemon.status import SCHEMA_VERSION, render_table, status_to_json
+
+TOP_KEYS = ["schema_version", "job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes",
+            "max_restarts", "restarts_total", "restarts_by_reason", "nodes"]
+NODE_KEYS = ["node_id", "rank", "address", "state", "worker_pid", "step", "loss", "last_checkpoint_step",
+             "progress_age_seconds"]
+
+
+def cluster_status(**overrides: Any) -> pb.ClusterStatus:
+    """Two members with progress (one with a loss and a checkpoint, one without either) and one standby."""
+    fields: dict[str, Any] = dict(
+        job="mnist", state=pb.JOB_STATE_RUNNING, reason="", generation=3, world_size=2, min_nodes=2, max_nodes=2,
+        max_restarts=3, restarts_total=2,
+        restarts_by_reason=[pb.RestartCount(reason="worker_exit", count=1),
+                            pb.RestartCount(reason="scale_up", count=1)],
+        nodes=[
+            pb.NodeStatus(node_id="node-a", rank=0, host="10.0.0.1", worker_port=2222, state="running",
+                          worker_pid=4242, has_progress=True,
+                          progress=pb.Progress(step=120, loss=0.25, has_loss=True, examples=7680,
+                                               age_seconds=1.23456, checkpoint_step=100)),
+            pb.NodeStatus(node_id="node-b", rank=1, host="10.0.0.2", worker_port=2223, state="running",
+                          worker_pid=4343, has_progress=True,
+                          progress=pb.Progress(step=119, loss=0.0, has_loss=False, age_seconds=0.5,
+                                               checkpoint_step=-1)),
+            pb.NodeStatus(node_id="spare", rank=-1, host="10.0.0.3", worker_port=0, state="waiting"),
+        ],
+    )
+    fields.update(overrides)
+    return pb.ClusterStatus(**fields)
+
+
+def test_status_to_json_has_exactly_the_documented_keys_and_values() -> None:
+    doc = status_to_json(cluster_status())
+    assert list(doc) == TOP_KEYS
+    assert [list(n) for n in doc["nodes"]] == [NODE_KEYS] * 3
+    assert doc == {
+        "schema_version": 1,
+        "job": "mnist",
+        "state": "running",
+        "reason": "",
+        "generation": 3,
+        "world_size": 2,
+        "min_nodes": 2,
+        "max_nodes": 2,
+        "max_restarts": 3,
+        "restarts_total": 2,
+        "restarts_by_reason": {"worker_exit": 1, "scale_up": 1},
+        "nodes": [
+            {"node_id": "node-a", "rank": 0, "address": "10.0.0.1:2222", "state": "running", "worker_pid": 4242,
+             "step": 120, "loss": 0.25, "last_checkpoint_step": 100, "progress_age_seconds": 1.235},
+            {"node_id": "node-b", "rank": 1, "address": "10.0.0.2:2223", "state": "running", "worker_pid": 4343,
+             "step": 119, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": 0.5},
+            {"node_id": "spare", "rank": None, "address": "10.0.0.3:0", "state": "waiting", "worker_pid": None,
+             "step": None, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": None},
+        ],
+    }
+    assert SCHEMA_VERSION == 1
+    json.dumps(doc)  # serialisable as it is
+
+
+def test_rank_zero_and_checkpoint_zero_are_values_not_missing() -> None:
+    doc = status_to_json(cluster_status(nodes=[pb.NodeStatus(
+        node_id="n", rank=0, host="h", worker_port=1, state="running", worker_pid=7, has_progress=True,
+        progress=pb.Progress(step=0, loss=0.0, has_loss=True, age_seconds=0.0, checkpoint_step=0))]))
+    node = doc["nodes"][0]
+    assert (node["rank"], node["step"], node["loss"], node["last_checkpoint_step"],
+            node["progress_age_seconds"]) == (0, 0, 0.0, 0, 0.0)
+
+
+def test_progress_is_ignored_without_has_progress() -> None:
+    doc = status_to_json(cluster_status(nodes=[pb.NodeStatus(
+        node_id="n", rank=1, host="h", worker_port=1, state="stopping", has_progress=False,
+        progress=pb.Progress(step=50, loss=1.0, has_loss=True, age_seconds=3.0, checkpoint_step=40))]))
+    node = doc["nodes"][0]
+    assert (node["step"], node["loss"], node["last_checkpoint_step"], node["progress_age_seconds"]) == (
+        None, None, None, None)
+
+
+@pytest.mark.parametrize(("state", "name"), [
+    (pb.JOB_STATE_UNSPECIFIED, "unknown"),
+    (pb.JOB_STATE_WAITING, "waiting"),
+    (pb.JOB_STATE_RUNNING, "running"),
+    (pb.JOB_STATE_RESTARTING, "restarting"),
+    (pb.JOB_STATE_SUCCEEDED, "succeeded"),
+    (pb.JOB_STATE_FAILED, "failed"),
+])
+def test_job_state_names(state: int, name: str) -> None:
+    assert status_to_json(cluster_status(state=state))["state"] == name
+
+
+def test_an_empty_status_is_a_complete_document() -> None:
+    doc = status_to_json(pb.ClusterStatus())
+    assert doc == {"schema_version": 1, "job": "", "state": "unknown", "reason": "", "generation": 0,
+                   "world_size": 0, "min_nodes": 0, "max_nodes": 0, "max_restarts": 0, "restarts_total": 0,
+                   "restarts_by_reason": {}, "nodes": []}
+
+
+def test_render_table() -> None:
+    table = render_table(status_to_json(cluster_status()))
+    assert table.splitlines() == [
+        "job mnist: running",
+        "generation 3, world size 2 (min 2, max 2)",
+        "restarts: 2 (scale_up=1, worker_exit=1); budget 3 failures per window",
+        "",
+        "NODE    RANK  ADDRESS        STATE    PID   STEP  LAST PROGRESS",
+        "node-a  0     10.0.0.1:2222  running  4242  120   1.2s ago",
+        "node-b  1     10.0.0.2:2223  running  4343  119   0.5s ago",
+        "spare   -     10.0.0.3:0     waiting  -     -     -",
+    ]
+
+
+def test_render_table_has_a_header_and_one_row_per_node() -> None:
+    nodes = [pb.NodeStatus(node_id=f"worker-{i}", rank=i, host=f"10.0.1.{i}", worker_port=2000 + i,
+                           state="running", worker_pid=100 + i) for i in range(5)]
+    lines = render_table(status_to_json(cluster_status(nodes=nodes))).splitlines()
+    header = lines.index("NODE      RANK  ADDRESS        STATE    PID  STEP  LAST PROGRESS")
+    rows = lines[header + 1:]
+    assert len(rows) == 5
+    for i, row in enumerate(rows):
+        assert row.split() == [f"worker-{i}", str(i), f"10.0.1.{i}:{2000 + i}", "running", str(100 + i), "-", "-"]
+
+
+def test_render_table_with_a_reason_and_no_restarts_or_nodes() -> None:
+    doc = status_to_json(cluster_status(state=pb.JOB_STATE_FAILED, reason="restart budget exhausted",
+                                        restarts_total=0, restarts_by_reason=[], nodes=[]))
+    assert render_table(doc).splitlines() == [
+        "job mnist: failed (restart budget exhausted)",
+        "generation 3, world size 2 (min 2, max 2)",
+        "restarts: 0 (none); budget 3 failures per window",
+        "",
+        "NODE  RANK  ADDRESS  STATE  PID  STEP  LAST PROGRESS",
+    ]
