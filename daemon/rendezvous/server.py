@@ -59,6 +59,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._heartbeat_interval = heartbeat_interval
         self._sessions: dict[str, _Session] = {}
         self._ticker: asyncio.Task[None] | None = None
+        self._timers_changed = asyncio.Event()
         self.finished = asyncio.Event()
 
     def start(self) -> None:
@@ -191,8 +192,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 session.outbox.put_nowait(convert.order_to_proto(send.order))
         if self.rendezvous.state.is_terminal:
             self.finished.set()
+        self._timers_changed.set()
 
     async def _tick_forever(self) -> None:
+        """Fire the state machine's timers when they are due, and send heartbeats; sleep in between."""
         heartbeat = pb.CoordinatorMessage(heartbeat=pb.Heartbeat())
         next_heartbeat = 0.0
         while True:
@@ -205,7 +208,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 for session in self._sessions.values():
                     session.outbox.put_nowait(heartbeat)
                 next_heartbeat = now + self._heartbeat_interval
-            await asyncio.sleep(min(0.05, self._heartbeat_interval / 2))
+            self._timers_changed.clear()
+            wake = min(next_heartbeat, self.rendezvous.next_deadline() or next_heartbeat)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._timers_changed.wait(), max(0.001, wake - self._clock() + 0.001))
 
 
 @dataclass

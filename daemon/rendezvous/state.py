@@ -188,6 +188,18 @@ class Rendezvous:
         sends += self._try_close_round(now)
         return sends
 
+    def next_deadline(self) -> float | None:
+        """The earliest clock time at which :meth:`tick` has something to do, or None if no timer is armed."""
+        deadlines = [node.last_seen + self.settings.node_timeout_seconds for node in self._nodes.values()]
+        if self._scale_up_at is not None:
+            deadlines.append(self._scale_up_at)
+        if self.spec is not None and self.state is JobState.WAITING:
+            if self._min_reached_at is not None:
+                deadlines.append(self._min_reached_at + self.settings.last_call_seconds)
+            else:
+                deadlines.append(self._round_opened_at + self.settings.join_timeout_seconds)
+        return min(deadlines, default=None)
+
     # ------------------------------------------------------------------------------------------- snapshot
 
     def snapshot(self) -> ClusterSnapshot:

@@ -800,3 +800,35 @@ def test_last_call_restarts_when_a_planned_leave_drops_the_round_below_min() -> 
     assert join(rv, "c") == waiting("c", 2)
     at(clock, rv, 6.0)
     assert rv.tick() == assignments(1, ["a", "c"])
+
+
+# ----------------------------------------------------------------------------------- timer deadlines
+
+
+def test_next_deadline_follows_leases_last_call_and_join_timeout() -> None:
+    clock = FakeClock()
+    assert Rendezvous(SETTINGS, clock).next_deadline() is None  # no spec, nobody joined: nothing to time
+    rv = new(clock)
+    assert rv.next_deadline() == SETTINGS.join_timeout_seconds  # a preset spec arms the join timeout
+    rv.join(info("a"), SPEC)
+    # below min_nodes: the join timeout, or a's lease, whichever is first
+    assert rv.next_deadline() == min(SETTINGS.join_timeout_seconds, SETTINGS.node_timeout_seconds)
+    at(clock, rv, 0.5)
+    rv.join(info("b"), SPEC)  # min reached at 0.5: the last call ends at 0.5 + last_call
+    assert rv.next_deadline() == min(0.5 + SETTINGS.last_call_seconds, 0.0 + SETTINGS.node_timeout_seconds)
+    clock.now = 0.5 + SETTINGS.last_call_seconds
+    rv.heartbeat("a")
+    rv.heartbeat("b")
+    assert [type(s.order) for s in rv.tick()] == [Assignment, Assignment]
+    assert rv.next_deadline() == clock.now + SETTINGS.node_timeout_seconds  # running: only the leases
+
+
+def test_ticking_at_the_deadline_fires_the_timer() -> None:
+    clock = FakeClock()
+    rv = running(clock, ["a", "b"])
+    clock.now += 0.5
+    rv.heartbeat("a")  # b is now the first to fall silent
+    deadline = rv.next_deadline()
+    assert deadline is not None
+    clock.now = deadline + 1e-9
+    assert rv.tick() == [Send("b", Evict("no message for 2.0s")), Send("a", StopWorkers(1, RestartReason.NODE_LOST))]
