@@ -90,7 +90,7 @@ class AgentConfig:
     restart_window: float = 3600.0
     stall_timeout: float = 300.0  # 0 disables hang detection
     stop_grace: float = 10.0  # planned stops: scale-up, leave, shutdown (time for a trainer to checkpoint)
-    failure_stop_grace: float = 1.0  # restarts after a failure: the collective is broken, nothing to save
+    failure_stop_grace: float = 0.25  # restarts after a failure: the collective is broken, nothing to save
     token_file: str = ""
     tls: TlsConfig = TlsConfig()
     last_call: float = 1.0

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,17 +123,20 @@ def group_members(pgid: int) -> list[int]:
 
 
 def _kill_until_gone(pgid: int, tree: list[psutil.Process]) -> None:
-    """SIGKILL the group and every process of the tree until none is alive. Blocking: run in a thread."""
+    """SIGKILL the group and every process of the tree until none is alive. Blocking: run in a thread.
+
+    A killed process counts as gone once it is a zombie: it runs no code and holds no port, and its reaping
+    is up to its parent (or init), which may take a while. psutil.wait_procs would wait for the reaping.
+    """
     while True:
         alive = [p for p in tree if _alive(p)]
-        members = group_members(pgid)
-        if not alive and not members:
+        if not alive and not group_members(pgid):
             return
         _signal_group(pgid, signal.SIGKILL)
         for p in alive:
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        psutil.wait_procs(alive, timeout=0.5)
+        time.sleep(0.005)
 
 
 def _alive(process: psutil.Process) -> bool:

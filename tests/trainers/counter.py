@@ -2,9 +2,12 @@
 
 It resumes from a step file in TFELASTIC_BACKUP_DIR, like a checkpoint. Environment knobs:
 COUNTER_STEPS (target, default 50), COUNTER_STEP_SECONDS (default 0.05), COUNTER_EVENTS (a file to which
-every rank appends one JSON line when it starts and when it ends), COUNTER_HANG_AT (a step at which rank 1
-stops making progress while its process stays alive, once), COUNTER_FAIL_AT (a step at which rank 1 exits 3,
+every rank appends one JSON line when it starts and when it ends), COUNTER_HANG_AT (a step at which the chief
+stops making progress while its process stays alive, once), COUNTER_FAIL_AT (a step at which the chief exits 3,
 once).
+
+Unlike MWMS ranks, counters do not wait for each other. Faults hit the chief (rank 0) so that the other rank
+cannot finish the job alone: a chief's exit 0 completes a job (see rendezvous/state.py).
 
 At start it records in its event every live process of the same job from an older generation ("stale"): the
 agents promise there is none (FACTS 4).
@@ -78,10 +81,10 @@ def main() -> int:
                 f.write(str(step))
             os.replace(state + ".tmp", state)
         reporter.report(step, examples=step * 32, loss=1.0 / step)
-        if rank == 1 and step == hang_at and once(backup, "hung"):
+        if rank == 0 and step == hang_at and once(backup, "hung"):
             event("hang")
             time.sleep(3600)
-        if rank == 1 and step == fail_at and once(backup, "failed"):
+        if rank == 0 and step == fail_at and once(backup, "failed"):
             event("fail")
             return 3
     event("end")
