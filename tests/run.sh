@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The test command (README.md, .ci/run): sets up everything a fresh machine needs, then runs the static checks
+# and the whole suite. Idempotent: a second run reuses the virtual environment.
+#
+#   bash tests/run.sh [PYTEST ARGS...]
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+# System tools the integration tests use: ip (network namespaces) and openssl (TLS certificates).
+missing=()
+command -v ip >/dev/null || missing+=(iproute2)
+command -v openssl >/dev/null || missing+=(openssl)
+if ((${#missing[@]})); then
+  if [[ $(id -u) == 0 ]]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+  else
+    echo "tests/run.sh: missing ${missing[*]}; the tests that need them will be skipped" >&2
+  fi
+fi
+
+python=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  "$python" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[trainer-cpu,dev]'
+
+bash tests/lint.sh
+exec .venv/bin/python -m pytest -ra -p no:cacheprovider "$@"
