@@ -80,8 +80,9 @@ class Cluster:
                    "--backup-dir", str(self.tmp / "backup"), *self.extra_args, *extra, "--", *self.trainer]
         if netns:
             command = ["ip", "netns", "exec", netns, *command]
+        # TMPDIR keeps what a SIGKILLed agent cannot clean up (its progress socket) inside the test's folder.
         env = dict(os.environ, COUNTER_EVENTS=str(self.events_path), TFELASTIC_DEMO_EVENTS=str(self.events_path),
-                   TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **self.env)
+                   TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp), **self.env)
         log_path = self.tmp / f"agent-{node_id}.log"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.tmp)

@@ -192,7 +192,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 session.outbox.put_nowait(convert.order_to_proto(send.order))
         if self.rendezvous.state.is_terminal:
             self.finished.set()
-        self._timers_changed.set()
+        if sends:  # orders mean state changed, and with it maybe a timer; heartbeats only push leases later
+            self._timers_changed.set()
 
     async def _tick_forever(self) -> None:
         """Fire the state machine's timers when they are due, and send heartbeats; sleep in between."""

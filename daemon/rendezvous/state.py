@@ -74,7 +74,9 @@ class Rendezvous:
         self.reason = ""
         self.generation = 0
         self._nodes: dict[str, _Node] = {}
+        self._counts: Counter[NodeState] = Counter()
         self._members: list[str] = []  # node ids of the current generation, in rank order
+        self._ranks: dict[str, int] = {}  # the same, as node id -> rank
         self._round_opened_at = clock()
         self._min_reached_at: float | None = None
         self._scale_up_at: float | None = None
@@ -112,7 +114,7 @@ class Rendezvous:
             raise ProtocolError(f"node {info.node_id!r} joined again while {existing.state.value}")
         self.generation = max(self.generation, last_generation)
         self.restarts_total = max(self.restarts_total, restart_count)
-        self._nodes[info.node_id] = _Node(info, NodeState.WAITING, now, now)
+        self._add(info.node_id, _Node(info, NodeState.WAITING, now, now))
         return self._after_join(info.node_id, now)
 
     def heartbeat(self, node_id: str) -> None:
@@ -138,9 +140,9 @@ class Rendezvous:
         node = self._member_of(node_id, generation)
         if node is None or node.state is not NodeState.RUNNING:
             return []
-        node.state = NodeState.SUCCEEDED  # RUNNING -> SUCCEEDED
+        self._set_state(node, NodeState.SUCCEEDED)  # RUNNING -> SUCCEEDED
         self._chief_succeeded = self._chief_succeeded or is_chief
-        if all(self._nodes[m].state is NodeState.SUCCEEDED for m in self._members):
+        if self._counts[NodeState.SUCCEEDED] == len(self._members):
             return self._finish(JobState.SUCCEEDED, f"every trainer of generation {generation} exited 0")
         return []
 
@@ -156,17 +158,17 @@ class Rendezvous:
         if node is None:
             return []
         if node.state is NodeState.WAITING:  # no worker to wait for: gone at once
-            del self._nodes[node_id]
+            self._remove(node_id)
             return self._try_close_round(self._clock())
-        was_member = node.state in (NodeState.RUNNING, NodeState.SUCCEEDED) and node_id in self._members
-        node.state = NodeState.LEAVING  # RUNNING|SUCCEEDED|STOPPING -> LEAVING
+        was_member = node.state in (NodeState.RUNNING, NodeState.SUCCEEDED) and node_id in self._ranks
+        self._set_state(node, NodeState.LEAVING)  # RUNNING|SUCCEEDED|STOPPING -> LEAVING
         if was_member and self.state is JobState.RUNNING:
             return self._restart(RestartReason.NODE_LEFT, f"{node_id}: {reason}")
         return self._try_close_round(self._clock())
 
     def disconnect(self, node_id: str) -> list[Send]:
         """The node's session ended. Without a Leave before it, the node is lost."""
-        node = self._nodes.pop(node_id, None)
+        node = self._remove(node_id)
         if node is None:
             return []
         if node.state is NodeState.LEAVING:
@@ -179,12 +181,12 @@ class Rendezvous:
         sends: list[Send] = []
         for node_id, node in list(self._nodes.items()):
             if now - node.last_seen > self.settings.node_timeout_seconds and node_id in self._nodes:
-                del self._nodes[node_id]
+                self._remove(node_id)
                 silent = now - node.last_seen
                 sends.append(Send(node_id, Evict(f"no message for {silent:.1f}s")))
                 sends += self._lost(node_id, node, f"silent for {silent:.1f}s")
         if self._scale_up_due(now):
-            sends += self._restart(RestartReason.SCALE_UP, f"{len(self._waiting())} node(s) waiting to join")
+            sends += self._restart(RestartReason.SCALE_UP, f"{self._counts[NodeState.WAITING]} node(s) waiting to join")
         sends += self._try_close_round(now)
         return sends
 
@@ -205,7 +207,7 @@ class Rendezvous:
     def snapshot(self) -> ClusterSnapshot:
         nodes = []
         for node_id, node in self._nodes.items():
-            rank = self._members.index(node_id) if self._is_current_member(node_id) else -1
+            rank = self._ranks[node_id] if self._is_current_member(node_id) else -1
             progress = node.progress
             nodes.append(NodeSnapshot(
                 node_id, rank, node.info.host, node.info.worker_port, node.state,
@@ -250,13 +252,32 @@ class Rendezvous:
         return self._nodes.get(node_id)
 
     def _is_current_member(self, node_id: str) -> bool:
-        return self.state in (JobState.RUNNING, JobState.SUCCEEDED) and node_id in self._members
+        return self.state in (JobState.RUNNING, JobState.SUCCEEDED) and node_id in self._ranks
+
+    # Nodes are added, removed and moved between states only through these three, which keep the counts by
+    # state that make a join O(1): rounds of thousands of nodes must not cost O(nodes) per message.
+
+    def _add(self, node_id: str, node: _Node) -> None:
+        self._remove(node_id)
+        self._nodes[node_id] = node
+        self._counts[node.state] += 1
+
+    def _remove(self, node_id: str) -> _Node | None:
+        node = self._nodes.pop(node_id, None)
+        if node is not None:
+            self._counts[node.state] -= 1
+        return node
+
+    def _set_state(self, node: _Node, state: NodeState) -> None:
+        self._counts[node.state] -= 1
+        self._counts[state] += 1
+        node.state = state
 
     def _waiting(self) -> list[str]:
         return [n for n, node in self._nodes.items() if node.state is NodeState.WAITING]
 
-    def _stopping(self) -> list[str]:
-        return [n for n, node in self._nodes.items() if node.state in (NodeState.STOPPING, NodeState.LEAVING)]
+    def _any_stopping(self) -> bool:
+        return self._counts[NodeState.STOPPING] + self._counts[NodeState.LEAVING] > 0
 
     def _after_join(self, node_id: str, now: float) -> list[Send]:
         spec = self._require_spec()
@@ -275,7 +296,7 @@ class Rendezvous:
 
     def _waiting_notice(self, node_id: str, detail: str) -> Send:
         spec = self._require_spec()
-        return Send(node_id, Waiting(len(self._waiting()), spec.min_nodes, spec.max_nodes, detail))
+        return Send(node_id, Waiting(self._counts[NodeState.WAITING], spec.min_nodes, spec.max_nodes, detail))
 
     def _require_spec(self) -> JobSpec:
         if self.spec is None:
@@ -287,7 +308,8 @@ class Rendezvous:
             return False
         self._scale_up_at = None
         spec = self._require_spec()
-        return self.state is JobState.RUNNING and bool(self._waiting()) and len(self._members) < spec.max_nodes
+        waiting = self._counts[NodeState.WAITING] > 0
+        return self.state is JobState.RUNNING and waiting and len(self._members) < spec.max_nodes
 
     def _lost(self, node_id: str, node: _Node, why: str) -> list[Send]:
         if node.state is NodeState.RUNNING and self.state is JobState.RUNNING:
@@ -321,7 +343,7 @@ class Rendezvous:
         for node_id in self._members:
             node = self._nodes.get(node_id)
             if node is not None and node.state in (NodeState.RUNNING, NodeState.SUCCEEDED):
-                node.state = NodeState.STOPPING  # RUNNING -> STOPPING
+                self._set_state(node, NodeState.STOPPING)  # RUNNING -> STOPPING
                 sends.append(Send(node_id, StopWorkers(self.generation, reason)))
         self._open_round(now)
         return sends + self._try_close_round(now)
@@ -338,36 +360,40 @@ class Rendezvous:
         self._min_reached_at = None
 
     def _try_close_round(self, now: float) -> list[Send]:
-        if self.spec is None or self.state not in (JobState.WAITING, JobState.RESTARTING) or self._stopping():
+        if self.spec is None or self.state not in (JobState.WAITING, JobState.RESTARTING) or self._any_stopping():
             return []
         self.state = JobState.WAITING  # RESTARTING -> WAITING: every old worker is confirmed gone
         spec = self._require_spec()
-        waiting = self._waiting()
-        if len(waiting) < spec.min_nodes:
+        waiting = self._counts[NodeState.WAITING]
+        if waiting < spec.min_nodes:
             self._min_reached_at = None  # the last call starts again once min_nodes are back
             if now - self._round_opened_at >= self.settings.join_timeout_seconds:
                 return self._finish(
                     JobState.FAILED,
-                    f"only {len(waiting)} of min_nodes={spec.min_nodes} nodes joined within "
+                    f"only {waiting} of min_nodes={spec.min_nodes} nodes joined within "
                     f"join_timeout={self.settings.join_timeout_seconds:g}s",
                 )
             return []
         if self._min_reached_at is None:
             self._min_reached_at = now
-        survivors_back = bool(self._members) and all(m in waiting for m in self._members if m in self._nodes)
+        # After a restart no old member is still stopping (checked above): every one still here has rejoined.
+        survivors_back = bool(self._members)
         last_call_over = now - self._min_reached_at >= self.settings.last_call_seconds
-        if len(waiting) >= spec.max_nodes or survivors_back or last_call_over:
-            return self._form_generation(waiting)
+        if waiting >= spec.max_nodes or survivors_back or last_call_over:
+            return self._form_generation(self._waiting())
         return []
 
     def _form_generation(self, waiting: list[str]) -> list[Send]:
         spec = self._require_spec()
-        survivors = [m for m in self._members if m in waiting]
-        newcomers = sorted((n for n in waiting if n not in survivors),
+        waiting_set = set(waiting)
+        survivors = [m for m in self._members if m in waiting_set]
+        survivor_set = set(survivors)
+        newcomers = sorted((n for n in waiting if n not in survivor_set),
                            key=lambda n: (self._nodes[n].joined_at, n))
         chosen = (survivors + newcomers)[: spec.max_nodes]
         self.generation += 1
         self._members = chosen
+        self._ranks = {node_id: rank for rank, node_id in enumerate(chosen)}
         self.state = JobState.RUNNING  # WAITING -> RUNNING
         self.reason = ""
         self._chief_succeeded = False
@@ -378,7 +404,7 @@ class Rendezvous:
         sends: list[Send] = []
         for rank, node_id in enumerate(chosen):
             node = self._nodes[node_id]
-            node.state = NodeState.RUNNING  # WAITING -> RUNNING
+            self._set_state(node, NodeState.RUNNING)  # WAITING -> RUNNING
             node.progress = None
             node.worker_pid = 0
             order: Order = Assignment(self.generation, rank, len(chosen), members, self.restarts_total)

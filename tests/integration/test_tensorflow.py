@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -92,9 +93,9 @@ def test_third_agent_scales_the_job_up_from_the_checkpoint(make_cluster: Cluster
     assert by_event(cluster.events(), "start")[1]["world_size"] == 3
 
 
-def test_demo_shows_a_real_recovery() -> None:
-    result = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "demo", "--json"], capture_output=True,
-                            text=True, timeout=300)
+def test_demo_shows_a_real_recovery(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "demo", "--json", "--workdir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     doc = json.loads(result.stdout)
     assert doc["ok"] is True, doc
