@@ -16,6 +16,7 @@ import asyncio
 import subprocess
 import sys
 import time
+from functools import partial
 
 import psutil
 from tfelastic.daemon.config import Endpoint
@@ -117,7 +118,7 @@ def main() -> None:
         proc = subprocess.Popen([sys.executable, "-m", "tfelastic.daemon", "coordinator", "--listen", str(endpoint),
                                  "--log-level", "warning", "--last-call", "0.2"])
         try:
-            wait_for(lambda ep=endpoint: _up(ep), 30, "the coordinator")
+            wait_for(partial(_up, endpoint), 30, "the coordinator")
             print(asyncio.run(measure(nodes, endpoint, psutil.Process(proc.pid))), flush=True)
         finally:
             proc.kill()
