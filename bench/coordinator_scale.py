@@ -90,11 +90,12 @@ async def measure(nodes: int, endpoint: Endpoint, coordinator: psutil.Process) -
         fanout = max(a.received_at["stop"] for a in agents) - failed_at
         for a in agents:
             a.assigned.clear()
-        rejoined_at = time.perf_counter()
+        rejoined_at, cpu_before = time.perf_counter(), sum(coordinator.cpu_times()[:2])
         for a in agents:  # every agent confirms its stop by joining again
             a.queue.put_nowait(a.join)
         await asyncio.wait_for(asyncio.gather(*(a.assigned.wait() for a in agents)), 300)
         reformed = max(a.received_at["assignment"] for a in agents) - rejoined_at
+        reform_cpu = sum(coordinator.cpu_times()[:2]) - cpu_before
         status_started = time.perf_counter()
         await fetch_status(endpoint, None, timeout=30)
         status_time = time.perf_counter() - status_started
@@ -103,7 +104,8 @@ async def measure(nodes: int, endpoint: Endpoint, coordinator: psutil.Process) -
         for s in sessions:
             s.cancel()
     return (f"{nodes} agents: round formed {formed * 1000:.0f} ms after the joins were sent, restart fan-out "
-            f"{fanout * 1000:.0f} ms, re-formed {reformed * 1000:.0f} ms after the rejoins, "
+            f"{fanout * 1000:.0f} ms, re-formed {reformed * 1000:.0f} ms after the rejoins "
+            f"(coordinator CPU {reform_cpu * 1000:.0f} ms of it), "
             f"coordinator CPU {cpu:.1f}% of a core while they heartbeat, "
             f"status snapshot {status_time * 1000:.0f} ms, coordinator RSS "
             f"{coordinator.memory_info().rss / 2**20:.0f} MB")

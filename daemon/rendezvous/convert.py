@@ -31,13 +31,13 @@ def spec_from_proto(msg: pb.JobSpec) -> api.JobSpec:
     )
 
 
-def order_to_proto(order: api.Order) -> pb.CoordinatorMessage:
+def order_to_proto(order: api.Order, template: pb.Assignment | None = None) -> pb.CoordinatorMessage:
+    """``template``: :func:`assignment_template` of the same generation, to reuse its member list."""
     if isinstance(order, api.Assignment):
-        members = [pb.Member(node_id=m.node_id, rank=m.rank, host=m.host, worker_port=m.worker_port)
-                   for m in order.members]
-        return pb.CoordinatorMessage(assignment=pb.Assignment(
-            generation=order.generation, rank=order.rank, world_size=order.world_size, members=members,
-            restart_count=order.restart_count))
+        message = pb.CoordinatorMessage()
+        message.assignment.CopyFrom(template if template is not None else assignment_template(order))
+        message.assignment.rank = order.rank
+        return message
     if isinstance(order, api.StopWorkers):
         return pb.CoordinatorMessage(stop=pb.StopWorkers(generation=order.generation,
                                                          reason=order.reason.value))
@@ -48,6 +48,15 @@ def order_to_proto(order: api.Order) -> pb.CoordinatorMessage:
         return pb.CoordinatorMessage(waiting=pb.Waiting(
             joined=order.joined, min_nodes=order.min_nodes, max_nodes=order.max_nodes, detail=order.detail))
     raise TypeError(f"{order!r} has no wire form")  # Evict closes the stream instead
+
+
+def assignment_template(order: api.Assignment) -> pb.Assignment:
+    """Everything of an Assignment but the rank. Every member gets the whole member list (TF_CONFIG names every
+    worker), so building it once per generation instead of once per member saves O(nodes^2) work."""
+    members = [pb.Member(node_id=m.node_id, rank=m.rank, host=m.host, worker_port=m.worker_port)
+               for m in order.members]
+    return pb.Assignment(generation=order.generation, world_size=order.world_size, members=members,
+                         restart_count=order.restart_count)
 
 
 def assignment_from_proto(msg: pb.Assignment) -> api.Assignment:

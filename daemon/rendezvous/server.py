@@ -60,6 +60,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._sessions: dict[str, _Session] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._timers_changed = asyncio.Event()
+        self._assignment_template: pb.Assignment | None = None
         self.finished = asyncio.Event()
 
     def start(self) -> None:
@@ -188,6 +189,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 log.warning("node %s lost: %s", send.node_id, send.order.reason)
                 del self._sessions[send.node_id]
                 session.outbox.put_nowait(_Close(grpc.StatusCode.UNAVAILABLE, send.order.reason))
+            elif isinstance(send.order, api.Assignment):
+                session.outbox.put_nowait(convert.order_to_proto(send.order, self._template_for(send.order)))
             else:
                 session.outbox.put_nowait(convert.order_to_proto(send.order))
         if self.rendezvous.state.is_terminal:
@@ -195,22 +198,31 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         if sends:  # orders mean state changed, and with it maybe a timer; heartbeats only push leases later
             self._timers_changed.set()
 
+    def _template_for(self, order: api.Assignment) -> pb.Assignment:
+        template = self._assignment_template
+        if template is None or template.generation != order.generation:
+            template = self._assignment_template = convert.assignment_template(order)
+        return template
+
     async def _tick_forever(self) -> None:
         """Fire the state machine's timers when they are due, and send heartbeats; sleep in between."""
         heartbeat = pb.CoordinatorMessage(heartbeat=pb.Heartbeat())
         next_heartbeat = 0.0
         while True:
-            try:
-                self._dispatch(self.rendezvous.tick())
-            except Exception:  # a bug in one tick must not stop node timeouts for good
-                log.exception("coordinator tick failed")
+            deadline = self.rendezvous.next_deadline()
+            if deadline is not None and self._clock() >= deadline:
+                try:
+                    self._dispatch(self.rendezvous.tick())
+                except Exception:  # a bug in one tick must not stop node timeouts for good
+                    log.exception("coordinator tick failed")
+                deadline = self.rendezvous.next_deadline()
             now = self._clock()
             if now >= next_heartbeat:
                 for session in self._sessions.values():
                     session.outbox.put_nowait(heartbeat)
                 next_heartbeat = now + self._heartbeat_interval
             self._timers_changed.clear()
-            wake = min(next_heartbeat, self.rendezvous.next_deadline() or next_heartbeat)
+            wake = min(next_heartbeat, deadline if deadline is not None else next_heartbeat)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._timers_changed.wait(), max(0.001, wake - self._clock() + 0.001))
 

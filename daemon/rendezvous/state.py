@@ -75,6 +75,9 @@ class Rendezvous:
         self.generation = 0
         self._nodes: dict[str, _Node] = {}
         self._counts: Counter[NodeState] = Counter()
+        # The earliest lease expiry as of the last scan. Heartbeats only move leases later, so this stays a lower
+        # bound without a rescan, and next_deadline() is O(1).
+        self._lease_deadline = float("inf")
         self._members: list[str] = []  # node ids of the current generation, in rank order
         self._ranks: dict[str, int] = {}  # the same, as node id -> rank
         self._round_opened_at = clock()
@@ -115,6 +118,7 @@ class Rendezvous:
         self.generation = max(self.generation, last_generation)
         self.restarts_total = max(self.restarts_total, restart_count)
         self._add(info.node_id, _Node(info, NodeState.WAITING, now, now))
+        self._lease_deadline = min(self._lease_deadline, now + self.settings.node_timeout_seconds)
         return self._after_join(info.node_id, now)
 
     def heartbeat(self, node_id: str) -> None:
@@ -185,14 +189,17 @@ class Rendezvous:
                 silent = now - node.last_seen
                 sends.append(Send(node_id, Evict(f"no message for {silent:.1f}s")))
                 sends += self._lost(node_id, node, f"silent for {silent:.1f}s")
+        timeout = self.settings.node_timeout_seconds
+        self._lease_deadline = min((node.last_seen + timeout for node in self._nodes.values()), default=float("inf"))
         if self._scale_up_due(now):
             sends += self._restart(RestartReason.SCALE_UP, f"{self._counts[NodeState.WAITING]} node(s) waiting to join")
         sends += self._try_close_round(now)
         return sends
 
     def next_deadline(self) -> float | None:
-        """The earliest clock time at which :meth:`tick` has something to do, or None if no timer is armed."""
-        deadlines = [node.last_seen + self.settings.node_timeout_seconds for node in self._nodes.values()]
+        """A clock time by which :meth:`tick` must run (it may find nothing due yet), or None if no timer is
+        armed. O(1): the server asks after every message."""
+        deadlines = [self._lease_deadline] if self._nodes else []
         if self._scale_up_at is not None:
             deadlines.append(self._scale_up_at)
         if self.spec is not None and self.state is JobState.WAITING:
