@@ -265,6 +265,8 @@ def _from_values(values: dict[str, tuple[str, Any]], path: str) -> AgentConfig:
     for required, key in (("command", "job.command"), ("rendezvous", "rendezvous.endpoint")):
         if required not in kwargs:
             raise ConfigError(f"{path}: {key} is required")
+    if "max_nodes" not in kwargs and "min_nodes" in kwargs:
+        kwargs["max_nodes"] = kwargs["min_nodes"]  # like --nodes N: a fixed size unless a range is given
     return AgentConfig(tls=TlsConfig(**tls), **kwargs)
 
 

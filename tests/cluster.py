@@ -74,18 +74,24 @@ class Cluster:
     def events_path(self) -> Path:
         return self.tmp / "events.jsonl"
 
+    def agent_env(self) -> dict[str, str]:
+        # TMPDIR keeps what a SIGKILLed agent cannot clean up (its progress socket) inside the test's folder.
+        return dict(os.environ, COUNTER_EVENTS=str(self.events_path), TFELASTIC_DEMO_EVENTS=str(self.events_path),
+                    TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp), **self.env)
+
     def start(self, node_id: str, *, extra: Sequence[str] = (), netns: str = "") -> Agent:
         command = [sys.executable, "-m", "tfelastic.daemon", "run", "--nodes", self.nodes,
                    "--rendezvous", str(self.endpoint), "--node-id", node_id,
                    "--backup-dir", str(self.tmp / "backup"), *self.extra_args, *extra, "--", *self.trainer]
         if netns:
             command = ["ip", "netns", "exec", netns, *command]
-        # TMPDIR keeps what a SIGKILLed agent cannot clean up (its progress socket) inside the test's folder.
-        env = dict(os.environ, COUNTER_EVENTS=str(self.events_path), TFELASTIC_DEMO_EVENTS=str(self.events_path),
-                   TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp), **self.env)
+        return self.launch(node_id, command)
+
+    def launch(self, node_id: str, command: Sequence[str]) -> Agent:
+        """Runs an agent command line, logging to agent-<node_id>.log."""
         log_path = self.tmp / f"agent-{node_id}.log"
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.tmp)
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.agent_env(), cwd=self.tmp)
         agent = Agent(node_id, proc, log_path)
         self.agents.append(agent)
         return agent

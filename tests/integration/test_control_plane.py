@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
 import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -176,3 +180,50 @@ def test_duplicate_node_id_is_refused(make_cluster: ClusterFactory) -> None:
     twin = cluster.start("a")
     assert twin.wait(30) == 78
     assert "node id 'a' is already in the job" in twin.log()
+
+
+def test_user_setting_of_tf_use_legacy_keras_is_respected(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="1", env={"COUNTER_STEPS": "2", "TF_USE_LEGACY_KERAS": "0"})
+    cluster.start("a")
+    assert cluster.wait_all(60) == [0], cluster.logs()
+    assert [e["legacy_keras"] for e in starts(cluster.events(), 1)] == ["0"]
+
+
+def test_trainer_output_goes_to_the_agent_log_prefixed_with_the_rank(make_cluster: ClusterFactory) -> None:
+    script = "import os; print('hello from', os.environ['TFELASTIC_NODE_ID'])"
+    cluster = make_cluster([sys.executable, "-c", script], nodes="2")
+    a, b = cluster.start("a"), cluster.start("b")
+    assert cluster.wait_all(60) == [0, 0], cluster.logs()
+    lines = [line for line in (a.log() + b.log()).splitlines() if "hello from" in line]
+    assert sorted(line.split("tfelastic.worker: ")[1] for line in lines) in (
+        ["[rank 0] hello from a", "[rank 1] hello from b"], ["[rank 0] hello from b", "[rank 1] hello from a"])
+
+
+def test_standalone_coordinator_and_agents_from_job_files(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    cluster = make_cluster(TRAINER, nodes="2", env={"COUNTER_STEPS": "20"})
+    coordinator = subprocess.Popen([sys.executable, "-m", "tfelastic.daemon", "coordinator", "--listen",
+                                    str(cluster.endpoint)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for(cluster.status, 20, "the standalone coordinator")
+        for node in ("a", "b"):
+            job = tmp_path / f"{node}.toml"
+            job.write_text(textwrap.dedent(f"""
+                [job]
+                name = "from-file"
+                command = {json.dumps(TRAINER)}
+                min_nodes = 2
+                backup_dir = "{tmp_path / 'backup'}"
+                [node]
+                id = "{node}"
+                [rendezvous]
+                endpoint = "{cluster.endpoint}"
+            """))
+            cluster.launch(node, [sys.executable, "-m", "tfelastic.daemon", "agent", "--config", str(job)])
+        assert cluster.wait_all(60) == [0, 0], cluster.logs()
+        assert coordinator.wait(30) == 0  # it exits once the job is over and the agents hung up
+        output = coordinator.stdout.read().decode() if coordinator.stdout else ""
+        assert "job succeeded" in output and "hosting the coordinator" not in cluster.logs()
+        assert {e["event"] for e in cluster.events()} == {"start", "end"}
+    finally:
+        coordinator.kill()
+        coordinator.wait()

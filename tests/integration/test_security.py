@@ -99,3 +99,19 @@ def test_tls_coordinator_serves_tls_clients_and_refuses_plain_text(tmp_path: Pat
             await coordinator.stop()
 
     asyncio.run(scenario())
+
+
+def test_health_service_serves_without_a_token(tmp_path: Path) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def scenario() -> list[int]:
+        coordinator = await create_server("127.0.0.1:0", api.RendezvousSettings(), token="secret")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{coordinator.port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                return [(await stub.Check(health_pb2.HealthCheckRequest(service=name))).status
+                        for name in ("", "tfelastic.v1.Rendezvous")]
+        finally:
+            await coordinator.stop()
+
+    assert asyncio.run(scenario()) == [health_pb2.HealthCheckResponse.SERVING] * 2

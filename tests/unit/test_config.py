@@ -497,3 +497,10 @@ def test_command_digest() -> None:
     digests = {dataclasses.replace(BASE, command=c).command_digest() for c in others}
     assert len(digests) == len(others)
     assert digest not in digests
+
+
+def test_load_toml_max_nodes_defaults_to_min_nodes(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\ncommand = ["true"]\nmin_nodes = 3\n[rendezvous]\nendpoint = "127.0.0.1:29400"\n')
+    config = load_toml(str(job))
+    assert (config.min_nodes, config.max_nodes) == (3, 3)
