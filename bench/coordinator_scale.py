@@ -20,11 +20,12 @@ from functools import partial
 
 import psutil
 from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.netutil import free_port
 from tfelastic.daemon.rendezvous.client import fetch_status, open_channel
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
 
-from tests.cluster import free_port, wait_for
+from tests.cluster import wait_for
 
 HEARTBEAT = pb.AgentMessage(heartbeat=pb.Heartbeat())
 

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.netutil import free_port
 
 from bench.common import read_events
-from tests.cluster import TF_TRAINER, Cluster, free_port, members, wait_for
+from tests.cluster import TF_TRAINER, Cluster, members, wait_for
 
 TRAINER = [*TF_TRAINER, "--epochs", "4", "--steps-per-epoch", "100", "--save-every", "10"]
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import psutil
 from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.netutil import free_port
 
-from tests.cluster import COUNTER, Cluster, free_port, wait_for
+from tests.cluster import COUNTER, Cluster, wait_for
 
 
 def main() -> None:

@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.netutil import free_port
 
 from bench.common import TRIVIAL, summary, wait_generation_started
-from tests.cluster import Cluster, free_port, wait_for
+from tests.cluster import Cluster, wait_for
 
 
 def _cluster(tmp: Path, nodes: str, faults: int) -> Cluster:

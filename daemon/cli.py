@@ -26,6 +26,8 @@ from tfelastic.daemon.config import (
     read_token,
     validate,
 )
+from tfelastic.daemon.netutil import is_local_address
+from tfelastic.daemon.rendezvous.api import JobState
 
 DEFAULT = AgentConfig(command=("true",), rendezvous=Endpoint("localhost", 29400))
 
@@ -159,8 +161,17 @@ def _check_environment(config: AgentConfig) -> None:
     if not found:
         raise ConfigError(f"trainer command: {program!r} was not found or is not executable; "
                           "give a program on PATH or a path to an executable")
-    for option, path in (("--tls-cert", config.tls.cert), ("--tls-key", config.tls.key),
-                         ("--tls-ca", config.tls.ca)):
+    _check_tls_files(config.tls)
+    hosts = is_local_address(config.rendezvous.host)
+    if hosts and config.tls.enabled and not config.tls.cert:
+        raise ConfigError(f"--tls-cert/--tls-key: this node owns {config.rendezvous} and may host the coordinator, "
+                          "which needs a certificate and key to serve TLS")
+    if config.advertise_address and not is_local_address(config.advertise_address):
+        raise ConfigError(f"--advertise-address: {config.advertise_address!r} is not an address of this machine")
+
+
+def _check_tls_files(tls: TlsConfig) -> None:
+    for option, path in (("--tls-cert", tls.cert), ("--tls-key", tls.key), ("--tls-ca", tls.ca)):
         if path and not os.access(path, os.R_OK):
             raise ConfigError(f"{option}: cannot read {path!r}")
 
@@ -182,7 +193,6 @@ def _run_agent(config: AgentConfig) -> int:
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
-    from tfelastic.daemon.rendezvous.api import RendezvousSettings
     from tfelastic.daemon.rendezvous.server import BindError, create_server
 
     listen = Endpoint.parse(args.listen, "--listen", allow_port_zero=True)
@@ -193,7 +203,8 @@ def _run_coordinator(args: argparse.Namespace) -> int:
                                   heartbeat_interval=args.heartbeat_interval, node_timeout=args.node_timeout,
                                   tls=tls))
     setup_logging(args.log_level, "coordinator")
-    settings = RendezvousSettings(timing.last_call, timing.settle, timing.join_timeout, timing.node_timeout)
+    _check_tls_files(tls)
+    settings = timing.rendezvous_settings()
 
     async def serve() -> int:
         try:
@@ -205,7 +216,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
         await coordinator.servicer.finished.wait()
         await coordinator.wait_agents_gone(timeout=10.0)
         await coordinator.stop()
-        return 0 if coordinator.servicer.rendezvous.state.value == "succeeded" else 1
+        return 0 if coordinator.servicer.rendezvous.state is JobState.SUCCEEDED else 1
 
     return asyncio.run(serve())
 
@@ -216,6 +227,9 @@ def _run_status(args: argparse.Namespace) -> int:
 
     endpoint = Endpoint.parse(args.rendezvous, "--rendezvous")
     token = read_token(args.token_file) if args.token_file else None
+    _check_tls_files(_tls(args))
+    if args.watch is not None and not args.watch > 0:
+        raise ConfigError(f"--watch: {args.watch} seconds must be more than 0")
     while True:
         try:
             doc = status_to_json(asyncio.run(fetch_status(endpoint, token, _tls(args))))
@@ -253,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EX_CONFIG
     except KeyboardInterrupt:
         return 130
-    return EX_CONFIG
+    raise AssertionError(f"unhandled command {args.command_name!r}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tfelastic.daemon.netutil import host_port
+from tfelastic.daemon.rendezvous.api import RendezvousSettings
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -47,7 +50,7 @@ class Endpoint:
         return cls(host, port)
 
     def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return host_port(self.host, self.port)
 
     def is_loopback(self) -> bool:
         return is_loopback_host(self.host)
@@ -106,6 +109,10 @@ class AgentConfig:
 
     def command_digest(self) -> bytes:
         return hashlib.sha256(shlex.join(self.command).encode()).digest()
+
+    def rendezvous_settings(self) -> RendezvousSettings:
+        return RendezvousSettings(last_call_seconds=self.last_call, settle_seconds=self.settle,
+                                  join_timeout_seconds=self.join_timeout, node_timeout_seconds=self.node_timeout)
 
 
 _DURATIONS = ("restart_window", "stall_timeout", "stop_grace", "failure_stop_grace", "last_call", "settle",
@@ -190,6 +197,9 @@ def read_token(path: str, option: str = "--token-file") -> str:
     if not token:
         raise ConfigError(f"{option}: {path!r} is empty; put a random secret in it, e.g. "
                           f"openssl rand -hex 32 > {shlex.quote(path)}")
+    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
+        raise ConfigError(f"{option}: {path!r} must hold one word of printable ASCII (it travels as gRPC "
+                          f"metadata), e.g. openssl rand -hex 32 > {shlex.quote(path)}")
     return token
 
 

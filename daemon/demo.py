@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from typing import Any
 
 import psutil
 from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.netutil import free_port
 from tfelastic.daemon.rendezvous.client import fetch_status
 from tfelastic.daemon.status import status_to_json
 
@@ -58,7 +58,7 @@ class _Demo:
     def __init__(self, base: Path, nodes: int, faults: int, say: Any) -> None:
         self.base, self.nodes, self.faults, self.say = base, nodes, faults, say
         self.events = base / "events.jsonl"
-        self.endpoint = Endpoint("127.0.0.1", _free_port())
+        self.endpoint = Endpoint("127.0.0.1", free_port())
         # Spread the faults over training; each kills the worker of another rank, the chief included.
         self.kill_at = [TARGET_STEP * (i + 1) // (faults + 1) for i in range(faults)]
 
@@ -175,9 +175,3 @@ def _is_demo_trainer(pid: int) -> bool:
         return "tfelastic.trainer.demo_trainer" in " ".join(psutil.Process(pid).cmdline())
     except psutil.Error:
         return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

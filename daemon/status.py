@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tfelastic.daemon.netutil import host_port
 from tfelastic.daemon.rendezvous import convert
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 
@@ -35,7 +36,7 @@ def _node_json(node: pb.NodeStatus) -> dict[str, Any]:
     return {
         "node_id": node.node_id,
         "rank": node.rank if node.rank >= 0 else None,
-        "address": f"[{node.host}]:{node.worker_port}" if ":" in node.host else f"{node.host}:{node.worker_port}",
+        "address": host_port(node.host, node.worker_port),
         "state": node.state,
         "worker_pid": node.worker_pid or None,
         "step": progress.step if progress else None,

@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,12 +25,6 @@ from tfelastic.daemon.status import status_to_json
 ROOT = Path(__file__).resolve().parent.parent
 COUNTER = str(ROOT / "tests" / "trainers" / "counter.py")
 TF_TRAINER = [sys.executable, "-m", "tfelastic.trainer.demo_trainer"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.netutil import free_port
 
-from tests.cluster import Cluster, free_port, processes_of
+from tests.cluster import Cluster, processes_of
 
 ClusterFactory = Callable[..., Cluster]
 

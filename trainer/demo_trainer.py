@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def on_train_end(self, logs: dict[str, float] | None = None) -> None:
             step = int(self.model.optimizer.iterations.numpy())
-            reporter.report(step, force=True)
+            reporter.report(step, done=True)
             _event("end", final_step=step, loss=float((logs or {}).get("loss", float("nan"))))
 
     callbacks = [keras.callbacks.BackupAndRestore(backup_dir, save_freq=args.save_every), Progress()]

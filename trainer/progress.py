@@ -4,7 +4,8 @@ The agent sets ``TFELASTIC_PROGRESS_SOCKET``. Without it (no agent) every call i
 and never raises: if the agent is busy or gone, the report is dropped, and training goes on.
 
 Wire format (the agent decodes it with :func:`decode`): a JSON object with ``g`` (generation), ``pid``,
-``step`` and the optional ``examples``, ``loss`` and ``ckpt`` (the step of the last checkpoint saved).
+``step`` and the optional ``examples``, ``loss``, ``ckpt`` (the step of the last checkpoint saved) and ``done``
+(training completed: an exit 0 after this is a completion even if the agent was stopping the worker).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 SOCKET_ENV = "TFELASTIC_PROGRESS_SOCKET"
 GENERATION_ENV = "TFELASTIC_GENERATION"
 MAX_DATAGRAM = 512
+MAX_INT = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class ProgressMessage:
     examples: int | None = None
     loss: float | None = None
     checkpoint_step: int | None = None
+    done: bool = False
 
 
 def encode(message: ProgressMessage) -> bytes:
@@ -39,6 +42,8 @@ def encode(message: ProgressMessage) -> bytes:
         payload["loss"] = message.loss
     if message.checkpoint_step is not None:
         payload["ckpt"] = message.checkpoint_step
+    if message.done:
+        payload["done"] = 1
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
@@ -46,7 +51,7 @@ def decode(data: bytes) -> ProgressMessage:
     """Raises ValueError on anything that is not a well-formed report."""
     if len(data) > MAX_DATAGRAM:
         raise ValueError(f"progress datagram of {len(data)} bytes exceeds {MAX_DATAGRAM}")
-    raw = json.loads(data)
+    raw = json.loads(data, parse_constant=_refuse_constant)
     if not isinstance(raw, dict):
         raise ValueError("progress datagram is not a JSON object")
 
@@ -56,6 +61,8 @@ def decode(data: bytes) -> ProgressMessage:
             return None
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"progress field {key!r} must be an integer, got {value!r}")
+        if not -MAX_INT <= value <= MAX_INT:
+            raise ValueError(f"progress field {key!r} is out of range: {value}")
         return value
 
     loss = raw.get("loss")
@@ -68,7 +75,12 @@ def decode(data: bytes) -> ProgressMessage:
         examples=integer("examples"),
         loss=float(loss) if loss is not None else None,
         checkpoint_step=integer("ckpt"),
+        done=raw.get("done") == 1,
     )
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"progress datagram contains {name}, which is not a number")
 
 
 class ProgressReporter:
@@ -93,18 +105,21 @@ class ProgressReporter:
         return self._sock is not None
 
     def report(self, step: int, *, examples: int | None = None, loss: float | None = None,
-               checkpoint_step: int | None = None, force: bool = False) -> bool:
-        """Returns whether a datagram was sent."""
+               checkpoint_step: int | None = None, force: bool = False, done: bool = False) -> bool:
+        """Returns whether a datagram was sent. ``done``: training completed (sent at once)."""
         if self._sock is None:
             return False
         now = time.monotonic()
-        if not force and checkpoint_step is None and now - self._last_sent < self._min_interval:
+        if not (force or done) and checkpoint_step is None and now - self._last_sent < self._min_interval:
             return False
-        message = ProgressMessage(self._generation, os.getpid(), int(step), examples, loss, checkpoint_step)
-        try:
+        try:  # numbers may come as numpy scalars or tensors: make them plain
+            message = ProgressMessage(self._generation, os.getpid(), int(step),
+                                      None if examples is None else int(examples),
+                                      None if loss is None else float(loss),
+                                      None if checkpoint_step is None else int(checkpoint_step), done)
             self._sock.sendto(encode(message), self._path)  # type: ignore[arg-type]
-        except OSError:
-            return False  # the agent is busy or gone; progress is advisory
+        except (OSError, TypeError, ValueError):
+            return False  # the agent is busy or gone, or a value is unusable; progress is advisory
         self._last_sent = now
         return True
 
@@ -113,9 +128,10 @@ _default: ProgressReporter | None = None
 
 
 def report(step: int, *, examples: int | None = None, loss: float | None = None,
-           checkpoint_step: int | None = None, force: bool = False) -> bool:
+           checkpoint_step: int | None = None, force: bool = False, done: bool = False) -> bool:
     """Report progress through a reporter built from the environment the agent set."""
     global _default
     if _default is None:
         _default = ProgressReporter.from_env()
-    return _default.report(step, examples=examples, loss=loss, checkpoint_step=checkpoint_step, force=force)
+    return _default.report(step, examples=examples, loss=loss, checkpoint_step=checkpoint_step, force=force,
+                           done=done)

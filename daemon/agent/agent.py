@@ -15,14 +15,15 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING
 
 import grpc
 from tfelastic.daemon.agent.api import ExitCode, FatalSessionError
-from tfelastic.daemon.config import AgentConfig, is_loopback_host
+from tfelastic.daemon.config import AgentConfig
+from tfelastic.daemon.netutil import free_port, is_local_address, route_address
 from tfelastic.daemon.rendezvous import api, convert
 from tfelastic.daemon.rendezvous.client import call_metadata, open_channel
 from tfelastic.daemon.rendezvous.server import BindError, Coordinator, create_server
@@ -83,7 +84,9 @@ class Agent:
         self._worker_lock = asyncio.Lock()
         self._shutdown_requested = asyncio.Event()
         self._exit_code: ExitCode | None = None
-        self._host = config.advertise_address or _route_address(config.rendezvous.host)
+        self._host = config.advertise_address or route_address(config.rendezvous.host)
+        self._incarnation = uuid.uuid4().hex
+        self._trainer_done = 0  # the generation whose trainer reported that training completed
         self._listener: ProgressListener | None = None
         self.on_status: Callable[[str], None] = lambda text: None  # systemd STATUS= lines hook here
 
@@ -115,6 +118,9 @@ class Agent:
             except _SessionLost as e:
                 if not self._outage:  # once per outage, not once per retry
                     log.warning("lost the coordinator at %s: %s; retrying", self.config.rendezvous, e)
+                self._outage = True
+            except Exception:  # a bug must not leave a worker unsupervised: fence, and try again
+                log.exception("the session with the coordinator failed")
                 self._outage = True
             if self._exit_code is not None:
                 return self._exit_code
@@ -186,13 +192,19 @@ class Agent:
 
     async def _tick(self) -> None:
         interval = self.config.heartbeat_interval
+        # Fence one heartbeat before the coordinator's lease on us runs out, so that this node's worker is
+        # gone before the others re-form without it.
+        fence_after = self.config.node_timeout - interval
+        next_heartbeat = self._clock()
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval / 2)
             silent = self._clock() - self._coordinator_seen
-            if silent > self.config.node_timeout:
+            if silent > fence_after:
                 raise _SessionLost(f"no message from the coordinator for {silent:.1f}s")
             self._check_stall()
-            self._outbox.put_nowait(self._progress_report() or pb.AgentMessage(heartbeat=pb.Heartbeat()))
+            if self._clock() >= next_heartbeat:
+                next_heartbeat = self._clock() + interval
+                self._outbox.put_nowait(self._progress_report() or pb.AgentMessage(heartbeat=pb.Heartbeat()))
 
     async def _watch_shutdown(self) -> None:
         await self._shutdown_requested.wait()
@@ -213,7 +225,7 @@ class Agent:
         elif kind == "stop":
             self._spawn(self._restart(message.stop.generation, message.stop.reason, self._session_number))
         elif kind == "finished":
-            state = convert.JOB_STATE_NAMES[message.finished.state]
+            state = convert.JOB_STATE_NAMES.get(message.finished.state, api.JobState.FAILED)
             log.info("job %s: %s", state.value, message.finished.reason)
             self.on_status(f"job {state.value}: {message.finished.reason}")
             self._exit_code = ExitCode.SUCCEEDED if state is api.JobState.SUCCEEDED else ExitCode.FAILED
@@ -243,8 +255,19 @@ class Agent:
                  self._worker.pid, assignment.rank, assignment.world_size)
         self.on_status(f"running generation {assignment.generation} as rank {assignment.rank} "
                        f"of {assignment.world_size}")
-        self._report(pb.WORKER_STATUS_RUNNING, pid=self._worker.pid)
+        self._spawn(self._report_trainer_pid(self._worker))
         self._spawn(self._await_exit(self._worker, assignment.generation))
+
+    async def _report_trainer_pid(self, worker: WorkerProcess) -> None:
+        """Status shows the trainer's pid, not the keeper's; the keeper forks it within milliseconds."""
+        pid = worker.pid
+        for _ in range(100):
+            pid = worker.trainer_pid()
+            if pid != worker.pid or worker.has_exited():
+                break
+            await asyncio.sleep(0.01)
+        if worker is self._worker and self.worker_state.state is WorkerState.RUNNING:
+            self._report(pb.WORKER_STATUS_RUNNING, pid=pid)
 
     async def _await_exit(self, worker: WorkerProcess, generation: int) -> None:
         code = await worker.wait()
@@ -262,6 +285,8 @@ class Agent:
 
     async def _restart(self, generation: int, reason: str, session_number: int) -> None:
         if self._assignment is None or generation != self._assignment.generation:
+            mine = self._assignment.generation if self._assignment else None
+            log.warning("ignored a stop order for generation %d: this node runs generation %s", generation, mine)
             return
         log.info("generation %d: stopping the worker (%s)", generation, reason)
         self.on_status(f"restarting: {reason}")
@@ -274,7 +299,12 @@ class Agent:
     def _spawn(self, coro: Coroutine[None, None, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("agent task failed", exc_info=task.exception())
 
     async def _stop_worker(self, why: str, *, planned: bool) -> None:
         """Stop the worker if one may be alive, and return once every process of it is gone.
@@ -298,11 +328,18 @@ class Agent:
                 started = self._clock()
                 await self._worker.stop(grace)
                 log.info("worker stopped in %.3fs (%s)", self._clock() - started, why)
-                if was_running and self._worker.returncode == 0:
+                if was_running and self._completed(self._worker):
                     # It finished training while we stopped it: the coordinator must know (see state.py).
                     log.info("the trainer completed (exit 0) while stopping")
                     self._report(pb.WORKER_STATUS_SUCCEEDED, exit_code=0)
             self.worker_state.to(WorkerState.STOPPED)  # STOPPING -> STOPPED
+
+    def _completed(self, worker: WorkerProcess) -> bool:
+        """An exit 0 is a completion if the trainer ended by itself, or told us it had completed; an exit 0
+        in answer to SIGTERM may just be a trainer that checkpointed and stopped."""
+        assert self._assignment is not None
+        said_done = self._trainer_done == self._assignment.generation
+        return worker.returncode == 0 and (worker.exited_before_stop or said_done)
 
     # ------------------------------------------------------------------------------------ agent messages
 
@@ -312,11 +349,14 @@ class Agent:
             self.worker_state.to(WorkerState.WAITING)  # INIT|STOPPED -> WAITING
         cfg = self.config
         spec = api.JobSpec(cfg.job, cfg.command_digest(), cfg.min_nodes, cfg.max_nodes, cfg.max_restarts,
-                           cfg.restart_window, cfg.stall_timeout, cfg.resolved_backup_dir())
-        port = cfg.worker_port or _free_port(self._host)
+                           cfg.restart_window, cfg.stall_timeout, cfg.resolved_backup_dir(), cfg.heartbeat_interval,
+                           cfg.node_timeout)
+        port = cfg.worker_port or free_port(self._host)
+        last_rank = self._assignment.rank if self._assignment else -1
         return pb.AgentMessage(join=pb.Join(
             node_id=cfg.node_id, spec=convert.spec_to_proto(spec), host=self._host, worker_port=port,
-            last_generation=self._last_generation, restart_count=self._restart_count))
+            last_generation=self._last_generation, restart_count=self._restart_count,
+            incarnation=self._incarnation, last_rank=last_rank))
 
     def _report(self, status: pb.WorkerStatus, *, pid: int = 0, exit_code: int = 0, detail: str = "") -> None:
         assert self._assignment is not None
@@ -347,6 +387,8 @@ class Agent:
     def _on_progress(self, message: ProgressMessage) -> None:
         if self._assignment is None or message.generation != self._assignment.generation:
             return  # a report from an older generation's worker
+        if message.done:
+            self._trainer_done = message.generation
         if self.worker_state.state is not WorkerState.RUNNING:
             return
         if self._progress is not None and message.checkpoint_step is None:
@@ -387,10 +429,10 @@ class Agent:
     # -------------------------------------------------------------------------------------------- hosting
 
     async def _try_hosting(self) -> None:
-        if self._coordinator is not None or not _is_local_address(self.config.rendezvous.host):
+        if self._coordinator is not None or not is_local_address(self.config.rendezvous.host):
             return
         cfg = self.config
-        settings = api.RendezvousSettings(cfg.last_call, cfg.settle, cfg.join_timeout, cfg.node_timeout)
+        settings = cfg.rendezvous_settings()
         try:
             self._coordinator = await create_server(
                 str(cfg.rendezvous), settings, token=self._token, tls=cfg.tls,
@@ -418,38 +460,3 @@ def _describe_exit(code: int) -> str:
             return f"was killed by {signal.Signals(-code).name}"
         return f"was killed by signal {-code}"
     return f"exited with code {code}"
-
-
-def _route_address(rendezvous_host: str) -> str:
-    """The local address this node uses to reach the rendezvous host: what its peers can reach it at."""
-    if is_loopback_host(rendezvous_host):
-        return "127.0.0.1"
-    try:
-        family = socket.getaddrinfo(rendezvous_host, None)[0][0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((rendezvous_host, 9))  # UDP connect sends nothing; it only picks the route
-            return str(s.getsockname()[0])
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
-
-
-def _is_local_address(host: str) -> bool:
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    for family, _, _, _, sockaddr in infos:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((sockaddr[0], 0))
-                return True
-            except OSError:
-                continue
-    return False
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

@@ -1,4 +1,4 @@
-"""What the agent promises the outside world: its exit codes and the variables its trainer gets."""
+"""What the agent promises the outside world: its exit codes (the trainer's variables: README.md)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,6 @@ class ExitCode(enum.IntEnum):
     FAILED = 1  # the job failed (restart budget, join timeout) or the coordinator stayed unreachable
     CONFIG = EX_CONFIG  # bad configuration, wrong token, or a job spec the coordinator refused
 
-
-# Variables set for every trainer. TF_USE_LEGACY_KERAS=1 is also set unless the user sets it otherwise.
-TRAINER_ENV = (
-    "TF_CONFIG",
-    "TFELASTIC_JOB",
-    "TFELASTIC_NODE_ID",
-    "TFELASTIC_RANK",
-    "TFELASTIC_WORLD_SIZE",
-    "TFELASTIC_GENERATION",
-    "TFELASTIC_RESTART_COUNT",
-    "TFELASTIC_BACKUP_DIR",
-    "TFELASTIC_PROGRESS_SOCKET",
-)
 
 
 class FatalSessionError(Exception):

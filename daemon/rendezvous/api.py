@@ -13,6 +13,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tfelastic.daemon.netutil import host_port
+
 
 class JobState(enum.Enum):
     """State of the whole job, as the coordinator sees it.
@@ -70,6 +72,8 @@ class JobSpec:
     restart_window_seconds: float
     stall_timeout_seconds: float
     backup_dir: str
+    heartbeat_interval_seconds: float = 0.5
+    node_timeout_seconds: float = 2.0
 
     def differences(self, other: JobSpec) -> list[str]:
         """Human-readable differences, naming each setting, ``other`` being the joining agent's."""
@@ -89,6 +93,9 @@ class NodeInfo:
     node_id: str
     host: str
     worker_port: int
+    incarnation: str = ""  # the agent process's random id
+    last_generation: int = 0  # the newest generation the agent took part in
+    last_rank: int = -1  # its rank there
 
 
 @dataclass(frozen=True)
@@ -100,8 +107,7 @@ class Member:
 
     @property
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.worker_port}"
+        return host_port(self.host, self.worker_port)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 
@@ -15,20 +17,15 @@ JOB_STATES = {
 JOB_STATE_NAMES = {v: k for k, v in JOB_STATES.items()}
 
 
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(api.JobSpec))  # the same names in the proto
+
+
 def spec_to_proto(spec: api.JobSpec) -> pb.JobSpec:
-    return pb.JobSpec(
-        job=spec.job, command_digest=spec.command_digest, min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
-        max_restarts=spec.max_restarts, restart_window_seconds=spec.restart_window_seconds,
-        stall_timeout_seconds=spec.stall_timeout_seconds, backup_dir=spec.backup_dir,
-    )
+    return pb.JobSpec(**{name: getattr(spec, name) for name in _SPEC_FIELDS})
 
 
 def spec_from_proto(msg: pb.JobSpec) -> api.JobSpec:
-    return api.JobSpec(
-        job=msg.job, command_digest=msg.command_digest, min_nodes=msg.min_nodes, max_nodes=msg.max_nodes,
-        max_restarts=msg.max_restarts, restart_window_seconds=msg.restart_window_seconds,
-        stall_timeout_seconds=msg.stall_timeout_seconds, backup_dir=msg.backup_dir,
-    )
+    return api.JobSpec(**{name: getattr(msg, name) for name in _SPEC_FIELDS})
 
 
 def order_to_proto(order: api.Order, template: pb.Assignment | None = None) -> pb.CoordinatorMessage:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
+import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tfelastic.daemon.auth import TokenInterceptor, server_credentials
 from tfelastic.daemon.config import TlsConfig
+from tfelastic.daemon.netutil import port_taken
 from tfelastic.daemon.rendezvous import api, convert
 from tfelastic.daemon.rendezvous.state import Clock, Rendezvous
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
@@ -50,6 +51,7 @@ class _Session:
     peer: str
     outbox: asyncio.Queue[pb.CoordinatorMessage | _Close] = field(default_factory=asyncio.Queue)
     node_id: str = ""
+    incarnation: str = ""
 
 
 class RendezvousServicer(pb_grpc.RendezvousServicer):
@@ -112,6 +114,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             return
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             return
+        except Exception:  # a bug must cost one session, not the coordinator
+            log.exception("session of %s failed", session.node_id or session.peer)
+            session.outbox.put_nowait(_Close(grpc.StatusCode.INTERNAL, "the coordinator failed to handle a message"))
+            return
         # The agent closed its side: the session is over.
         session.outbox.put_nowait(_Close(grpc.StatusCode.OK, "session closed by the agent"))
 
@@ -122,35 +128,56 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             return
         if not session.node_id:
             raise api.ProtocolError("the first message of a session must be a Join")
+        if self._sessions.get(session.node_id) is not session:
+            return  # evicted or replaced: it is being closed, and nothing it says counts any more
         node_id, rdzv = session.node_id, self.rendezvous
         rdzv.heartbeat(node_id)
         if kind == "report":
             self._dispatch(self._report(node_id, message.report))
         elif kind == "leave":
-            log.info("node %s leaves: %s", node_id, message.leave.reason)
-            self._dispatch(rdzv.leave(node_id, message.leave.reason))
+            reason = _printable(message.leave.reason, 200)
+            log.info("node %s leaves: %s", node_id, reason)
+            self._dispatch(rdzv.leave(node_id, reason))
         elif kind != "heartbeat":
             raise api.ProtocolError(f"unexpected message {kind!r}")
 
     def _join(self, session: _Session, join: pb.Join) -> None:
-        if not join.node_id or (session.node_id and join.node_id != session.node_id):
-            raise api.ProtocolError(f"bad node id {join.node_id!r} in Join")
-        if not join.HasField("spec") or not join.spec.job:
-            raise api.ProtocolError("Join without a job spec")
+        validate_join(join)
+        if session.node_id and join.node_id != session.node_id:
+            raise api.ProtocolError(f"node id {join.node_id!r} differs from this session's {session.node_id!r}")
+        if session.node_id and self._sessions.get(session.node_id) is not session:
+            return  # evicted or replaced
         rejoin = bool(session.node_id)
-        info = api.NodeInfo(join.node_id, join.host, join.worker_port)
-        sends = self.rendezvous.join(info, convert.spec_from_proto(join.spec), rejoin=rejoin,
-                                     last_generation=join.last_generation, restart_count=join.restart_count)
         if not rejoin:
-            session.node_id = join.node_id
+            self._replace_stale_session(join)
+        info = api.NodeInfo(join.node_id, join.host, join.worker_port, join.incarnation, join.last_generation,
+                            join.last_rank)
+        sends = self.rendezvous.join(info, convert.spec_from_proto(join.spec), rejoin=rejoin,
+                                     restart_count=join.restart_count)
+        if not rejoin:
+            session.node_id, session.incarnation = join.node_id, join.incarnation
             self._sessions[join.node_id] = session
             log.info("node %s joined from %s", join.node_id, session.peer)
         self._dispatch(sends)
+
+    def _replace_stale_session(self, join: pb.Join) -> None:
+        """The same agent process reconnecting (it gave up on its old stream before we noticed) replaces its
+        old session; that counts as the node lost and found again. Another process with the node's id does not:
+        the state machine refuses it as a duplicate."""
+        old = self._sessions.get(join.node_id)
+        if old is None or not join.incarnation or old.incarnation != join.incarnation:
+            return
+        log.info("node %s reconnected; closing its previous session", join.node_id)
+        del self._sessions[join.node_id]
+        old.outbox.put_nowait(_Close(grpc.StatusCode.UNAVAILABLE, "replaced by a newer session of this agent"))
+        self._dispatch(self.rendezvous.disconnect(join.node_id))
 
     def _report(self, node_id: str, report: pb.WorkerReport) -> list[api.Send]:
         rdzv, gen = self.rendezvous, report.generation
         if report.pid:
             rdzv.worker_started(node_id, gen, report.pid)
+        if report.generation > _MAX_GENERATION or len(report.detail) > 4096:
+            raise api.ProtocolError("WorkerReport out of range")
         if report.has_progress:
             p = report.progress
             rdzv.progress(node_id, gen, api.WorkerProgress(
@@ -159,10 +186,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         if report.status == pb.WORKER_STATUS_SUCCEEDED:
             return rdzv.worker_succeeded(node_id, gen)
         if report.status == pb.WORKER_STATUS_FAILED:
-            detail = report.detail or f"trainer exited with code {report.exit_code}"
+            detail = _printable(report.detail, 300) or f"trainer exited with code {report.exit_code}"
             return rdzv.worker_failed(node_id, gen, api.RestartReason.WORKER_EXIT, detail)
         if report.status == pb.WORKER_STATUS_STALLED:
-            return rdzv.worker_failed(node_id, gen, api.RestartReason.STALLED, report.detail or "stalled")
+            detail = _printable(report.detail, 300) or "stalled"
+            return rdzv.worker_failed(node_id, gen, api.RestartReason.STALLED, detail)
         return []
 
     def _end(self, session: _Session) -> None:
@@ -249,6 +277,42 @@ class BindError(OSError):
     pass
 
 
+_MAX_GENERATION = 1 << 53  # far beyond any job, and exact in every field it reaches
+_MAX_NODES = 100_000
+_NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+
+
+def validate_join(join: pb.Join) -> None:
+    """Refuses a Join whose values are out of range, before any of it reaches the state machine."""
+    spec = join.spec
+    problems = []
+    if not _NODE_ID.fullmatch(join.node_id):
+        problems.append(f"node_id {join.node_id[:64]!r} must be 1-128 letters, digits or ._:@-")
+    if not join.host or len(join.host) > 255 or not join.host.isprintable() or " " in join.host:
+        problems.append(f"host {join.host[:64]!r} must be a host name or address")
+    if not 1 <= join.worker_port <= 65535:
+        problems.append(f"worker_port {join.worker_port} is out of range 1-65535")
+    if join.last_generation > _MAX_GENERATION or join.restart_count > _MAX_GENERATION:
+        problems.append("last_generation or restart_count out of range")
+    if not -1 <= join.last_rank < _MAX_NODES or len(join.incarnation) > 64:
+        problems.append("last_rank or incarnation out of range")
+    if not join.HasField("spec") or not spec.job or len(spec.job) > 128 or len(spec.command_digest) != 32:
+        problems.append("a job spec with a job name and a 32-byte command digest is required")
+    if not 1 <= spec.min_nodes <= spec.max_nodes <= _MAX_NODES or spec.max_restarts > _MAX_NODES:
+        problems.append(f"node range {spec.min_nodes}:{spec.max_nodes} or max_restarts is out of range")
+    timings = (spec.restart_window_seconds, spec.stall_timeout_seconds, spec.heartbeat_interval_seconds,
+               spec.node_timeout_seconds)
+    if not all(0 <= t <= 1e9 for t in timings) or len(spec.backup_dir) > 4096:
+        problems.append("a timing or the backup_dir of the job spec is out of range")
+    if problems:
+        raise api.ProtocolError("invalid Join: " + "; ".join(problems))
+
+
+def _printable(text: str, limit: int) -> str:
+    """Text from the network, made safe to log: printable, and bounded."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
 async def create_server(
     address: str,
     settings: api.RendezvousSettings,
@@ -264,7 +328,8 @@ async def create_server(
     The port is bound exclusively (no SO_REUSEPORT): when several agents on one host try to host the same
     endpoint, exactly one succeeds and the others connect to it.
     """
-    if _port_taken(address):
+    bind_host, _, bind_port = address.rpartition(":")
+    if bind_port.isdigit() and int(bind_port) and port_taken(bind_host.strip("[]"), int(bind_port)):
         raise BindError(f"cannot listen on {address}: the address is in use")
     interceptors = [TokenInterceptor(token)] if token else []
     server = grpc.aio.server(
@@ -295,25 +360,3 @@ async def create_server(
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return Coordinator(server, port, servicer)
-
-
-def _port_taken(address: str) -> bool:
-    """A quiet pre-check, so that losing the hosting race does not make gRPC log a bind error. The exclusive
-    bind by gRPC itself still decides who hosts."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    if not port.isdigit() or int(port) == 0:
-        return False
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    for family, _, _, _, sockaddr in infos:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            # Like gRPC's own bind: connections of a coordinator that died (TIME_WAIT) do not block it.
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(sockaddr)
-            except OSError:
-                return True
-    return False

@@ -85,18 +85,13 @@ class Rendezvous:
         self._scale_up_at: float | None = None
         self._failures: deque[float] = deque()  # times of failures inside the restart window
         self._chief_succeeded = False  # the chief of the current generation exited 0
+        self._seen_generation = 0  # the newest generation any joining agent took part in
         self.restarts_total = 0
         self.restarts_by_reason: Counter[str] = Counter()
 
     # ----------------------------------------------------------------------------------------------- inputs
 
-    def has_node(self, node_id: str) -> bool:
-        return node_id in self._nodes
-
-    def join(
-        self, info: NodeInfo, spec: JobSpec, *, last_generation: int = 0, restart_count: int = 0,
-        rejoin: bool = False,
-    ) -> list[Send]:
+    def join(self, info: NodeInfo, spec: JobSpec, *, restart_count: int = 0, rejoin: bool = False) -> list[Send]:
         """A node enters the rendezvous.
 
         ``rejoin`` marks a Join on a session that is already registered: the agent sends it after it confirmed
@@ -111,11 +106,13 @@ class Rendezvous:
         existing = self._nodes.get(info.node_id)
         if existing is not None and not rejoin:
             raise DuplicateNodeError(
-                f"node id {info.node_id!r} is already in the job; give each node a unique --node-id"
+                f"node id {info.node_id!r} is already in the job (another agent process); "
+                "give each node a unique --node-id"
             )
         if existing is not None and existing.state in (NodeState.RUNNING, NodeState.SUCCEEDED, NodeState.LEAVING):
             raise ProtocolError(f"node {info.node_id!r} joined again while {existing.state.value}")
-        self.generation = max(self.generation, last_generation)
+        # A coordinator that was restarted continues the numbering; only a new round may change the generation.
+        self._seen_generation = max(self._seen_generation, info.last_generation)
         self.restarts_total = max(self.restarts_total, restart_count)
         self._add(info.node_id, _Node(info, NodeState.WAITING, now, now))
         self._lease_deadline = min(self._lease_deadline, now + self.settings.node_timeout_seconds)
@@ -245,6 +242,7 @@ class Rendezvous:
     def _check_spec(self, spec: JobSpec) -> None:
         if self.spec is None:
             self.spec = spec
+            self._open_round(self._clock())  # the join timeout counts from the first join, not from start-up
             return
         diffs = self.spec.differences(spec)
         if diffs:
@@ -329,7 +327,7 @@ class Rendezvous:
         if self.state is not JobState.RUNNING:
             return []  # a restart is already under way; later reports of the same fault add nothing
         if self._chief_succeeded:  # training is complete; see the module docstring
-            if not reason.counts_against_budget:
+            if reason is RestartReason.SCALE_UP:
                 return []
             return self._finish(JobState.SUCCEEDED, f"training completed on the chief; then {reason.value}: {detail}")
         now = self._clock()
@@ -395,10 +393,9 @@ class Rendezvous:
         waiting_set = set(waiting)
         survivors = [m for m in self._members if m in waiting_set]
         survivor_set = set(survivors)
-        newcomers = sorted((n for n in waiting if n not in survivor_set),
-                           key=lambda n: (self._nodes[n].joined_at, n))
+        newcomers = sorted((n for n in waiting if n not in survivor_set), key=self._newcomer_order)
         chosen = (survivors + newcomers)[: spec.max_nodes]
-        self.generation += 1
+        self.generation = max(self.generation, self._seen_generation) + 1
         self._members = chosen
         self._ranks = {node_id: rank for rank, node_id in enumerate(chosen)}
         self.state = JobState.RUNNING  # WAITING -> RUNNING
@@ -419,6 +416,13 @@ class Rendezvous:
         for node_id in self._waiting():
             sends.append(self._waiting_notice(node_id, f"standby: the job is at max_nodes={spec.max_nodes}"))
         return sends
+
+    def _newcomer_order(self, node_id: str) -> tuple[int, int, float, str]:
+        """Nodes from the newest earlier generation first, in their old rank order (so after a coordinator
+        restart the old chief is chief again), then the others in the order they joined."""
+        node = self._nodes[node_id]
+        old_rank = node.info.last_rank if node.info.last_rank >= 0 else 1 << 30
+        return (-node.info.last_generation, old_rank, node.joined_at, node_id)
 
     def _finish(self, state: JobState, reason: str) -> list[Send]:
         self.state = state  # RUNNING -> SUCCEEDED, * -> FAILED

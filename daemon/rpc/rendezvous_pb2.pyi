@@ -14,7 +14,6 @@ class WorkerStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATUS_SUCCEEDED: _ClassVar[WorkerStatus]
     WORKER_STATUS_FAILED: _ClassVar[WorkerStatus]
     WORKER_STATUS_STALLED: _ClassVar[WorkerStatus]
-    WORKER_STATUS_STOPPED: _ClassVar[WorkerStatus]
 
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -29,7 +28,6 @@ WORKER_STATUS_RUNNING: WorkerStatus
 WORKER_STATUS_SUCCEEDED: WorkerStatus
 WORKER_STATUS_FAILED: WorkerStatus
 WORKER_STATUS_STALLED: WorkerStatus
-WORKER_STATUS_STOPPED: WorkerStatus
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_WAITING: JobState
 JOB_STATE_RUNNING: JobState
@@ -38,7 +36,7 @@ JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 
 class JobSpec(_message.Message):
-    __slots__ = ("job", "command_digest", "min_nodes", "max_nodes", "max_restarts", "restart_window_seconds", "stall_timeout_seconds", "backup_dir")
+    __slots__ = ("job", "command_digest", "min_nodes", "max_nodes", "max_restarts", "restart_window_seconds", "stall_timeout_seconds", "backup_dir", "heartbeat_interval_seconds", "node_timeout_seconds")
     JOB_FIELD_NUMBER: _ClassVar[int]
     COMMAND_DIGEST_FIELD_NUMBER: _ClassVar[int]
     MIN_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +45,8 @@ class JobSpec(_message.Message):
     RESTART_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STALL_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BACKUP_DIR_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job: str
     command_digest: bytes
     min_nodes: int
@@ -55,23 +55,29 @@ class JobSpec(_message.Message):
     restart_window_seconds: float
     stall_timeout_seconds: float
     backup_dir: str
-    def __init__(self, job: _Optional[str] = ..., command_digest: _Optional[bytes] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., stall_timeout_seconds: _Optional[float] = ..., backup_dir: _Optional[str] = ...) -> None: ...
+    heartbeat_interval_seconds: float
+    node_timeout_seconds: float
+    def __init__(self, job: _Optional[str] = ..., command_digest: _Optional[bytes] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., stall_timeout_seconds: _Optional[float] = ..., backup_dir: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., node_timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("node_id", "spec", "host", "worker_port", "last_generation", "restart_count")
+    __slots__ = ("node_id", "spec", "host", "worker_port", "last_generation", "restart_count", "incarnation", "last_rank")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     WORKER_PORT_FIELD_NUMBER: _ClassVar[int]
     LAST_GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LAST_RANK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     spec: JobSpec
     host: str
     worker_port: int
     last_generation: int
     restart_count: int
-    def __init__(self, node_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., last_generation: _Optional[int] = ..., restart_count: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    last_rank: int
+    def __init__(self, node_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., last_generation: _Optional[int] = ..., restart_count: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_rank: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ()

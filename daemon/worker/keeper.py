@@ -19,6 +19,7 @@ import time
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 GRACE_ENV = "TFELASTIC_KEEPER_GRACE"
+AGENT_PID_ENV = "TFELASTIC_AGENT_PID"
 
 
 def _prctl(option: int, value: int) -> None:
@@ -85,19 +86,22 @@ def _orphaned(grace: float) -> None:
 
 def main(argv: list[str]) -> int:
     grace = float(os.environ.pop(GRACE_ENV, "10"))
-    agent = os.getppid()
+    agent = int(os.environ.pop(AGENT_PID_ENV, "0")) or os.getppid()  # the agent says who it is: we may be late
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    _prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
     signal.signal(signal.SIGHUP, lambda *_: _orphaned(grace))
+    _prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
     if os.getppid() != agent:  # the agent died before the death signal was armed
         _orphaned(grace)
     # The agent signals the whole process group on stop; the trainer handles SIGTERM, the keeper waits.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    keeper = os.getpid()
     trainer = os.fork()
     if trainer == 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the keeper itself was SIGKILLed: take the trainer along
+        if os.getppid() != keeper:  # it died before the death signal was armed
+            os._exit(128 + signal.SIGKILL)
         try:
             os.execvp(argv[0], argv)
         except OSError as e:

@@ -41,12 +41,14 @@ class WorkerProcess:
         self._proc = proc
         self._spec = spec
         self.pid = proc.pid  # the keeper: session leader, so also the process group id
+        self.exited_before_stop = False  # set by stop(): it had ended by itself before it was signalled
         self._output = asyncio.create_task(self._forward_output())
 
     @classmethod
     async def start(cls, spec: WorkerSpec) -> WorkerProcess:
         env = dict(spec.env)
         env[keeper.GRACE_ENV] = str(spec.orphan_grace_seconds)
+        env[keeper.AGENT_PID_ENV] = str(os.getpid())
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-S", KEEPER_PATH, *spec.command,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
@@ -72,8 +74,22 @@ class WorkerProcess:
                 return children[0].pid
         return self.pid
 
+    def has_exited(self) -> bool:
+        """Whether the keeper has ended, reaped or not (a peek: it does not reap)."""
+        if self._proc.returncode is not None:
+            return True
+        try:
+            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
+
     async def stop(self, grace_seconds: float) -> None:
         """SIGTERM the group, wait for the grace period, SIGKILL what is left; return once all are gone."""
+        self.exited_before_stop = self.has_exited()
+        if self.exited_before_stop:  # its pid may be reused by now: only the group's leftovers are ours
+            await asyncio.to_thread(_kill_until_gone, self.pid, [])
+            await self._proc.wait()
+            return
         tree = _tree(self.pid)
         _signal_group(self.pid, signal.SIGTERM)
         with contextlib.suppress(asyncio.TimeoutError):
@@ -128,15 +144,25 @@ def _kill_until_gone(pgid: int, tree: list[psutil.Process]) -> None:
     A killed process counts as gone once it is a zombie: it runs no code and holds no port, and its reaping
     is up to its parent (or init), which may take a while. psutil.wait_procs would wait for the reaping.
     """
+    started = next_report = time.monotonic()
+    pause = 0.002
     while True:
         alive = [p for p in tree if _alive(p)]
-        if not alive and not group_members(pgid):
+        members = group_members(pgid)
+        if not alive and not members:
             return
-        _signal_group(pgid, signal.SIGKILL)
+        if time.monotonic() >= next_report + 5.0:  # D state (a hung driver or NFS mount) resists SIGKILL
+            next_report = time.monotonic()
+            log.error("worker processes %s survive SIGKILL for %.0fs (uninterruptible sleep?); the node "
+                      "cannot rejoin until they are gone", sorted({p.pid for p in alive} | set(members)),
+                      next_report - started)
+        if members:
+            _signal_group(pgid, signal.SIGKILL)
         for p in alive:
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        time.sleep(0.005)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
 
 
 def _alive(process: psutil.Process) -> bool:

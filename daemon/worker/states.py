@@ -2,24 +2,25 @@
 
 ::
 
-    INIT ──join──▶ WAITING ──assignment──▶ RUNNING ──exit 0──────▶ SUCCEEDED
-                      ▲                       │  └──exit ≠ 0 / stall──▶ FAILED ──┐
-                      │                       │                                  │
-                      │                       └──stop order / shutdown──▶ STOPPING ◀──┘ (clean up what is left)
-                      │                                                  │
-                      └──────────────── rejoin ◀── STOPPED ◀──every process gone
+    INIT ──join──▶ WAITING ──assignment──▶ RUNNING ──exit 0──────▶ SUCCEEDED ──┐
+                      ▲                       │  └──exit ≠ 0────────▶ FAILED ─────┤
+                      │                       │                                    │
+                      │                       └──stop order / shutdown / fence──▶ STOPPING
+                      │                                                            │
+                      └──────────────── rejoin ◀── STOPPED ◀──every process gone──┘
 
 ``INIT -> WAITING``        the agent sent Join and waits for the round to close
 ``WAITING -> RUNNING``     an Assignment arrived and the worker was launched for that generation
 ``RUNNING -> SUCCEEDED``   the trainer exited 0
-``RUNNING -> FAILED``      the trainer exited non-zero, or reported no progress for ``stall_timeout``
-``RUNNING -> STOPPING``    the coordinator ordered a stop, or the agent is shutting down or lost the coordinator
+``RUNNING -> FAILED``      the trainer exited non-zero
+``RUNNING -> STOPPING``    the coordinator ordered a stop (a failure elsewhere, a stall reported by this agent,
+                           a scale-up), or the agent is shutting down, or it lost the coordinator (fencing)
 ``FAILED -> STOPPING``     clean up whatever the failed trainer left behind
-``SUCCEEDED -> STOPPING``  the job restarts after all (another rank failed before the job finished)
+``SUCCEEDED -> STOPPING``  the same, after a trainer that exited 0
 ``STOPPING -> STOPPED``    SIGTERM, grace, SIGKILL: every process of the worker is confirmed gone
 ``STOPPED -> WAITING``     the agent joins the next round (the Join confirms the old worker is gone)
-``WAITING -> STOPPED``     the job ended, or the agent left, while no worker was running
-``INIT -> STOPPED``        the agent stopped before it ever joined
+
+A stalled trainer stays RUNNING until the coordinator's stop order: the agent only reports the stall.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class WorkerState(enum.Enum):
 
 
 _ALLOWED: dict[WorkerState, frozenset[WorkerState]] = {
-    WorkerState.INIT: frozenset({WorkerState.WAITING, WorkerState.STOPPED}),
-    WorkerState.WAITING: frozenset({WorkerState.RUNNING, WorkerState.STOPPED}),
+    WorkerState.INIT: frozenset({WorkerState.WAITING}),
+    WorkerState.WAITING: frozenset({WorkerState.RUNNING}),
     WorkerState.RUNNING: frozenset({WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPING}),
     WorkerState.SUCCEEDED: frozenset({WorkerState.STOPPING}),
     WorkerState.FAILED: frozenset({WorkerState.STOPPING}),
@@ -62,13 +63,10 @@ class WorkerStateMachine:
 
     def __init__(self) -> None:
         self.state = WorkerState.INIT
-        self.generation = 0
 
     def to(self, new: WorkerState) -> WorkerState:
+        """Move to ``new``; returns the state it left."""
         if new not in _ALLOWED[self.state]:
             raise IllegalTransition(f"worker state {self.state.value} -> {new.value} is not allowed")
         old, self.state = self.state, new
         return old
-
-    def can(self, new: WorkerState) -> bool:
-        return new in _ALLOWED[self.state]

@@ -6,18 +6,20 @@ import asyncio
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from tfelastic.daemon.auth import bearer
 from tfelastic.daemon.config import Endpoint, TlsConfig
+from tfelastic.daemon.netutil import free_port
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.rendezvous.client import fetch_status, open_channel
 from tfelastic.daemon.rendezvous.server import create_server
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
 
-from tests.cluster import COUNTER, free_port, wait_for
+from tests.cluster import COUNTER
 from tests.conftest import ClusterFactory
 
 pytestmark = pytest.mark.integration
@@ -29,13 +31,25 @@ def write_token(path: Path, secret: str) -> str:
     return str(path)
 
 
+def job_summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """What a refused agent or request must not change: the job's state and restarts, and its nodes."""
+    return {
+        "state": doc["state"],
+        "generation": doc["generation"],
+        "restarts_total": doc["restarts_total"],
+        "restarts_by_reason": doc["restarts_by_reason"],
+        "nodes": sorted((n["node_id"], n["state"]) for n in doc["nodes"]),
+    }
+
+
 def test_wrong_token_is_refused_and_changes_nothing(make_cluster: ClusterFactory, tmp_path: Path) -> None:
     good = write_token(tmp_path / "token", "s3cret-good")
     bad = write_token(tmp_path / "bad-token", "s3cret-bad")
     cluster = make_cluster([sys.executable, COUNTER], nodes="2", token="s3cret-good",
                            extra_args=["--token-file", good])
     cluster.start("a")
-    before = wait_for(cluster.status, 20, "the coordinator")
+    before = job_summary(cluster.wait_status(lambda d: [n["node_id"] for n in d["nodes"]] == ["a"], 20,
+                                             'agent "a" to join'))
     intruder = cluster.start("intruder", extra=["--token-file", bad])
     assert intruder.wait(30) == 78
     assert "the coordinator refused this agent: missing or wrong token" in intruder.log()
@@ -58,7 +72,8 @@ def test_wrong_token_is_refused_and_changes_nothing(make_cluster: ClusterFactory
         asyncio.run(fetch_status(cluster.endpoint, "wrong"))
     assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
     after = cluster.status()
-    assert after is not None and after["nodes"] == before["nodes"]  # nobody was added
+    assert after is not None
+    assert job_summary(after) == before  # nobody was added, and nothing restarted or moved on
 
     status = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "status", "--rendezvous",
                              str(cluster.endpoint), "--token-file", bad], capture_output=True, text=True, timeout=60)

@@ -55,8 +55,7 @@ def test_parse_nodes_errors(text: str, message: str) -> None:
 
 
 def test_parse_nodes_refuses_a_missing_max() -> None:
-    # BUG? "1:" has a ':' but no MAX; parse_nodes treats the empty MAX as "same as MIN" and returns (1, 1)
-    # instead of refusing it as not MIN[:MAX].
+    # "1:" has a ':' but no MAX: it is refused, not read as "MAX same as MIN".
     with pytest.raises(ConfigError, match=r"^--nodes: '1:'"):
         parse_nodes("1:")
 
@@ -106,8 +105,8 @@ def test_endpoint_port_zero_only_where_allowed() -> None:
 
 @pytest.mark.parametrize("text", ["head:\u00b2", "head:\u00b9\u00b2"], ids=["superscript-2", "superscript-12"])
 def test_endpoint_parse_refuses_non_ascii_digits_with_a_config_error(text: str) -> None:
-    # BUG? str.isdigit() accepts superscript digits such as '²' but int() does not: Endpoint.parse raises a
-    # bare ValueError instead of ConfigError, so `tfelastic run --rendezvous head:²` ends in a traceback.
+    # str.isdigit() accepts superscript digits such as '²' but int() does not: the port is still refused with a
+    # ConfigError naming the option, never a bare ValueError.
     with pytest.raises(ConfigError, match=r"^--rendezvous: "):
         Endpoint.parse(text, "--rendezvous")
 
@@ -297,8 +296,7 @@ def test_load_toml_missing_file(tmp_path: Path) -> None:
 
 
 def test_load_toml_file_that_is_not_utf8(tmp_path: Path) -> None:
-    # BUG? tomllib decodes the file itself and raises UnicodeDecodeError, which load_toml does not catch: a job
-    # file saved in Latin-1 ends `tfelastic agent` in a traceback instead of exit code 78.
+    # A job file saved in Latin-1 is a ConfigError naming the file, not a UnicodeDecodeError.
     path = tmp_path / "job.toml"
     path.write_bytes(MINIMAL.encode() + b'[node]\nid = "n\xe9"\n')
     with pytest.raises(ConfigError) as excinfo:
@@ -367,8 +365,8 @@ def test_load_toml_bad_command(tmp_path: Path, command: str, expected: str) -> N
 
 
 def test_load_toml_command_string_with_unbalanced_quote(tmp_path: Path) -> None:
-    # BUG? A command string is split with shlex.split, whose ValueError("No closing quotation") is not turned
-    # into a ConfigError: `tfelastic agent --config job.toml` ends in a traceback instead of exit code 78.
+    # A command string is split like a shell would; an unbalanced quote is a ConfigError naming the file and the
+    # key, not shlex's ValueError("No closing quotation").
     text = MINIMAL.replace('command = ["python", "train.py"]', "command = \"python 'train.py\"")
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as excinfo:
@@ -409,9 +407,8 @@ def test_load_toml_validates_values_naming_the_file(tmp_path: Path) -> None:
     (MINIMAL + "[node]\nid = 'node 7'\n", "node.id"),
 ], ids=["job.name", "node.id"])
 def test_load_toml_validation_names_the_key_in_the_file(tmp_path: Path, text: str, key: str) -> None:
-    # BUG? validate() names fields, not TOML keys: a bad [job] name is reported as "<file>: job: ...", and a bad
-    # [node] id as "<file>: node_id: ...", while the file spells them job.name and node.id (the module promises
-    # that every message names the option).
+    # A value refused by validate() is reported under the key as the file spells it (job.name, node.id), not
+    # under the field name (job, node_id).
     path, message = toml_error(tmp_path, text)
     assert message.startswith(f"{path}: {key}: "), message
 
@@ -458,8 +455,8 @@ def test_read_token_missing_file_names_the_option(tmp_path: Path) -> None:
 
 
 def test_read_token_binary_file_is_a_config_error(tmp_path: Path) -> None:
-    # BUG? read_token reads the file as UTF-8 text and catches only OSError: a binary secret (e.g. made with
-    # `openssl rand 32 > token`, without -hex) raises UnicodeDecodeError and the CLI ends in a traceback.
+    # A binary secret (e.g. made with `openssl rand 32 > token`, without -hex) is a ConfigError naming the
+    # option, not a UnicodeDecodeError.
     path = token_file(tmp_path, b"\xff\xfe\x00\x9c", 0o600)
     with pytest.raises(ConfigError, match=r"^--token-file: "):
         read_token(path)

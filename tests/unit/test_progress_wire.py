@@ -329,3 +329,30 @@ def test_listener_close_removes_its_directory_without_start(tmp_path: Path) -> N
     directory = asyncio.run(main())
     assert not os.path.exists(directory)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_decode_rejects_out_of_range_integers_and_nan() -> None:
+    with pytest.raises(ValueError, match=r"^progress field 'step' is out of range: 4611686018427387905$"):
+        decode(b'{"g":1,"pid":2,"step":4611686018427387905}')
+    with pytest.raises(ValueError, match="NaN, which is not a number"):
+        decode(b'{"g":1,"pid":2,"step":3,"loss":NaN}')
+
+
+def test_done_flag_round_trips_and_numpy_like_values_are_made_plain(tmp_path: Path) -> None:
+    assert decode(encode(ProgressMessage(1, 2, 3, done=True))).done is True
+    assert decode(encode(ProgressMessage(1, 2, 3))).done is False
+
+    class Scalar:  # stands in for a numpy scalar: int() and float() work, json.dumps does not
+        def __int__(self) -> int:
+            return 7
+
+        def __float__(self) -> float:
+            return 0.5
+
+    path = str(tmp_path / "s")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
+        server.bind(path)
+        reporter = ProgressReporter(path, generation=4, min_interval=0)
+        assert reporter.report(Scalar(), examples=Scalar(), loss=Scalar(), done=True)  # type: ignore[arg-type]
+        message = decode(server.recv(MAX_DATAGRAM))
+    assert (message.step, message.examples, message.loss, message.done) == (7, 7, 0.5, True)

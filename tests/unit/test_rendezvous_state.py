@@ -36,6 +36,8 @@ from tfelastic.daemon.rendezvous.api import (
 )
 from tfelastic.daemon.rendezvous.state import Rendezvous
 
+from tests.fakes import FakeClock
+
 WAIT = "waiting for the round to close"
 SCALE_UP = "scale-up pending: the job will re-form to take this node in"
 STANDBY = "standby: the job is at max_nodes=3"
@@ -56,16 +58,6 @@ SPEC = JobSpec(
 PORT = 2222
 
 
-class FakeClock:
-    """A monotonic clock that moves only when a test moves it."""
-
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 # ------------------------------------------------------------------------------------------------ helpers
 
 
@@ -73,8 +65,8 @@ def spec(**changes: Any) -> JobSpec:
     return dataclasses.replace(SPEC, **changes)
 
 
-def info(node_id: str) -> NodeInfo:
-    return NodeInfo(node_id, f"{node_id}.cluster", PORT)
+def info(node_id: str, **changes: Any) -> NodeInfo:
+    return NodeInfo(node_id, f"{node_id}.cluster", PORT, **changes)
 
 
 def members(ids: Sequence[str]) -> tuple[Member, ...]:
@@ -114,7 +106,7 @@ def join(rv: Rendezvous, *ids: str) -> list[Send]:
 
 
 def rejoin(rv: Rendezvous, node_id: str) -> list[Send]:
-    return rv.join(info(node_id), rv.spec or SPEC, last_generation=rv.generation, rejoin=True)
+    return rv.join(info(node_id, last_generation=rv.generation), rv.spec or SPEC, rejoin=True)
 
 
 def rejoin_all(rv: Rendezvous, *ids: str) -> list[Send]:
@@ -365,7 +357,7 @@ def test_spec_mismatch_names_the_differing_setting(field_name: str, value: objec
     assert fragment in message
     assert "job 'mnist'" in message
     assert message.count(";") == 0  # exactly one setting differs, exactly one is named
-    assert not rv.has_node("b")
+    assert "b" not in [n.node_id for n in rv.snapshot().nodes]
     assert rv.spec == SPEC
 
 
@@ -390,7 +382,7 @@ def test_join_after_the_job_finished_is_refused(state: JobState) -> None:
     assert rv.state is state
     with pytest.raises(JobClosedError, match=f"'mnist' has already {state.value}"):
         join(rv, "c")
-    assert not rv.has_node("c")
+    assert "c" not in [n.node_id for n in rv.snapshot().nodes]
 
 
 # ----------------------------------------------------------------------------------------------- faults
@@ -434,7 +426,7 @@ def test_node_lost_when_its_lease_expires() -> None:
         Send("b", Evict("no message for 2.5s")),
         *stops(1, ["a", "c"], RestartReason.NODE_LOST),
     ]
-    assert not rv.has_node("b")
+    assert "b" not in [n.node_id for n in rv.snapshot().nodes]
     assert rv.reason == "node_lost: b: silent for 2.5s"
     assert rv.snapshot().restarts_by_reason == {"node_lost": 1}
     assert rejoin_all(rv, "c", "a") == assignments(2, ["a", "c"], restarts=1)
@@ -699,14 +691,53 @@ def test_non_chief_completing_while_the_set_stops_changes_nothing() -> None:
 def test_restarted_coordinator_continues_generation_numbering() -> None:
     clock = FakeClock()
     rv = new(clock)
-    rv.join(info("a"), SPEC, last_generation=7, restart_count=4)
-    rv.join(info("b"), SPEC, last_generation=6, restart_count=3)
+    rv.join(info("a", last_generation=7, last_rank=1), SPEC, restart_count=4)
+    rv.join(info("b", last_generation=7, last_rank=0), SPEC, restart_count=3)
     at(clock, rv, 1.0)
-    assert rv.tick() == assignments(8, ["a", "b"], restarts=4)
+    # b was the chief of generation 7, so it is the chief again
+    assert rv.tick() == assignments(8, ["b", "a"], restarts=4)
     snap = rv.snapshot()
     assert (snap.generation, snap.restarts_total, snap.restarts_by_reason) == (8, 4, {})
     rv.worker_failed("b", 8, RestartReason.WORKER_EXIT, "exit 1")
-    assert rejoin_all(rv, "a", "b") == assignments(9, ["a", "b"], restarts=5)
+    assert rejoin_all(rv, "a", "b") == assignments(9, ["b", "a"], restarts=5)
+
+
+def test_a_late_join_from_an_older_coordinator_does_not_change_a_running_generation() -> None:
+    # A restarted coordinator formed generation 1 with c; an old member then joins with last_generation=5.
+    clock = FakeClock()
+    rv = running(clock, ["c"], min_nodes=1)
+    assert rv.join(info("b", last_generation=5), spec(min_nodes=1))[0].order == Waiting(
+        1, 1, 3, "scale-up pending: the job will re-form to take this node in")
+    assert rv.generation == 1
+    assert rv.worker_succeeded("c", 1) == [Send(n, Finished(JobState.SUCCEEDED,
+                                                            "every trainer of generation 1 exited 0"))
+                                           for n in ["c", "b"]]
+
+
+def test_the_next_round_after_a_late_join_continues_above_every_generation_seen() -> None:
+    clock = FakeClock()
+    rv = running(clock, ["c"], min_nodes=1)
+    rv.join(info("b", last_generation=5), spec(min_nodes=1))
+    at(clock, rv, clock.now + SETTINGS.settle_seconds)
+    assert rv.tick() == [Send("c", StopWorkers(1, RestartReason.SCALE_UP))]
+    assert next(s.order for s in rejoin(rv, "c") if isinstance(s.order, Assignment)).generation == 6
+
+
+def test_leave_after_the_chief_succeeded_completes_the_job() -> None:
+    clock = FakeClock()
+    rv = running(clock, ["a", "b"])
+    rv.worker_succeeded("a", 1)
+    reason = "training completed on the chief; then node_left: b: drained"
+    assert rv.leave("b", "drained") == [Send(n, Finished(JobState.SUCCEEDED, reason)) for n in ["a", "b"]]
+
+
+def test_join_timeout_of_a_standalone_coordinator_counts_from_the_first_join() -> None:
+    clock = FakeClock()
+    rv = Rendezvous(SETTINGS, clock)  # no spec until the first join
+    clock.now = 10 * SETTINGS.join_timeout_seconds
+    assert rv.join(info("a"), SPEC) == [Send("a", Waiting(1, 2, 3, "waiting for the round to close"))]
+    assert rv.tick() == []
+    assert rv.state is JobState.WAITING
 
 
 # ------------------------------------------------------------------------------------------- snapshot

@@ -1,0 +1,68 @@
+"""Small network helpers shared by the agent, the coordinator, the CLI and the tests."""
+
+from __future__ import annotations
+
+import socket
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def is_local_address(host: str) -> bool:
+    """Whether this machine owns ``host`` (a name or address): whether it can bind to it."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((sockaddr[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether something listens on host:port. Binds like gRPC does (SO_REUSEADDR), so connections of a process
+    that died (TIME_WAIT) do not count."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(sockaddr)
+            except OSError:
+                return True
+    return False
+
+
+def route_address(destination: str) -> str:
+    """The local address this machine uses to reach ``destination``: what peers there can reach it at."""
+    try:
+        ip = ipaddress_of(destination)
+        if ip.startswith("127.") or ip == "::1":
+            return "127.0.0.1" if "." in ip else "::1"
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))  # UDP connect sends nothing; it only picks the route
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def ipaddress_of(host: str) -> str:
+    return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
