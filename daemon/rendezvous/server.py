@@ -279,6 +279,7 @@ class BindError(OSError):
 
 _MAX_GENERATION = 1 << 53  # far beyond any job, and exact in every field it reaches
 _MAX_NODES = 100_000
+_MAX_RESTARTS = 1 << 31
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 
 
@@ -292,8 +293,10 @@ def validate_join(join: pb.Join) -> None:
         problems.append(f"host {join.host[:64]!r} must be a host name or address")
     if not 1 <= join.worker_port <= 65535:
         problems.append(f"worker_port {join.worker_port} is out of range 1-65535")
-    if join.last_generation > _MAX_GENERATION or join.restart_count > _MAX_GENERATION:
-        problems.append("last_generation or restart_count out of range")
+    if join.last_generation > _MAX_GENERATION:
+        problems.append(f"last_generation {join.last_generation} is out of range")
+    if join.restart_count > _MAX_RESTARTS:  # it ends up in uint32 fields, plus the restarts still to come
+        problems.append(f"restart_count {join.restart_count} is out of range")
     if not -1 <= join.last_rank < _MAX_NODES or len(join.incarnation) > 64:
         problems.append("last_rank or incarnation out of range")
     if not join.HasField("spec") or not spec.job or len(spec.job) > 128 or len(spec.command_digest) != 32:

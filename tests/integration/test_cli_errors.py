@@ -151,3 +151,26 @@ def test_status_with_nothing_listening_exits_1(tmp_path: Path) -> None:
     assert result.stdout == ""
     assert result.stderr.startswith(f"tfelastic status: no cluster reachable at 127.0.0.1:{port}: UNAVAILABLE: "), (
         result.stderr)
+
+
+@pytest.mark.parametrize(("args", "start"), [
+    (["run", "--rendezvous", "127.0.0.1:29400", "--advertise-address", "192.0.2.1", "--", "true"],
+     "--advertise-address: '192.0.2.1' is not an address of this machine"),
+    (["status", "--rendezvous", "127.0.0.1:29400", "--watch", "0"], "--watch: 0.0 seconds must be more than 0"),
+    (["coordinator", "--listen", "127.0.0.1:0", "--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"],
+     "--tls-cert: cannot read '/nonexistent.pem'"),
+])
+def test_environment_checks_exit_78(args: list[str], start: str, tmp_path: Path) -> None:
+    result = tfelastic(*args, cwd=tmp_path)
+    assert_config_error(result)
+    assert config_error_line(result).startswith(start)
+
+
+def test_token_with_whitespace_is_refused(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("two words\n")
+    token.chmod(0o600)
+    result = tfelastic("run", "--rendezvous", "127.0.0.1:29400", "--token-file", str(token), "--", "true",
+                       cwd=tmp_path)
+    assert_config_error(result)
+    assert config_error_line(result).startswith(f"--token-file: {str(token)!r} must hold one word of printable ASCII")

@@ -227,3 +227,17 @@ def test_standalone_coordinator_and_agents_from_job_files(make_cluster: ClusterF
     finally:
         coordinator.kill()
         coordinator.wait()
+
+
+def test_exit_0_in_answer_to_a_planned_stop_does_not_end_the_job(make_cluster: ClusterFactory) -> None:
+    # A trainer that exits 0 on SIGTERM (it checkpointed and stopped) has not completed training.
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=FAST,
+                           env={"COUNTER_STEPS": "120", "COUNTER_EXIT_ON_TERM": "1"})
+    cluster.start("a")
+    cluster.start("b")
+    cluster.wait_running(1, 2, step=10)
+    cluster.start("c")
+    doc = cluster.wait_running(2, 3)
+    assert doc["restarts_by_reason"] == {"scale_up": 1}
+    assert cluster.wait_all(60) == [0, 0, 0], cluster.logs()
+    assert [e["step"] for e in cluster.events() if e["event"] == "end"] == [120, 120, 120]

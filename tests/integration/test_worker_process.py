@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec, group_members
 
-from tests.cluster import alive, wait_for
+from tests.cluster import alive, processes_of, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -103,3 +103,21 @@ def test_worker_never_outlives_a_sigkilled_agent(tmp_path: Path) -> None:
         wait_for(lambda: not any(alive(p) for p in pids), 15, "every worker process to die with its agent")
     finally:
         agent.kill()
+
+
+def test_worker_never_outlives_an_agent_that_dies_while_the_keeper_starts(tmp_path: Path) -> None:
+    """The agent exits right after spawning, before the keeper has armed its parent-death signal."""
+    agent_script = tmp_path / "agent.py"
+    agent_script.write_text(textwrap.dedent(f"""
+        import asyncio, os
+        from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
+        async def main():
+            await WorkerProcess.start(WorkerSpec({_family(tmp_path)!r}, dict(os.environ), None, "[t]", 0.5))
+            os._exit(0)
+        asyncio.run(main())
+    """))
+    subprocess.run([sys.executable, str(agent_script)], check=True, timeout=60)
+    wait_for(lambda: not processes_of(str(tmp_path)), 15, "every worker process to end with its agent")
+    pids = tmp_path / "pids"
+    if pids.exists() and pids.read_text().strip():  # the trainer got as far as starting its family
+        assert not any(alive(int(p)) for p in pids.read_text().split())

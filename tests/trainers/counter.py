@@ -4,7 +4,7 @@ It resumes from a step file in TFELASTIC_BACKUP_DIR, like a checkpoint. Environm
 COUNTER_STEPS (target, default 50), COUNTER_STEP_SECONDS (default 0.05), COUNTER_EVENTS (a file to which
 every rank appends one JSON line when it starts and when it ends), COUNTER_HANG_AT (a step at which the chief
 stops making progress while its process stays alive, once), COUNTER_FAIL_AT (a step at which the chief exits 3,
-once).
+once), COUNTER_EXIT_ON_TERM=1 (exit 0 on SIGTERM, like a trainer that checkpoints and stops).
 
 Unlike MWMS ranks, counters do not wait for each other. Faults hit the chief (rank 0) so that the other rank
 cannot finish the job alone: a chief's exit 0 completes a job (see rendezvous/state.py).
@@ -15,6 +15,7 @@ agents promise there is none (FACTS 4).
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -70,6 +71,8 @@ def main() -> int:
     generation = int(os.environ["TFELASTIC_GENERATION"])
     event("start", tf_config=os.environ["TF_CONFIG"], legacy_keras=os.environ.get("TF_USE_LEGACY_KERAS"),
           stale=stale_workers(backup, generation))
+    if os.environ.get("COUNTER_EXIT_ON_TERM"):
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     hang_at = int(os.environ.get("COUNTER_HANG_AT", "-1"))
     fail_at = int(os.environ.get("COUNTER_FAIL_AT", "-1"))
     reporter = ProgressReporter.from_env(min_interval=0)
