@@ -183,12 +183,20 @@ def setup_logging(level: str, node: str = "") -> None:
                         datefmt="%H:%M:%S")
 
 
+def _warn_if_clear_text(endpoint: Endpoint, tls: TlsConfig) -> None:
+    if not endpoint.is_loopback() and not tls.enabled:
+        logging.getLogger("tfelastic").warning(
+            "%s is not loopback and TLS is off: the token and all rendezvous traffic cross the network in clear "
+            "text; use --tls-cert/--tls-key/--tls-ca on untrusted networks", endpoint)
+
+
 def _run_agent(config: AgentConfig) -> int:
     from tfelastic.daemon.agent.agent import Agent
 
     token = _token_for(config.rendezvous, config.token_file)
     _check_environment(config)
     setup_logging(config.log_level, config.node_id)
+    _warn_if_clear_text(config.rendezvous, config.tls)
     return asyncio.run(Agent(config, token).run())
 
 
@@ -203,6 +211,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
                                   heartbeat_interval=args.heartbeat_interval, node_timeout=args.node_timeout,
                                   tls=tls))
     setup_logging(args.log_level, "coordinator")
+    _warn_if_clear_text(listen, tls)
     _check_tls_files(tls)
     settings = timing.rendezvous_settings()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import psutil
 from tfelastic.daemon.config import Endpoint
 from tfelastic.daemon.rendezvous.client import fetch_status
@@ -92,8 +93,8 @@ class Cluster:
     def status(self) -> dict[str, Any] | None:
         try:
             return status_to_json(asyncio.run(fetch_status(self.endpoint, self.token, timeout=1.0)))
-        except Exception:
-            return None
+        except grpc.RpcError:
+            return None  # not up yet, or gone
 
     def wait_status(self, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:

@@ -20,6 +20,9 @@ if ((${#missing[@]})); then
 fi
 
 python=${PYTHON:-python3}
+if ! "$python" -c 'import ensurepip' 2>/dev/null && [[ $(id -u) == 0 ]]; then  # Debian splits venv out
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
+fi
 if [[ ! -x .venv/bin/python ]]; then
   "$python" -m venv .venv
 fi

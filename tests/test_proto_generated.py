@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
+from tfelastic.daemon.config import tomllib  # tomli on Python 3.10
 
 ROOT = Path(__file__).resolve().parent.parent
 RPC = ROOT / "daemon" / "rpc"

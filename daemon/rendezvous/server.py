@@ -260,6 +260,7 @@ class Coordinator:
     server: grpc.aio.Server
     port: int
     servicer: RendezvousServicer
+    health: Any
 
     async def wait_agents_gone(self, timeout: float) -> None:
         """After the job ended: give the agents time to read the verdict and hang up."""
@@ -268,6 +269,7 @@ class Coordinator:
             await asyncio.sleep(0.05)
 
     async def stop(self, grace: float = 0.5) -> None:
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING for every service
         await self.servicer.stop()
         self.servicer.close_sessions("the coordinator is shutting down")
         await self.server.stop(grace)
@@ -362,4 +364,4 @@ async def create_server(
     servicer.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return Coordinator(server, port, servicer)
+    return Coordinator(server, port, servicer, health_servicer)
