@@ -10,7 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from tfelastic.daemon.config import tomllib  # tomli on Python 3.10
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 RPC = ROOT / "daemon" / "rpc"
