@@ -119,7 +119,8 @@ def main() -> None:
     for nodes in args.nodes:
         endpoint = Endpoint("127.0.0.1", free_port())
         proc = subprocess.Popen([sys.executable, "-m", "tfelastic.daemon", "coordinator", "--listen", str(endpoint),
-                                 "--log-level", "warning", "--last-call", "0.2"])
+                                 "--log-level", "warning", "--last-call", "0.2",
+                                 "--metrics-port", "0"])
         try:
             wait_for(partial(_up, endpoint), 30, "the coordinator")
             print(asyncio.run(measure(nodes, endpoint, psutil.Process(proc.pid))), flush=True)

@@ -17,6 +17,7 @@ from typing import NoReturn
 import grpc
 from tfelastic.daemon.config import (
     EX_CONFIG,
+    METRICS_OFF,
     AgentConfig,
     ConfigError,
     Endpoint,
@@ -26,7 +27,7 @@ from tfelastic.daemon.config import (
     read_token,
     validate,
 )
-from tfelastic.daemon.netutil import is_local_address
+from tfelastic.daemon.netutil import host_port, is_local_address, port_taken
 from tfelastic.daemon.rendezvous.api import JobState
 
 DEFAULT = AgentConfig(command=("true",), rendezvous=Endpoint("localhost", 29400))
@@ -45,6 +46,25 @@ def _add_security(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default="", metavar="PEM", help="private key of --tls-cert")
     p.add_argument("--tls-ca", default="", metavar="PEM",
                    help="CA bundle of the peers; on a server it makes client certificates required (mTLS)")
+
+
+def _metrics_port(text: str) -> int | None:
+    if text == METRICS_OFF:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number or 'off'") from None
+
+
+def _add_metrics(p: argparse.ArgumentParser) -> None:
+    d = DEFAULT
+    p.add_argument("--metrics-port", type=_metrics_port, default=d.metrics_port, metavar="PORT",
+                   help=f"serve Prometheus /metrics; 0 picks a free port, 'off' disables (default {d.metrics_port})")
+    p.add_argument("--metrics-address", default=d.metrics_address, metavar="ADDR",
+                   help=f"address of /metrics (default {d.metrics_address}; any other needs --metrics-token-file)")
+    p.add_argument("--metrics-token-file", default="", metavar="PATH",
+                   help="bearer token that scrapes of /metrics must present (mode 600)")
 
 
 def _add_timing(p: argparse.ArgumentParser) -> None:
@@ -94,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     _add_security(run)
     _add_timing(run)
+    _add_metrics(run)
     run.add_argument("trainer", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
 
     coord = sub.add_parser("coordinator", help="run a standalone coordinator (e.g. on a head node)")
@@ -101,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     _add_security(coord)
     _add_timing(coord)
+    _add_metrics(coord)
 
     status = sub.add_parser("status", help="show the cluster as the coordinator sees it")
     status.add_argument("--rendezvous", required=True, metavar="HOST:PORT")
@@ -135,7 +157,8 @@ def config_from_run_args(args: argparse.Namespace) -> AgentConfig:
         stop_grace=args.stop_grace, failure_stop_grace=args.failure_stop_grace, token_file=args.token_file,
         tls=_tls(args), last_call=args.last_call,
         settle=args.settle, join_timeout=args.join_timeout, heartbeat_interval=args.heartbeat_interval,
-        node_timeout=args.node_timeout, log_level=args.log_level,
+        node_timeout=args.node_timeout, log_level=args.log_level, metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address, metrics_token_file=args.metrics_token_file,
     ))
 
 
@@ -168,6 +191,13 @@ def _check_environment(config: AgentConfig) -> None:
                           "which needs a certificate and key to serve TLS")
     if config.advertise_address and not is_local_address(config.advertise_address):
         raise ConfigError(f"--advertise-address: {config.advertise_address!r} is not an address of this machine")
+    _check_metrics_listen(config)
+
+
+def _check_metrics_listen(config: AgentConfig) -> None:
+    if config.metrics_port and port_taken(config.metrics_address, config.metrics_port):
+        raise ConfigError(f"--metrics-port: {config.metrics_address}:{config.metrics_port} is in use; give each "
+                          "agent on this host its own port (0 picks a free one)")
 
 
 def _check_tls_files(tls: TlsConfig) -> None:
@@ -190,17 +220,25 @@ def _warn_if_clear_text(endpoint: Endpoint, tls: TlsConfig) -> None:
             "text; use --tls-cert/--tls-key/--tls-ca on untrusted networks", endpoint)
 
 
+def _metrics_token(config: AgentConfig) -> str | None:
+    return read_token(config.metrics_token_file, "--metrics-token-file") if config.metrics_token_file else None
+
+
 def _run_agent(config: AgentConfig) -> int:
     from tfelastic.daemon.agent.agent import Agent
 
     token = _token_for(config.rendezvous, config.token_file)
+    metrics_token = _metrics_token(config)
     _check_environment(config)
     setup_logging(config.log_level, config.node_id)
     _warn_if_clear_text(config.rendezvous, config.tls)
-    return asyncio.run(Agent(config, token).run())
+    return asyncio.run(Agent(config, token, metrics_token=metrics_token).run())
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
+    from prometheus_client import CollectorRegistry
+    from tfelastic.daemon.metrics.cluster import register_cluster_collector
+    from tfelastic.daemon.metrics.http import serve_metrics
     from tfelastic.daemon.rendezvous.server import BindError, create_server
 
     listen = Endpoint.parse(args.listen, "--listen", allow_port_zero=True)
@@ -209,7 +247,10 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     timing = validate(AgentConfig(command=("coordinator",), rendezvous=listen, last_call=args.last_call,
                                   settle=args.settle, join_timeout=args.join_timeout,
                                   heartbeat_interval=args.heartbeat_interval, node_timeout=args.node_timeout,
-                                  tls=tls))
+                                  tls=tls, metrics_port=args.metrics_port, metrics_address=args.metrics_address,
+                                  metrics_token_file=args.metrics_token_file))
+    metrics_token = _metrics_token(timing)
+    _check_metrics_listen(timing)
     setup_logging(args.log_level, "coordinator")
     _warn_if_clear_text(listen, tls)
     _check_tls_files(tls)
@@ -222,9 +263,18 @@ def _run_coordinator(args: argparse.Namespace) -> int:
         except BindError as e:
             raise ConfigError(f"--listen: {e}") from None
         logging.getLogger("tfelastic.coordinator").info("listening on %s:%d", listen.host, coordinator.port)
+        metrics = None
+        if timing.metrics_port is not None:
+            registry = CollectorRegistry()
+            register_cluster_collector(registry, lambda: coordinator.servicer.published)
+            metrics = serve_metrics(registry, timing.metrics_address, timing.metrics_port, metrics_token)
+            logging.getLogger("tfelastic.coordinator").info(
+                "metrics on http://%s/metrics", host_port(timing.metrics_address, metrics.port))
         await coordinator.servicer.finished.wait()
         await coordinator.wait_agents_gone(timeout=10.0)
         await coordinator.stop()
+        if metrics is not None:
+            metrics.close()
         return 0 if coordinator.servicer.rendezvous.state is JobState.SUCCEEDED else 1
 
     return asyncio.run(serve())

@@ -102,6 +102,9 @@ class AgentConfig:
     heartbeat_interval: float = 0.5
     node_timeout: float = 2.0
     log_level: str = "info"
+    metrics_port: int | None = 9464  # None: no /metrics; 0: a free port (logged)
+    metrics_address: str = "127.0.0.1"  # loopback: a listener elsewhere needs metrics_token_file
+    metrics_token_file: str = ""
 
     def resolved_backup_dir(self) -> str:
         base = self.backup_dir or os.path.join("tfelastic-backup", self.job)
@@ -120,6 +123,7 @@ _DURATIONS = ("restart_window", "stall_timeout", "stop_grace", "failure_stop_gra
 
 
 _FLAGS = {"min_nodes": "--nodes", "max_nodes": "--nodes", "job": "--job", "command": "the trainer command (after --)"}
+METRICS_OFF = "off"
 
 
 def validate(config: AgentConfig, where: str = "") -> AgentConfig:
@@ -161,6 +165,13 @@ def validate(config: AgentConfig, where: str = "") -> AgentConfig:
                           f"heartbeat_interval {config.heartbeat_interval}s")
     if config.log_level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"{opt('log_level')}: {config.log_level!r} is not one of debug, info, warning, error")
+    if config.metrics_port is not None and not 0 <= config.metrics_port <= 65535:
+        raise ConfigError(f"{opt('metrics_port')}: {config.metrics_port} is out of range 0-65535")
+    if config.metrics_port is not None and not is_loopback_host(config.metrics_address) \
+            and not config.metrics_token_file:
+        raise ConfigError(f"{opt('metrics_address')}: {config.metrics_address!r} is not loopback, so /metrics needs "
+                          f"a bearer token; pass {opt('metrics_token_file')} (Prometheus: authorization: "
+                          "credentials_file)")
     if bool(config.tls.cert) != bool(config.tls.key):
         raise ConfigError(f"{opt('tls_cert')}/{opt('tls_key')}: give both the certificate and its key")
     return config
@@ -212,6 +223,7 @@ _TOML_KEYS: dict[str, dict[str, str]] = {
             "stall_timeout": "stall_timeout", "backup_dir": "backup_dir", "workdir": "workdir", "env": "env"},
     "node": {"id": "node_id", "worker_port": "worker_port", "advertise_address": "advertise_address",
              "stop_grace": "stop_grace", "failure_stop_grace": "failure_stop_grace", "log_level": "log_level"},
+    "metrics": {"port": "metrics_port", "address": "metrics_address", "token_file": "metrics_token_file"},
     "rendezvous": {"endpoint": "rendezvous", "token_file": "token_file", "last_call": "last_call",
                    "settle": "settle", "join_timeout": "join_timeout",
                    "heartbeat_interval": "heartbeat_interval", "node_timeout": "node_timeout",
@@ -264,6 +276,8 @@ def _from_values(values: dict[str, tuple[str, Any]], path: str) -> AgentConfig:
             if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
                 raise ConfigError(f"{where}: must be a table of strings, e.g. {{ NCCL_DEBUG = \"WARN\" }}")
             kwargs[name] = tuple(sorted(value.items()))
+        elif name == "metrics_port":
+            kwargs[name] = None if value == METRICS_OFF else _expect(value, int, where)
         elif name.startswith("tls_"):
             tls[name[4:]] = _expect(value, str, where)
         elif fields[name].type in ("float",):

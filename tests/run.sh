@@ -7,10 +7,12 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-# System tools the integration tests use: ip (network namespaces) and openssl (TLS certificates).
+# System tools the integration tests use: ip (network namespaces), openssl (TLS certificates) and promtool
+# (Debian's prometheus package: checks the /metrics exposition).
 missing=()
 command -v ip >/dev/null || missing+=(iproute2)
 command -v openssl >/dev/null || missing+=(openssl)
+command -v promtool >/dev/null || missing+=(prometheus)
 if ((${#missing[@]})); then
   if [[ $(id -u) == 0 ]]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"

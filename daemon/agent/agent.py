@@ -21,9 +21,14 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING
 
 import grpc
+from prometheus_client import CollectorRegistry
 from tfelastic.daemon.agent.api import ExitCode, FatalSessionError
 from tfelastic.daemon.config import AgentConfig
-from tfelastic.daemon.netutil import free_port, is_local_address, route_address
+from tfelastic.daemon.metrics.agent import AgentMetrics
+from tfelastic.daemon.metrics.cluster import ClusterCollector, register_cluster_collector
+from tfelastic.daemon.metrics.host import register_host_collector
+from tfelastic.daemon.metrics.http import MetricsServer, serve_metrics
+from tfelastic.daemon.netutil import free_port, host_port, is_local_address, route_address
 from tfelastic.daemon.rendezvous import api, convert
 from tfelastic.daemon.rendezvous.client import call_metadata, open_channel
 from tfelastic.daemon.rendezvous.server import BindError, Coordinator, create_server
@@ -59,11 +64,20 @@ class _SessionLost(Exception):
 
 class Agent:
     def __init__(self, config: AgentConfig, token: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, metrics_token: str | None = None) -> None:
         self.config = config
         self._token = token
         self._clock = clock
-        self.worker_state = WorkerStateMachine()
+        self.registry = CollectorRegistry()
+        self.metrics = AgentMetrics(self.registry, config.job, config.node_id)
+        register_host_collector(self.registry, self._live_worker_pid, config.resolved_backup_dir())
+        self._metrics_token = metrics_token
+        self._metrics_server: MetricsServer | None = None
+        self._cluster_metrics: ClusterCollector | None = None
+        self._join_sent_at: float | None = None
+        self._failed_at: float | None = None  # this node's worker failed (exit, stall), until the stop order
+        self._stop_after_failure_at: float | None = None  # a failure stop order, until the next first progress
+        self.worker_state = WorkerStateMachine(on_change=self.metrics.set_worker_state)
         self._worker: WorkerProcess | None = None
         self._assignment: api.Assignment | None = None
         self._last_generation = 0
@@ -98,6 +112,7 @@ class Agent:
             loop.add_signal_handler(sig, self._shutdown_requested.set)
         self._listener = ProgressListener(self._on_progress)
         self._listener.start()
+        self._serve_metrics()
         try:
             return int(await self._run_sessions())
         finally:
@@ -105,6 +120,8 @@ class Agent:
             await self._stop_worker("agent exiting", planned=clean)
             self._listener.close()
             await self._stop_hosting()
+            if self._metrics_server is not None:
+                self._metrics_server.close()
 
     async def _run_sessions(self) -> ExitCode:
         self._last_contact = self._clock()
@@ -223,6 +240,7 @@ class Agent:
         if kind == "assignment":
             await self._launch(convert.assignment_from_proto(message.assignment))
         elif kind == "stop":
+            self._count_restart(message.stop.reason)
             self._spawn(self._restart(message.stop.generation, message.stop.reason, self._session_number))
         elif kind == "finished":
             state = convert.JOB_STATE_NAMES.get(message.finished.state, api.JobState.FAILED)
@@ -251,6 +269,10 @@ class Agent:
                               f"[rank {assignment.rank}]", self.config.failure_stop_grace)
             self._worker = await WorkerProcess.start(spec)
             self.worker_state.to(WorkerState.RUNNING)  # WAITING -> RUNNING
+            self.metrics.new_generation(assignment.generation, assignment.rank, assignment.world_size)
+            if self._join_sent_at is not None:
+                self.metrics.rendezvous.observe(self._clock() - self._join_sent_at)
+                self._join_sent_at = None
         log.info("generation %d: started worker pid %d as rank %d of %d", assignment.generation,
                  self._worker.pid, assignment.rank, assignment.world_size)
         self.on_status(f"running generation {assignment.generation} as rank {assignment.rank} "
@@ -279,6 +301,7 @@ class Agent:
             self._report(pb.WORKER_STATUS_SUCCEEDED, exit_code=0)
             return
         self.worker_state.to(WorkerState.FAILED)  # RUNNING -> FAILED
+        self._failed_at = self._clock()
         detail = _describe_exit(code)
         log.warning("generation %d: trainer %s", generation, detail)
         self._report(pb.WORKER_STATUS_FAILED, exit_code=code, detail=f"trainer {detail}")
@@ -352,6 +375,7 @@ class Agent:
                            cfg.restart_window, cfg.stall_timeout, cfg.resolved_backup_dir(), cfg.heartbeat_interval,
                            cfg.node_timeout)
         port = cfg.worker_port or free_port(self._host)
+        self._join_sent_at = self._clock()
         last_rank = self._assignment.rank if self._assignment else -1
         return pb.AgentMessage(join=pb.Join(
             node_id=cfg.node_id, spec=convert.spec_to_proto(spec), host=self._host, worker_port=port,
@@ -391,17 +415,47 @@ class Agent:
             self._trainer_done = message.generation
         if self.worker_state.state is not WorkerState.RUNNING:
             return
+        self._record_progress(message)
         if self._progress is not None and message.checkpoint_step is None:
             message = ProgressMessage(message.generation, message.pid, message.step, message.examples,
                                       message.loss, self._progress.checkpoint_step)
         self._progress, self._progress_at = message, self._clock()
         self._stall.progress()
 
+    def _record_progress(self, message: ProgressMessage) -> None:
+        wall = time.time()
+        self.metrics.progress(message, wall)
+        if message.checkpoint_step is not None:
+            self.metrics.checkpoint(message.checkpoint_step, wall)
+        if self._stop_after_failure_at is not None:  # the first step after a failure: recovered
+            self.metrics.recovery.observe(self._clock() - self._stop_after_failure_at)
+            self._stop_after_failure_at = None
+
+    def _count_restart(self, reason: str) -> None:
+        self.metrics.restarts.labels(reason=reason).inc()
+        if reason not in _PLANNED_REASONS:
+            self._stop_after_failure_at = self._clock()
+        if self._failed_at is not None:
+            self.metrics.detection.observe(self._clock() - self._failed_at)
+            self._failed_at = None
+
+    def _live_worker_pid(self) -> int | None:
+        worker = self._worker
+        return worker.pid if worker is not None and self.worker_state.state.has_live_worker else None
+
+    def _serve_metrics(self) -> None:
+        cfg = self.config
+        if cfg.metrics_port is None:
+            return
+        self._metrics_server = serve_metrics(self.registry, cfg.metrics_address, cfg.metrics_port, self._metrics_token)
+        log.info("metrics on http://%s/metrics", host_port(cfg.metrics_address, self._metrics_server.port))
+
     def _check_stall(self) -> None:
         if self.worker_state.state is not WorkerState.RUNNING or self._stall_reported:
             return
         if self._stall.stalled():
             self._stall_reported = True
+            self._failed_at = self._clock()
             silent = self._stall.silent_for() or 0.0
             log.warning("trainer stalled: no progress for %.1fs (stall_timeout=%gs)", silent,
                         self.config.stall_timeout)
@@ -440,6 +494,8 @@ class Agent:
         except BindError:
             return  # another agent on this host hosts it
         log.info("hosting the coordinator on %s", cfg.rendezvous)
+        coordinator = self._coordinator
+        self._cluster_metrics = register_cluster_collector(self.registry, lambda: coordinator.servicer.published)
 
     async def _stop_hosting(self) -> None:
         if self._coordinator is None:
@@ -448,6 +504,9 @@ class Agent:
         await self._coordinator.wait_agents_gone(timeout=5.0 if self._exit_code is not None else 0.0)
         await self._coordinator.stop()
         self._coordinator = None
+        if self._cluster_metrics is not None:
+            self.registry.unregister(self._cluster_metrics)
+            self._cluster_metrics = None
 
 
 class _SessionOver(Exception):

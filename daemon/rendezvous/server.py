@@ -63,6 +63,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._ticker: asyncio.Task[None] | None = None
         self._timers_changed = asyncio.Event()
         self._assignment_template: pb.Assignment | None = None
+        # What other threads (the /metrics server) may read: republished by the ticker, never mutated.
+        self.published = rendezvous.snapshot()
         self.finished = asyncio.Event()
 
     def start(self) -> None:
@@ -208,9 +210,6 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             elif isinstance(send.order, api.StopWorkers):
                 log.info("generation %d: stop %s (%s)", send.order.generation, send.node_id,
                          send.order.reason.value)
-            elif isinstance(send.order, api.Finished) and not self.finished.is_set():
-                log.info("job %s: %s", send.order.state.value, send.order.reason)
-                self.finished.set()
             if session is None:
                 continue
             if isinstance(send.order, api.Evict):
@@ -221,7 +220,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 session.outbox.put_nowait(convert.order_to_proto(send.order, self._template_for(send.order)))
             else:
                 session.outbox.put_nowait(convert.order_to_proto(send.order))
-        if self.rendezvous.state.is_terminal:
+        if self.rendezvous.state.is_terminal and not self.finished.is_set():
+            log.info("job %s: %s", self.rendezvous.state.value, self.rendezvous.reason)
+            self.published = self.rendezvous.snapshot()
             self.finished.set()
         if sends:  # orders mean state changed, and with it maybe a timer; heartbeats only push leases later
             self._timers_changed.set()
@@ -249,6 +250,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 for session in self._sessions.values():
                     session.outbox.put_nowait(heartbeat)
                 next_heartbeat = now + self._heartbeat_interval
+                self.published = self.rendezvous.snapshot()
             self._timers_changed.clear()
             wake = min(next_heartbeat, deadline if deadline is not None else next_heartbeat)
             with contextlib.suppress(asyncio.TimeoutError):

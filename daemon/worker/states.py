@@ -26,6 +26,7 @@ A stalled trainer stays RUNNING until the coordinator's stop order: the agent on
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 
 class WorkerState(enum.Enum):
@@ -61,12 +62,15 @@ class IllegalTransition(RuntimeError):
 class WorkerStateMachine:
     """Holds the current state and refuses any transition not in the table above."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[WorkerState], None] | None = None) -> None:
         self.state = WorkerState.INIT
+        self._on_change = on_change
 
     def to(self, new: WorkerState) -> WorkerState:
         """Move to ``new``; returns the state it left."""
         if new not in _ALLOWED[self.state]:
             raise IllegalTransition(f"worker state {self.state.value} -> {new.value} is not allowed")
         old, self.state = self.state, new
+        if self._on_change is not None:
+            self._on_change(new)
         return old

@@ -202,7 +202,8 @@ def test_trainer_output_goes_to_the_agent_log_prefixed_with_the_rank(make_cluste
 def test_standalone_coordinator_and_agents_from_job_files(make_cluster: ClusterFactory, tmp_path: Path) -> None:
     cluster = make_cluster(TRAINER, nodes="2", env={"COUNTER_STEPS": "20"})
     coordinator = subprocess.Popen([sys.executable, "-m", "tfelastic.daemon", "coordinator", "--listen",
-                                    str(cluster.endpoint)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                    str(cluster.endpoint), "--metrics-port", "0"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_for(cluster.status, 20, "the standalone coordinator")
         for node in ("a", "b"):
@@ -217,6 +218,8 @@ def test_standalone_coordinator_and_agents_from_job_files(make_cluster: ClusterF
                 id = "{node}"
                 [rendezvous]
                 endpoint = "{cluster.endpoint}"
+                [metrics]
+                port = 0
             """))
             cluster.launch(node, [sys.executable, "-m", "tfelastic.daemon", "agent", "--config", str(job)])
         assert cluster.wait_all(60) == [0, 0], cluster.logs()

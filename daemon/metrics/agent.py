@@ -1,0 +1,78 @@
+"""The agent's training and control-plane metrics.
+
+No metric carries the job or node as a label: Prometheus adds the target's own labels, and a `job` label would
+clash with Prometheus's. ``tfelastic_agent_info`` carries them once, for joins in queries and dashboards.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from tfelastic.daemon.worker.states import WorkerState
+from tfelastic.trainer.progress import ProgressMessage
+
+# Recovery on this kind of machine: about 0.06 s without TensorFlow, 3-5 s with its start-up (docs/benchmarks.md).
+_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class AgentMetrics:
+    def __init__(self, registry: CollectorRegistry, job: str, node_id: str) -> None:
+        Info("tfelastic_agent", "The agent's job and node.", registry=registry).info({"tfelastic_job": job,
+                                                                                     "node": node_id})
+        self.step = Gauge("tfelastic_training_step", "Global step last reported by the trainer.", registry=registry)
+        self.steps = Counter("tfelastic_training_steps", "Training steps completed, for rate().", registry=registry)
+        self.examples = Counter("tfelastic_training_examples", "Training examples processed, for rate().",
+                                registry=registry)
+        self.loss = Gauge("tfelastic_training_loss", "Loss last reported by the trainer.", registry=registry)
+        self.progress_time = Gauge("tfelastic_training_last_progress_timestamp_seconds",
+                                   "Unix time of the trainer's last progress report.", registry=registry)
+        self.checkpoint_step = Gauge("tfelastic_checkpoint_step", "Step of the last checkpoint the trainer saved.",
+                                     registry=registry)
+        self.checkpoint_time = Gauge("tfelastic_checkpoint_timestamp_seconds",
+                                     "Unix time of the last checkpoint the trainer saved.", registry=registry)
+        self.generation = Gauge("tfelastic_generation", "Generation this node last ran.", registry=registry)
+        self.world_size = Gauge("tfelastic_world_size", "Workers in this node's generation.", registry=registry)
+        self.rank = Gauge("tfelastic_rank", "This node's rank in its generation.", registry=registry)
+        self.worker_state = Gauge("tfelastic_worker_state", "1 for the local worker's current state.", ["state"],
+                                  registry=registry)
+        self.restarts = Counter("tfelastic_restarts", "Restarts of the worker set this node took part in.",
+                                ["reason"], registry=registry)
+        self.rendezvous = Histogram("tfelastic_rendezvous_duration_seconds",
+                                    "From sending Join to receiving an assignment.", buckets=_SECONDS_BUCKETS,
+                                    registry=registry)
+        self.detection = Histogram("tfelastic_failure_detection_seconds",
+                                   "From this node's worker failing (exit or stall) to the coordinator's stop order.",
+                                   buckets=_SECONDS_BUCKETS, registry=registry)
+        self.recovery = Histogram("tfelastic_recovery_seconds",
+                                  "From a stop order after a failure to the first progress of the next generation.",
+                                  buckets=_SECONDS_BUCKETS, registry=registry)
+        self._last_step: int | None = None
+        self._last_examples: int | None = None
+        self.set_worker_state(WorkerState.INIT)
+
+    def set_worker_state(self, state: WorkerState) -> None:
+        for s in WorkerState:
+            self.worker_state.labels(state=s.value).set(1 if s is state else 0)
+
+    def new_generation(self, generation: int, rank: int, world_size: int) -> None:
+        self.generation.set(generation)
+        self.rank.set(rank)
+        self.world_size.set(world_size)
+        self._last_step = self._last_examples = None  # a restored trainer starts counting from its checkpoint
+
+    def progress(self, message: ProgressMessage, wall_time: float) -> None:
+        """Counters grow by what the trainer did since its previous report of the same generation."""
+        if self._last_step is not None and message.step > self._last_step:
+            self.steps.inc(message.step - self._last_step)
+        self._last_step = message.step
+        if message.examples is not None:
+            if self._last_examples is not None and message.examples > self._last_examples:
+                self.examples.inc(message.examples - self._last_examples)
+            self._last_examples = message.examples
+        self.step.set(message.step)
+        self.progress_time.set(wall_time)
+        if message.loss is not None:
+            self.loss.set(message.loss)
+
+    def checkpoint(self, step: int, wall_time: float) -> None:
+        self.checkpoint_step.set(step)
+        self.checkpoint_time.set(wall_time)

@@ -1,0 +1,61 @@
+"""The coordinator's view of the job, so that one scrape target answers "is the job healthy?".
+
+Scrapes run in the HTTP server's thread while the state machine lives on the event loop: the collector reads
+the last snapshot the loop published (an atomic reference), never the state machine itself.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+from tfelastic.daemon.rendezvous.api import ClusterSnapshot, JobState, NodeState, RestartReason
+
+Metric = GaugeMetricFamily | CounterMetricFamily | InfoMetricFamily
+
+
+class ClusterCollector(Collector):
+    def __init__(self, snapshot: Callable[[], ClusterSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        yield InfoMetricFamily("tfelastic_cluster", "The job the coordinator serves.",
+                               value={"tfelastic_job": snap.job})
+        yield GaugeMetricFamily("tfelastic_cluster_generation", "Current (or last) generation.",
+                                value=snap.generation)
+        yield GaugeMetricFamily("tfelastic_cluster_members", "Workers in the running generation (0 between them).",
+                                value=snap.world_size)
+        desired = GaugeMetricFamily("tfelastic_cluster_desired_nodes", "The job's node range.", labels=["bound"])
+        desired.add_metric(["min"], snap.min_nodes)
+        desired.add_metric(["max"], snap.max_nodes)
+        yield desired
+        by_state = Counter(n.state for n in snap.nodes)
+        nodes = GaugeMetricFamily("tfelastic_cluster_nodes", "Connected nodes by state.", labels=["state"])
+        for node_state in NodeState:
+            nodes.add_metric([node_state.value], by_state[node_state])
+        yield nodes
+        job = GaugeMetricFamily("tfelastic_cluster_job_state", "1 for the job's current state.", labels=["state"])
+        for state in JobState:
+            job.add_metric([state.value], 1 if state is snap.state else 0)
+        yield job
+        restarts = CounterMetricFamily("tfelastic_cluster_restarts", "Restarts of the job by reason.",
+                                       labels=["reason"])
+        for reason in RestartReason:
+            restarts.add_metric([reason.value], snap.restarts_by_reason.get(reason.value, 0))
+        yield restarts
+        yield GaugeMetricFamily("tfelastic_cluster_max_restarts", "Failures allowed per restart window.",
+                                value=snap.max_restarts)
+
+
+def register_cluster_collector(registry: CollectorRegistry,
+                               snapshot: Callable[[], ClusterSnapshot]) -> ClusterCollector:
+    collector = ClusterCollector(snapshot)
+    registry.register(collector)
+    return collector

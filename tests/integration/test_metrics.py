@@ -1,0 +1,72 @@
+"""/metrics of real agents, scraped over HTTP through a fault, and checked by promtool."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.cluster import COUNTER, Agent, wait_for
+from tests.conftest import ClusterFactory
+
+pytestmark = pytest.mark.integration
+
+
+def metrics_url(agent: Agent) -> str:
+    found = wait_for(lambda: re.search(r"metrics on (http://\S+/metrics)", agent.log()), 20, "the metrics address")
+    return str(found.group(1))
+
+
+def scrape(url: str) -> tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    return text, samples
+
+
+def test_agents_export_training_control_plane_host_and_cluster_metrics(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster([sys.executable, COUNTER], nodes="2",
+                           extra_args=["--failure-stop-grace", "0.25"],
+                           env={"COUNTER_STEPS": "60", "COUNTER_FAIL_AT": "20"})
+    host = cluster.start("a")
+    wait_for(lambda: "hosting the coordinator" in host.log(), 20, "agent a to host")
+    other = cluster.start("b")
+    urls = {"a": metrics_url(host), "b": metrics_url(other)}
+    cluster.wait_running(2, 2, step=25)
+
+    _, a = scrape(urls["a"])
+    _, b = scrape(urls["b"])
+    for samples in (a, b):
+        assert samples[("tfelastic_generation", ())] == 2
+        assert samples[("tfelastic_world_size", ())] == 2
+        assert samples[("tfelastic_worker_state", (("state", "running"),))] == 1
+        assert samples[("tfelastic_restarts_total", (("reason", "worker_exit"),))] == 1
+        assert samples[("tfelastic_training_step", ())] >= 25
+        assert samples[("tfelastic_training_steps_total", ())] > 0
+        assert samples[("tfelastic_rendezvous_duration_seconds_count", ())] == 2
+        assert samples[("tfelastic_recovery_seconds_count", ())] == 1  # the failure, then the first step
+        assert samples[("tfelastic_worker_processes", ())] >= 2  # keeper and trainer
+        assert samples[("tfelastic_worker_resident_memory_bytes", ())] > 0
+    failed_node = a if a[("tfelastic_rank", ())] == 0 else b  # the counter's fault hits the chief
+    assert failed_node[("tfelastic_failure_detection_seconds_count", ())] == 1
+    assert a[("tfelastic_cluster_members", ())] == 2  # the hosting agent also exports the cluster's view
+    assert a[("tfelastic_cluster_restarts_total", (("reason", "worker_exit"),))] == 1
+    assert ("tfelastic_cluster_members", ()) not in b
+    assert cluster.wait_all(60) == [0, 0], cluster.logs()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus) is not installed")
+def test_promtool_finds_nothing_to_complain_about(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster([sys.executable, COUNTER], nodes="1", env={"COUNTER_STEPS": "400"})
+    agent = cluster.start("a")
+    url = metrics_url(agent)
+    cluster.wait_running(1, 1, step=2)
+    text, _ = scrape(url)
+    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0 and check.stdout == "" and check.stderr == "", check.stdout + check.stderr

@@ -1,0 +1,124 @@
+"""Agent, cluster and host metrics, each on a fresh CollectorRegistry, read back with get_sample_value."""
+
+from __future__ import annotations
+
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from tfelastic.daemon.metrics.agent import AgentMetrics
+from tfelastic.daemon.metrics.cluster import register_cluster_collector
+from tfelastic.daemon.metrics.host import register_host_collector
+from tfelastic.daemon.metrics.http import serve_metrics
+from tfelastic.daemon.rendezvous.api import ClusterSnapshot, JobState, NodeSnapshot, NodeState
+from tfelastic.daemon.worker.states import WorkerState
+from tfelastic.trainer.progress import ProgressMessage
+
+
+def agent_metrics() -> tuple[CollectorRegistry, AgentMetrics]:
+    registry = CollectorRegistry()
+    return registry, AgentMetrics(registry, "mnist", "gpu-01")
+
+
+def test_info_names_job_and_node() -> None:
+    registry, _ = agent_metrics()
+    assert registry.get_sample_value("tfelastic_agent_info", {"tfelastic_job": "mnist", "node": "gpu-01"}) == 1
+
+
+def test_step_counters_grow_by_the_progress_made_within_a_generation() -> None:
+    registry, metrics = agent_metrics()
+    metrics.new_generation(2, rank=1, world_size=3)
+    metrics.progress(ProgressMessage(2, 1, step=100, examples=6400, loss=0.5), wall_time=1000.0)
+    metrics.progress(ProgressMessage(2, 1, step=110, examples=7040, loss=0.4), wall_time=1001.0)
+    value = registry.get_sample_value
+    assert value("tfelastic_training_step") == 110
+    assert value("tfelastic_training_steps_total") == 10  # resuming at step 100 is not training
+    assert value("tfelastic_training_examples_total") == 640
+    assert value("tfelastic_training_loss") == 0.4
+    assert value("tfelastic_training_last_progress_timestamp_seconds") == 1001.0
+    assert (value("tfelastic_generation"), value("tfelastic_rank"), value("tfelastic_world_size")) == (2, 1, 3)
+    metrics.new_generation(3, rank=0, world_size=2)  # restored from step 100: no negative or double counting
+    metrics.progress(ProgressMessage(3, 1, step=100), wall_time=1002.0)
+    metrics.progress(ProgressMessage(3, 1, step=105), wall_time=1003.0)
+    assert value("tfelastic_training_steps_total") == 15
+
+
+def test_checkpoint_and_worker_state() -> None:
+    registry, metrics = agent_metrics()
+    metrics.checkpoint(50, wall_time=123.0)
+    metrics.set_worker_state(WorkerState.RUNNING)
+    value = registry.get_sample_value
+    assert (value("tfelastic_checkpoint_step"), value("tfelastic_checkpoint_timestamp_seconds")) == (50, 123.0)
+    assert {s.value: value("tfelastic_worker_state", {"state": s.value}) for s in WorkerState} == {
+        s.value: (1.0 if s is WorkerState.RUNNING else 0.0) for s in WorkerState}
+
+
+def test_cluster_collector_reads_the_published_snapshot() -> None:
+    snap = ClusterSnapshot(
+        job="mnist", state=JobState.RUNNING, reason="", generation=4, world_size=2, min_nodes=2, max_nodes=3,
+        max_restarts=3, restarts_total=3, restarts_by_reason={"worker_exit": 2, "scale_up": 1},
+        nodes=(NodeSnapshot("a", 0, "h", 1, NodeState.RUNNING, 10, None),
+               NodeSnapshot("b", 1, "h", 2, NodeState.RUNNING, 11, None),
+               NodeSnapshot("c", -1, "h", 3, NodeState.WAITING, 0, None)))
+    registry = CollectorRegistry()
+    register_cluster_collector(registry, lambda: snap)
+    value = registry.get_sample_value
+    assert value("tfelastic_cluster_generation") == 4
+    assert value("tfelastic_cluster_members") == 2
+    assert value("tfelastic_cluster_desired_nodes", {"bound": "min"}) == 2
+    assert value("tfelastic_cluster_desired_nodes", {"bound": "max"}) == 3
+    assert value("tfelastic_cluster_nodes", {"state": "running"}) == 2
+    assert value("tfelastic_cluster_nodes", {"state": "waiting"}) == 1
+    assert value("tfelastic_cluster_job_state", {"state": "running"}) == 1
+    assert value("tfelastic_cluster_job_state", {"state": "failed"}) == 0
+    assert value("tfelastic_cluster_restarts_total", {"reason": "worker_exit"}) == 2
+    assert value("tfelastic_cluster_restarts_total", {"reason": "node_lost"}) == 0
+    assert value("tfelastic_cluster_info", {"tfelastic_job": "mnist"}) == 1
+
+
+def test_host_collector_measures_the_worker_tree(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    register_host_collector(registry, os.getpid, str(tmp_path))
+
+    def value(name: str) -> float:
+        sample = registry.get_sample_value(name)
+        assert sample is not None, name
+        return sample
+
+    assert value("tfelastic_worker_processes") >= 1
+    assert value("tfelastic_worker_resident_memory_bytes") > 10 * 2**20  # this very Python process
+    assert value("tfelastic_worker_open_fds") > 0
+    assert value("tfelastic_worker_cpu_seconds_total") > 0
+    assert 0 < value("tfelastic_host_memory_available_bytes") <= value("tfelastic_host_memory_total_bytes")
+    assert value("tfelastic_backup_dir_free_bytes") > 0
+
+
+def test_host_collector_without_a_worker_or_backup_dir(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    register_host_collector(registry, lambda: None, str(tmp_path / "not-yet"))
+    assert registry.get_sample_value("tfelastic_worker_processes") == 0
+    assert registry.get_sample_value("tfelastic_worker_resident_memory_bytes") is None
+    assert registry.get_sample_value("tfelastic_backup_dir_free_bytes") is None
+
+
+@pytest.mark.parametrize("token", [None, "scrape-secret"])
+def test_metrics_listener_and_its_bearer_token(token: str | None) -> None:
+    registry, _ = agent_metrics()
+    server = serve_metrics(registry, "127.0.0.1", 0, token)
+    url = f"http://127.0.0.1:{server.port}/metrics"
+    try:
+        if token:
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(url, timeout=10)
+            assert refused.value.code == 401
+            wrong = urllib.request.Request(url, headers={"Authorization": "Bearer nope"})
+            with pytest.raises(urllib.error.HTTPError):
+                urllib.request.urlopen(wrong, timeout=10)
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert 'tfelastic_agent_info{node="gpu-01",tfelastic_job="mnist"} 1.0' in response.read().decode()
+    finally:
+        server.close()
