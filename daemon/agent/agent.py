@@ -26,6 +26,7 @@ from tfelastic.daemon.agent.api import ExitCode, FatalSessionError
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.metrics.cluster import ClusterCollector, register_cluster_collector
+from tfelastic.daemon.metrics.gpu import register_gpu_collector
 from tfelastic.daemon.metrics.host import register_host_collector
 from tfelastic.daemon.metrics.http import MetricsServer, serve_metrics
 from tfelastic.daemon.netutil import free_port, host_port, is_local_address, route_address
@@ -71,6 +72,7 @@ class Agent:
         self.registry = CollectorRegistry()
         self.metrics = AgentMetrics(self.registry, config.job, config.node_id)
         register_host_collector(self.registry, self._live_worker_pid, config.resolved_backup_dir())
+        register_gpu_collector(self.registry)
         self._metrics_token = metrics_token
         self._metrics_server: MetricsServer | None = None
         self._cluster_metrics: ClusterCollector | None = None

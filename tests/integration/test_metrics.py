@@ -53,6 +53,8 @@ def test_agents_export_training_control_plane_host_and_cluster_metrics(make_clus
         assert samples[("tfelastic_recovery_seconds_count", ())] == 1  # the failure, then the first step
         assert samples[("tfelastic_worker_processes", ())] >= 2  # keeper and trainer
         assert samples[("tfelastic_worker_resident_memory_bytes", ())] > 0
+        assert samples[("tfelastic_gpu_nvml_up", ())] == 0  # no GPU or driver here: said cleanly, nothing invented
+        assert samples[("tfelastic_gpus", ())] == 0
     failed_node = a if a[("tfelastic_rank", ())] == 0 else b  # the counter's fault hits the chief
     assert failed_node[("tfelastic_failure_detection_seconds_count", ())] == 1
     assert a[("tfelastic_cluster_members", ())] == 2  # the hosting agent also exports the cluster's view
