@@ -65,6 +65,9 @@ def _add_metrics(p: argparse.ArgumentParser) -> None:
                    help=f"address of /metrics (default {d.metrics_address}; any other needs --metrics-token-file)")
     p.add_argument("--metrics-token-file", default="", metavar="PATH",
                    help="bearer token that scrapes of /metrics must present (mode 600)")
+    p.add_argument("--metrics-linger", type=float, default=d.metrics_linger, metavar="S",
+                   help="after the job failed, keep /metrics up this long so Prometheus records it "
+                        f"(default {d.metrics_linger:g})")
 
 
 def _add_timing(p: argparse.ArgumentParser) -> None:
@@ -159,6 +162,7 @@ def config_from_run_args(args: argparse.Namespace) -> AgentConfig:
         settle=args.settle, join_timeout=args.join_timeout, heartbeat_interval=args.heartbeat_interval,
         node_timeout=args.node_timeout, log_level=args.log_level, metrics_port=args.metrics_port,
         metrics_address=args.metrics_address, metrics_token_file=args.metrics_token_file,
+        metrics_linger=args.metrics_linger,
     ))
 
 
@@ -248,7 +252,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
                                   settle=args.settle, join_timeout=args.join_timeout,
                                   heartbeat_interval=args.heartbeat_interval, node_timeout=args.node_timeout,
                                   tls=tls, metrics_port=args.metrics_port, metrics_address=args.metrics_address,
-                                  metrics_token_file=args.metrics_token_file))
+                                  metrics_token_file=args.metrics_token_file, metrics_linger=args.metrics_linger))
     metrics_token = _metrics_token(timing)
     _check_metrics_listen(timing)
     setup_logging(args.log_level, "coordinator")
@@ -272,10 +276,13 @@ def _run_coordinator(args: argparse.Namespace) -> int:
                 "metrics on http://%s/metrics", host_port(timing.metrics_address, metrics.port))
         await coordinator.servicer.finished.wait()
         await coordinator.wait_agents_gone(timeout=10.0)
+        failed = coordinator.servicer.rendezvous.state is JobState.FAILED
+        if metrics is not None and failed:  # let Prometheus scrape the verdict
+            await asyncio.sleep(timing.metrics_linger)
         await coordinator.stop()
         if metrics is not None:
             metrics.close()
-        return 0 if coordinator.servicer.rendezvous.state is JobState.SUCCEEDED else 1
+        return 1 if failed else 0
 
     return asyncio.run(serve())
 

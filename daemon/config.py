@@ -105,6 +105,7 @@ class AgentConfig:
     metrics_port: int | None = 9464  # None: no /metrics; 0: a free port (logged)
     metrics_address: str = "127.0.0.1"  # loopback: a listener elsewhere needs metrics_token_file
     metrics_token_file: str = ""
+    metrics_linger: float = 30.0  # after the job failed, keep /metrics up so Prometheus records the verdict
 
     def resolved_backup_dir(self) -> str:
         base = self.backup_dir or os.path.join("tfelastic-backup", self.job)
@@ -119,7 +120,7 @@ class AgentConfig:
 
 
 _DURATIONS = ("restart_window", "stall_timeout", "stop_grace", "failure_stop_grace", "last_call", "settle",
-              "join_timeout", "heartbeat_interval", "node_timeout")
+              "join_timeout", "heartbeat_interval", "node_timeout", "metrics_linger")
 
 
 _FLAGS = {"min_nodes": "--nodes", "max_nodes": "--nodes", "job": "--job", "command": "the trainer command (after --)"}
@@ -223,7 +224,8 @@ _TOML_KEYS: dict[str, dict[str, str]] = {
             "stall_timeout": "stall_timeout", "backup_dir": "backup_dir", "workdir": "workdir", "env": "env"},
     "node": {"id": "node_id", "worker_port": "worker_port", "advertise_address": "advertise_address",
              "stop_grace": "stop_grace", "failure_stop_grace": "failure_stop_grace", "log_level": "log_level"},
-    "metrics": {"port": "metrics_port", "address": "metrics_address", "token_file": "metrics_token_file"},
+    "metrics": {"port": "metrics_port", "address": "metrics_address", "token_file": "metrics_token_file",
+                "linger": "metrics_linger"},
     "rendezvous": {"endpoint": "rendezvous", "token_file": "token_file", "last_call": "last_call",
                    "settle": "settle", "join_timeout": "join_timeout",
                    "heartbeat_interval": "heartbeat_interval", "node_timeout": "node_timeout",

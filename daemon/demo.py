@@ -96,7 +96,7 @@ class _Demo:
                    "--nodes", str(self.nodes), "--rendezvous", str(self.endpoint),
                    "--node-id", f"node-{index}", "--backup-dir", str(self.base / "backup"),
                    "--stall-timeout", "60", "--max-restarts", str(self.faults + 1), "--metrics-port", "0",
-                   "--", *trainer]
+                   "--metrics-linger", "0", "--", *trainer]
         env = dict(os.environ, TFELASTIC_DEMO_EVENTS=str(self.events), TF_CPP_MIN_LOG_LEVEL="2")
         log = open(self.base / f"agent-{index}.log", "wb")  # noqa: SIM115 (the child keeps it)
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.base)

@@ -75,7 +75,8 @@ class Cluster:
 
     def start(self, node_id: str, *, extra: Sequence[str] = (), netns: str = "") -> Agent:
         command = [sys.executable, "-m", "tfelastic.daemon", "run", "--nodes", self.nodes,
-                   "--rendezvous", str(self.endpoint), "--node-id", node_id, "--metrics-port", "0",
+                   "--rendezvous", str(self.endpoint), "--node-id", node_id,
+                   "--metrics-port", "0", "--metrics-linger", "0",
                    "--backup-dir", str(self.tmp / "backup"), *self.extra_args, *extra, "--", *self.trainer]
         if netns:
             command = ["ip", "netns", "exec", netns, *command]

@@ -121,6 +121,7 @@ class Agent:
             clean = self._exit_code is ExitCode.SUCCEEDED or self._shutdown_requested.is_set()
             await self._stop_worker("agent exiting", planned=clean)
             self._listener.close()
+            await self._linger_after_failure()
             await self._stop_hosting()
             if self._metrics_server is not None:
                 self._metrics_server.close()
@@ -444,6 +445,17 @@ class Agent:
     def _live_worker_pid(self) -> int | None:
         worker = self._worker
         return worker.pid if worker is not None and self.worker_state.state.has_live_worker else None
+
+    async def _linger_after_failure(self) -> None:
+        """Keep /metrics (and the hosted coordinator's cluster metrics) up for ``metrics_linger`` after the job
+        failed: an exporter that vanishes with the verdict never lets Prometheus record it. SIGTERM cuts it short."""
+        if self._exit_code is not ExitCode.FAILED or self._metrics_server is None or not self.config.metrics_linger:
+            return
+        if self._coordinator is not None:
+            await self._coordinator.wait_agents_gone(timeout=5.0)
+        log.info("job failed: keeping /metrics up for %gs", self.config.metrics_linger)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._shutdown_requested.wait(), self.config.metrics_linger)
 
     def _serve_metrics(self) -> None:
         cfg = self.config

@@ -83,7 +83,7 @@ def main() -> int:
             with open(state + ".tmp", "w") as f:
                 f.write(str(step))
             os.replace(state + ".tmp", state)
-        reporter.report(step, examples=step * 32, loss=1.0 / step)
+        reporter.report(step, examples=step * 32, loss=1.0 / step, checkpoint_step=step if rank == 0 else None)
         if rank == 0 and step == hang_at and once(backup, "hung"):
             event("hang")
             time.sleep(3600)
