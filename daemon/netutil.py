@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 
@@ -11,10 +12,32 @@ def host_port(host: str, port: int) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now, for something that binds it later (a trainer, a test's coordinator).
+
+    It comes from below the kernel's ephemeral range: a port the kernel hands out for bind(0) or an outgoing
+    connection in the meantime can then never be the one we promised to someone else.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randint(max(1024, low // 2), low - 1)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
+    with socket.socket(family, socket.SOCK_STREAM) as s:  # a crowded range: let the kernel choose
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def is_local_address(host: str) -> bool:

@@ -43,6 +43,11 @@ def _node_json(node: pb.NodeStatus) -> dict[str, Any]:
         "loss": progress.loss if progress and progress.has_loss else None,
         "last_checkpoint_step": progress.checkpoint_step if progress and progress.checkpoint_step >= 0 else None,
         "progress_age_seconds": round(progress.age_seconds, 3) if progress else None,
+        "steps_per_second": round(progress.steps_per_second, 3) if progress else None,
+        "last_checkpoint_age_seconds": (round(progress.checkpoint_age_seconds, 3)
+                                        if progress and progress.checkpoint_age_seconds >= 0 else None),
+        "gpus": node.gpus,
+        "gpu_utilization": round(node.gpu_utilization, 3) if node.gpus else None,
     }
 
 
@@ -55,15 +60,21 @@ def render_table(doc: dict[str, Any]) -> str:
         f"restarts: {doc['restarts_total']} ({restarts}); budget {doc['max_restarts']} failures per window",
         "",
     ]
-    header = ("NODE", "RANK", "ADDRESS", "STATE", "PID", "STEP", "LAST PROGRESS")
+    header = ("NODE", "RANK", "ADDRESS", "STATE", "PID", "STEP", "STEPS/S", "LAST PROGRESS", "LAST CHECKPOINT", "GPUS")
     rows = [header] + [(
         n["node_id"], _dash(n["rank"]), n["address"], n["state"], _dash(n["worker_pid"]), _dash(n["step"]),
-        "-" if n["progress_age_seconds"] is None else f"{n['progress_age_seconds']:.1f}s ago",
+        "-" if n["steps_per_second"] is None else f"{n['steps_per_second']:.1f}",
+        _ago(n["progress_age_seconds"]), _ago(n["last_checkpoint_age_seconds"]),
+        "-" if n["gpu_utilization"] is None else f"{n['gpus']} at {100 * n['gpu_utilization']:.0f}%",
     ) for n in doc["nodes"]]
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
     lines += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
               for row in rows]
     return "\n".join(lines)
+
+
+def _ago(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}s ago"
 
 
 def _dash(value: object) -> str:

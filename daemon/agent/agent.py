@@ -17,6 +17,7 @@ import os
 import signal
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING
 
@@ -72,7 +73,10 @@ class Agent:
         self.registry = CollectorRegistry()
         self.metrics = AgentMetrics(self.registry, config.job, config.node_id)
         register_host_collector(self.registry, self._live_worker_pid, config.resolved_backup_dir())
-        register_gpu_collector(self.registry)
+        self._gpus = register_gpu_collector(self.registry)
+        self._gpu_summary = (0, 0.0)
+        self._recent_steps: deque[tuple[float, int]] = deque()  # (time, step) over the last 30 s
+        self._checkpoint_at: float | None = None
         self._metrics_token = metrics_token
         self._metrics_server: MetricsServer | None = None
         self._cluster_metrics: ClusterCollector | None = None
@@ -115,6 +119,7 @@ class Agent:
         self._listener = ProgressListener(self._on_progress)
         self._listener.start()
         self._serve_metrics()
+        self._spawn(self._watch_gpus())
         try:
             return int(await self._run_sessions())
         finally:
@@ -267,6 +272,7 @@ class Agent:
             self._restart_count = assignment.restart_count
             self._stall.reset()
             self._stall_reported = False
+            self._recent_steps.clear()
             self._progress = self._progress_sent = None
             spec = WorkerSpec(self.config.command, self._trainer_env(assignment), self.config.workdir or None,
                               f"[rank {assignment.rank}]", self.config.failure_stop_grace)
@@ -401,15 +407,31 @@ class Agent:
         return pb.AgentMessage(report=report)
 
     def _attach_progress(self, report: pb.WorkerReport) -> None:
+        report.gpus, report.gpu_utilization = self._gpu_summary
         p = self._progress
         if p is None:
             return
+        now = self._clock()
         report.has_progress = True
         report.progress.CopyFrom(pb.Progress(
             step=p.step, examples=p.examples or 0, loss=p.loss or 0.0, has_loss=p.loss is not None,
-            age_seconds=self._clock() - self._progress_at,
-            checkpoint_step=p.checkpoint_step if p.checkpoint_step is not None else -1))
+            age_seconds=now - self._progress_at,
+            checkpoint_step=p.checkpoint_step if p.checkpoint_step is not None else -1,
+            steps_per_second=self._steps_per_second(),
+            checkpoint_age_seconds=-1.0 if self._checkpoint_at is None else now - self._checkpoint_at))
         self._progress_sent = p
+
+    def _steps_per_second(self) -> float:
+        if len(self._recent_steps) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self._recent_steps[0], self._recent_steps[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+    async def _watch_gpus(self) -> None:
+        """The node's GPU summary for status, read off the loop: NVML calls may block."""
+        while True:
+            self._gpu_summary = await asyncio.to_thread(self._gpus.utilization)
+            await asyncio.sleep(5.0)
 
     def _on_progress(self, message: ProgressMessage) -> None:
         if self._assignment is None or message.generation != self._assignment.generation:
@@ -426,10 +448,14 @@ class Agent:
         self._stall.progress()
 
     def _record_progress(self, message: ProgressMessage) -> None:
-        wall = time.time()
+        wall, now = time.time(), self._clock()
         self.metrics.progress(message, wall)
+        self._recent_steps.append((now, message.step))
+        while self._recent_steps and now - self._recent_steps[0][0] > 30.0:
+            self._recent_steps.popleft()
         if message.checkpoint_step is not None:
             self.metrics.checkpoint(message.checkpoint_step, wall)
+            self._checkpoint_at = now
         if self._stop_after_failure_at is not None:  # the first step after a failure: recovered
             self.metrics.recovery.observe(self._clock() - self._stop_after_failure_at)
             self._stop_after_failure_at = None

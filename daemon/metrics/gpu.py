@@ -108,6 +108,13 @@ class GpuCollector(Collector):
         self._events: Any = None
         self._warned: set[tuple[object, ...]] = set()
 
+    def utilization(self) -> tuple[int, float]:
+        """(GPUs, their mean utilization 0..1) from the readings, refreshing them if stale: it may call NVML,
+        so call it off the event loop."""
+        samples = [s.value for family in self.collect() if family.name == "tfelastic_gpu_utilization_ratio"
+                   for s in family.samples]
+        return len(samples), (sum(samples) / len(samples) if samples else 0.0)
+
     def describe(self) -> list[Metric]:
         return []  # do not collect (and touch NVML) at registration
 

@@ -133,6 +133,8 @@ class WorkerProgress:
     loss: float | None = None
     checkpoint_step: int = -1
     reported_at: float = 0.0  # on the coordinator's clock
+    steps_per_second: float = 0.0
+    checkpoint_at: float | None = None  # on the coordinator's clock
 
 
 # Orders from the coordinator to one agent. The servicer pushes each down that agent's stream.
@@ -181,6 +183,8 @@ class NodeSnapshot:
     state: NodeState
     worker_pid: int
     progress: WorkerProgress | None
+    gpus: int = 0
+    gpu_utilization: float = 0.0
 
 
 @dataclass(frozen=True)

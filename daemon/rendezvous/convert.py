@@ -65,7 +65,8 @@ def progress_to_proto(progress: api.WorkerProgress, now: float) -> pb.Progress:
     return pb.Progress(
         step=progress.step, examples=progress.examples, loss=progress.loss or 0.0,
         has_loss=progress.loss is not None, age_seconds=max(0.0, now - progress.reported_at),
-        checkpoint_step=progress.checkpoint_step,
+        checkpoint_step=progress.checkpoint_step, steps_per_second=progress.steps_per_second,
+        checkpoint_age_seconds=-1.0 if progress.checkpoint_at is None else max(0.0, now - progress.checkpoint_at),
     )
 
 
@@ -73,7 +74,8 @@ def status_to_proto(snap: api.ClusterSnapshot, now: float) -> pb.ClusterStatus:
     nodes = []
     for n in snap.nodes:
         node = pb.NodeStatus(node_id=n.node_id, rank=n.rank, host=n.host, worker_port=n.worker_port,
-                             state=n.state.value, worker_pid=n.worker_pid)
+                             state=n.state.value, worker_pid=n.worker_pid, gpus=n.gpus,
+                             gpu_utilization=n.gpu_utilization)
         if n.progress is not None:
             node.progress.CopyFrom(progress_to_proto(n.progress, now))
             node.has_progress = True

@@ -176,15 +176,18 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     def _report(self, node_id: str, report: pb.WorkerReport) -> list[api.Send]:
         rdzv, gen = self.rendezvous, report.generation
+        if report.generation > _MAX_GENERATION or len(report.detail) > 4096 or report.gpus > 4096:
+            raise api.ProtocolError("WorkerReport out of range")
         if report.pid:
             rdzv.worker_started(node_id, gen, report.pid)
-        if report.generation > _MAX_GENERATION or len(report.detail) > 4096:
-            raise api.ProtocolError("WorkerReport out of range")
+        rdzv.node_gpus(node_id, report.gpus, min(max(report.gpu_utilization, 0.0), 1.0))
         if report.has_progress:
-            p = report.progress
+            p, now = report.progress, self._clock()
+            checkpoint_at = now - p.checkpoint_age_seconds if p.checkpoint_age_seconds >= 0 else None
             rdzv.progress(node_id, gen, api.WorkerProgress(
                 step=p.step, examples=p.examples, loss=p.loss if p.has_loss else None,
-                checkpoint_step=p.checkpoint_step, reported_at=self._clock() - p.age_seconds))
+                checkpoint_step=p.checkpoint_step, reported_at=now - p.age_seconds,
+                steps_per_second=p.steps_per_second, checkpoint_at=checkpoint_at))
         if report.status == pb.WORKER_STATUS_SUCCEEDED:
             return rdzv.worker_succeeded(node_id, gen)
         if report.status == pb.WORKER_STATUS_FAILED:

@@ -63,6 +63,8 @@ class _Node:
     last_seen: float
     worker_pid: int = 0
     progress: WorkerProgress | None = None
+    gpus: int = 0
+    gpu_utilization: float = 0.0
 
 
 class Rendezvous:
@@ -132,6 +134,11 @@ class Rendezvous:
         node = self._member_of(node_id, generation)
         if node is not None:
             node.progress = progress
+
+    def node_gpus(self, node_id: str, gpus: int, utilization: float) -> None:
+        node = self._nodes.get(node_id)
+        if node is not None:
+            node.gpus, node.gpu_utilization = gpus, utilization
 
     def worker_succeeded(self, node_id: str, generation: int) -> list[Send]:
         is_chief = bool(self._members) and self._members[0] == node_id
@@ -215,7 +222,7 @@ class Rendezvous:
             progress = node.progress
             nodes.append(NodeSnapshot(
                 node_id, rank, node.info.host, node.info.worker_port, node.state,
-                node.worker_pid if rank >= 0 else 0, progress,
+                node.worker_pid if rank >= 0 else 0, progress, node.gpus, node.gpu_utilization,
             ))
         nodes.sort(key=lambda n: (n.rank < 0, n.rank, n.node_id))
         spec = self.spec

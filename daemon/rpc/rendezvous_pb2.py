@@ -24,51 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtfelastic/v1/rendezvous.proto\x12\x0ctfelastic.v1\"\xff\x01\n\x07JobSpec\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x16\n\x0e\x63ommand_digest\x18\x02 \x01(\x0c\x12\x11\n\tmin_nodes\x18\x03 \x01(\r\x12\x11\n\tmax_nodes\x18\x04 \x01(\r\x12\x14\n\x0cmax_restarts\x18\x05 \x01(\r\x12\x1e\n\x16restart_window_seconds\x18\x06 \x01(\x01\x12\x1d\n\x15stall_timeout_seconds\x18\x07 \x01(\x01\x12\x12\n\nbackup_dir\x18\x08 \x01(\t\x12\"\n\x1aheartbeat_interval_seconds\x18\t \x01(\x01\x12\x1c\n\x14node_timeout_seconds\x18\n \x01(\x01\"\xb7\x01\n\x04Join\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.tfelastic.v1.JobSpec\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x13\n\x0bworker_port\x18\x04 \x01(\r\x12\x17\n\x0flast_generation\x18\x05 \x01(\x04\x12\x15\n\rrestart_count\x18\x06 \x01(\r\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12\x11\n\tlast_rank\x18\x08 \x01(\x05\"\x0b\n\tHeartbeat\"x\n\x08Progress\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x10\n\x08has_loss\x18\x03 \x01(\x08\x12\x10\n\x08\x65xamples\x18\x04 \x01(\x03\x12\x13\n\x0b\x61ge_seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x63heckpoint_step\x18\x06 \x01(\x03\"\xbe\x01\n\x0cWorkerReport\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12*\n\x06status\x18\x02 \x01(\x0e\x32\x1a.tfelastic.v1.WorkerStatus\x12\x11\n\texit_code\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12(\n\x08progress\x18\x05 \x01(\x0b\x32\x16.tfelastic.v1.Progress\x12\x14\n\x0chas_progress\x18\x06 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\"\x17\n\x05Leave\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xbc\x01\n\x0c\x41gentMessage\x12\"\n\x04join\x18\x01 \x01(\x0b\x32\x12.tfelastic.v1.JoinH\x00\x12,\n\theartbeat\x18\x02 \x01(\x0b\x32\x17.tfelastic.v1.HeartbeatH\x00\x12,\n\x06report\x18\x03 \x01(\x0b\x32\x1a.tfelastic.v1.WorkerReportH\x00\x12$\n\x05leave\x18\x04 \x01(\x0b\x32\x13.tfelastic.v1.LeaveH\x00\x42\x06\n\x04kind\"J\n\x06Member\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x13\n\x0bworker_port\x18\x04 \x01(\r\"\x80\x01\n\nAssignment\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12%\n\x07members\x18\x04 \x03(\x0b\x32\x14.tfelastic.v1.Member\x12\x15\n\rrestart_count\x18\x05 \x01(\r\"1\n\x0bStopWorkers\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"D\n\x0bJobFinished\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.tfelastic.v1.JobState\x12\x0e\n\x06reason\x18\x02 \x01(\t\"O\n\x07Waiting\x12\x0e\n\x06joined\x18\x01 \x01(\r\x12\x11\n\tmin_nodes\x18\x02 \x01(\r\x12\x11\n\tmax_nodes\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\xfe\x01\n\x12\x43oordinatorMessage\x12,\n\theartbeat\x18\x01 \x01(\x0b\x32\x17.tfelastic.v1.HeartbeatH\x00\x12(\n\x07waiting\x18\x02 \x01(\x0b\x32\x15.tfelastic.v1.WaitingH\x00\x12.\n\nassignment\x18\x03 \x01(\x0b\x32\x18.tfelastic.v1.AssignmentH\x00\x12)\n\x04stop\x18\x04 \x01(\x0b\x32\x19.tfelastic.v1.StopWorkersH\x00\x12-\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x19.tfelastic.v1.JobFinishedH\x00\x42\x06\n\x04kind\"\x0f\n\rStatusRequest\"\xb1\x01\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x13\n\x0bworker_port\x18\x04 \x01(\r\x12\r\n\x05state\x18\x05 \x01(\t\x12\x12\n\nworker_pid\x18\x06 \x01(\x05\x12(\n\x08progress\x18\x07 \x01(\x0b\x32\x16.tfelastic.v1.Progress\x12\x14\n\x0chas_progress\x18\x08 \x01(\x08\"-\n\x0cRestartCount\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\xb0\x02\n\rClusterStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.tfelastic.v1.JobState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x11\n\tmin_nodes\x18\x06 \x01(\r\x12\x11\n\tmax_nodes\x18\x07 \x01(\r\x12\x16\n\x0erestarts_total\x18\x08 \x01(\r\x12\x36\n\x12restarts_by_reason\x18\t \x03(\x0b\x32\x1a.tfelastic.v1.RestartCount\x12\x14\n\x0cmax_restarts\x18\n \x01(\r\x12\'\n\x05nodes\x18\x0b \x03(\x0b\x32\x18.tfelastic.v1.NodeStatus*\x9a\x01\n\x0cWorkerStatus\x12\x1d\n\x19WORKER_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATUS_RUNNING\x10\x01\x12\x1b\n\x17WORKER_STATUS_SUCCEEDED\x10\x02\x12\x18\n\x14WORKER_STATUS_FAILED\x10\x03\x12\x19\n\x15WORKER_STATUS_STALLED\x10\x04*\x9c\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_WAITING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x18\n\x14JOB_STATE_RESTARTING\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x32\xa0\x01\n\nRendezvous\x12K\n\x07Session\x12\x1a.tfelastic.v1.AgentMessage\x1a .tfelastic.v1.CoordinatorMessage(\x01\x30\x01\x12\x45\n\tGetStatus\x12\x1b.tfelastic.v1.StatusRequest\x1a\x1b.tfelastic.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtfelastic/v1/rendezvous.proto\x12\x0ctfelastic.v1\"\xff\x01\n\x07JobSpec\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x16\n\x0e\x63ommand_digest\x18\x02 \x01(\x0c\x12\x11\n\tmin_nodes\x18\x03 \x01(\r\x12\x11\n\tmax_nodes\x18\x04 \x01(\r\x12\x14\n\x0cmax_restarts\x18\x05 \x01(\r\x12\x1e\n\x16restart_window_seconds\x18\x06 \x01(\x01\x12\x1d\n\x15stall_timeout_seconds\x18\x07 \x01(\x01\x12\x12\n\nbackup_dir\x18\x08 \x01(\t\x12\"\n\x1aheartbeat_interval_seconds\x18\t \x01(\x01\x12\x1c\n\x14node_timeout_seconds\x18\n \x01(\x01\"\xb7\x01\n\x04Join\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.tfelastic.v1.JobSpec\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x13\n\x0bworker_port\x18\x04 \x01(\r\x12\x17\n\x0flast_generation\x18\x05 \x01(\x04\x12\x15\n\rrestart_count\x18\x06 \x01(\r\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12\x11\n\tlast_rank\x18\x08 \x01(\x05\"\x0b\n\tHeartbeat\"\xb2\x01\n\x08Progress\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x10\n\x08has_loss\x18\x03 \x01(\x08\x12\x10\n\x08\x65xamples\x18\x04 \x01(\x03\x12\x13\n\x0b\x61ge_seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x63heckpoint_step\x18\x06 \x01(\x03\x12\x18\n\x10steps_per_second\x18\x07 \x01(\x01\x12\x1e\n\x16\x63heckpoint_age_seconds\x18\x08 \x01(\x01\"\xe5\x01\n\x0cWorkerReport\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12*\n\x06status\x18\x02 \x01(\x0e\x32\x1a.tfelastic.v1.WorkerStatus\x12\x11\n\texit_code\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12(\n\x08progress\x18\x05 \x01(\x0b\x32\x16.tfelastic.v1.Progress\x12\x14\n\x0chas_progress\x18\x06 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\x0c\n\x04gpus\x18\x08 \x01(\r\x12\x17\n\x0fgpu_utilization\x18\t \x01(\x01\"\x17\n\x05Leave\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xbc\x01\n\x0c\x41gentMessage\x12\"\n\x04join\x18\x01 \x01(\x0b\x32\x12.tfelastic.v1.JoinH\x00\x12,\n\theartbeat\x18\x02 \x01(\x0b\x32\x17.tfelastic.v1.HeartbeatH\x00\x12,\n\x06report\x18\x03 \x01(\x0b\x32\x1a.tfelastic.v1.WorkerReportH\x00\x12$\n\x05leave\x18\x04 \x01(\x0b\x32\x13.tfelastic.v1.LeaveH\x00\x42\x06\n\x04kind\"J\n\x06Member\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x13\n\x0bworker_port\x18\x04 \x01(\r\"\x80\x01\n\nAssignment\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12%\n\x07members\x18\x04 \x03(\x0b\x32\x14.tfelastic.v1.Member\x12\x15\n\rrestart_count\x18\x05 \x01(\r\"1\n\x0bStopWorkers\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"D\n\x0bJobFinished\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.tfelastic.v1.JobState\x12\x0e\n\x06reason\x18\x02 \x01(\t\"O\n\x07Waiting\x12\x0e\n\x06joined\x18\x01 \x01(\r\x12\x11\n\tmin_nodes\x18\x02 \x01(\r\x12\x11\n\tmax_nodes\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\xfe\x01\n\x12\x43oordinatorMessage\x12,\n\theartbeat\x18\x01 \x01(\x0b\x32\x17.tfelastic.v1.HeartbeatH\x00\x12(\n\x07waiting\x18\x02 \x01(\x0b\x32\x15.tfelastic.v1.WaitingH\x00\x12.\n\nassignment\x18\x03 \x01(\x0b\x32\x18.tfelastic.v1.AssignmentH\x00\x12)\n\x04stop\x18\x04 \x01(\x0b\x32\x19.tfelastic.v1.StopWorkersH\x00\x12-\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x19.tfelastic.v1.JobFinishedH\x00\x42\x06\n\x04kind\"\x0f\n\rStatusRequest\"\xd8\x01\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x13\n\x0bworker_port\x18\x04 \x01(\r\x12\r\n\x05state\x18\x05 \x01(\t\x12\x12\n\nworker_pid\x18\x06 \x01(\x05\x12(\n\x08progress\x18\x07 \x01(\x0b\x32\x16.tfelastic.v1.Progress\x12\x14\n\x0chas_progress\x18\x08 \x01(\x08\x12\x0c\n\x04gpus\x18\t \x01(\r\x12\x17\n\x0fgpu_utilization\x18\n \x01(\x01\"-\n\x0cRestartCount\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\xb0\x02\n\rClusterStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.tfelastic.v1.JobState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x11\n\tmin_nodes\x18\x06 \x01(\r\x12\x11\n\tmax_nodes\x18\x07 \x01(\r\x12\x16\n\x0erestarts_total\x18\x08 \x01(\r\x12\x36\n\x12restarts_by_reason\x18\t \x03(\x0b\x32\x1a.tfelastic.v1.RestartCount\x12\x14\n\x0cmax_restarts\x18\n \x01(\r\x12\'\n\x05nodes\x18\x0b \x03(\x0b\x32\x18.tfelastic.v1.NodeStatus*\x9a\x01\n\x0cWorkerStatus\x12\x1d\n\x19WORKER_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATUS_RUNNING\x10\x01\x12\x1b\n\x17WORKER_STATUS_SUCCEEDED\x10\x02\x12\x18\n\x14WORKER_STATUS_FAILED\x10\x03\x12\x19\n\x15WORKER_STATUS_STALLED\x10\x04*\x9c\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_WAITING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x18\n\x14JOB_STATE_RESTARTING\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x32\xa0\x01\n\nRendezvous\x12K\n\x07Session\x12\x1a.tfelastic.v1.AgentMessage\x1a .tfelastic.v1.CoordinatorMessage(\x01\x30\x01\x12\x45\n\tGetStatus\x12\x1b.tfelastic.v1.StatusRequest\x1a\x1b.tfelastic.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tfelastic.v1.rendezvous_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSTATUS']._serialized_start=2253
-  _globals['_WORKERSTATUS']._serialized_end=2407
-  _globals['_JOBSTATE']._serialized_start=2410
-  _globals['_JOBSTATE']._serialized_end=2566
+  _globals['_WORKERSTATUS']._serialized_start=2390
+  _globals['_WORKERSTATUS']._serialized_end=2544
+  _globals['_JOBSTATE']._serialized_start=2547
+  _globals['_JOBSTATE']._serialized_end=2703
   _globals['_JOBSPEC']._serialized_start=48
   _globals['_JOBSPEC']._serialized_end=303
   _globals['_JOIN']._serialized_start=306
   _globals['_JOIN']._serialized_end=489
   _globals['_HEARTBEAT']._serialized_start=491
   _globals['_HEARTBEAT']._serialized_end=502
-  _globals['_PROGRESS']._serialized_start=504
-  _globals['_PROGRESS']._serialized_end=624
-  _globals['_WORKERREPORT']._serialized_start=627
-  _globals['_WORKERREPORT']._serialized_end=817
-  _globals['_LEAVE']._serialized_start=819
-  _globals['_LEAVE']._serialized_end=842
-  _globals['_AGENTMESSAGE']._serialized_start=845
-  _globals['_AGENTMESSAGE']._serialized_end=1033
-  _globals['_MEMBER']._serialized_start=1035
-  _globals['_MEMBER']._serialized_end=1109
-  _globals['_ASSIGNMENT']._serialized_start=1112
-  _globals['_ASSIGNMENT']._serialized_end=1240
-  _globals['_STOPWORKERS']._serialized_start=1242
-  _globals['_STOPWORKERS']._serialized_end=1291
-  _globals['_JOBFINISHED']._serialized_start=1293
-  _globals['_JOBFINISHED']._serialized_end=1361
-  _globals['_WAITING']._serialized_start=1363
-  _globals['_WAITING']._serialized_end=1442
-  _globals['_COORDINATORMESSAGE']._serialized_start=1445
-  _globals['_COORDINATORMESSAGE']._serialized_end=1699
-  _globals['_STATUSREQUEST']._serialized_start=1701
-  _globals['_STATUSREQUEST']._serialized_end=1716
-  _globals['_NODESTATUS']._serialized_start=1719
-  _globals['_NODESTATUS']._serialized_end=1896
-  _globals['_RESTARTCOUNT']._serialized_start=1898
-  _globals['_RESTARTCOUNT']._serialized_end=1943
-  _globals['_CLUSTERSTATUS']._serialized_start=1946
-  _globals['_CLUSTERSTATUS']._serialized_end=2250
-  _globals['_RENDEZVOUS']._serialized_start=2569
-  _globals['_RENDEZVOUS']._serialized_end=2729
+  _globals['_PROGRESS']._serialized_start=505
+  _globals['_PROGRESS']._serialized_end=683
+  _globals['_WORKERREPORT']._serialized_start=686
+  _globals['_WORKERREPORT']._serialized_end=915
+  _globals['_LEAVE']._serialized_start=917
+  _globals['_LEAVE']._serialized_end=940
+  _globals['_AGENTMESSAGE']._serialized_start=943
+  _globals['_AGENTMESSAGE']._serialized_end=1131
+  _globals['_MEMBER']._serialized_start=1133
+  _globals['_MEMBER']._serialized_end=1207
+  _globals['_ASSIGNMENT']._serialized_start=1210
+  _globals['_ASSIGNMENT']._serialized_end=1338
+  _globals['_STOPWORKERS']._serialized_start=1340
+  _globals['_STOPWORKERS']._serialized_end=1389
+  _globals['_JOBFINISHED']._serialized_start=1391
+  _globals['_JOBFINISHED']._serialized_end=1459
+  _globals['_WAITING']._serialized_start=1461
+  _globals['_WAITING']._serialized_end=1540
+  _globals['_COORDINATORMESSAGE']._serialized_start=1543
+  _globals['_COORDINATORMESSAGE']._serialized_end=1797
+  _globals['_STATUSREQUEST']._serialized_start=1799
+  _globals['_STATUSREQUEST']._serialized_end=1814
+  _globals['_NODESTATUS']._serialized_start=1817
+  _globals['_NODESTATUS']._serialized_end=2033
+  _globals['_RESTARTCOUNT']._serialized_start=2035
+  _globals['_RESTARTCOUNT']._serialized_end=2080
+  _globals['_CLUSTERSTATUS']._serialized_start=2083
+  _globals['_CLUSTERSTATUS']._serialized_end=2387
+  _globals['_RENDEZVOUS']._serialized_start=2706
+  _globals['_RENDEZVOUS']._serialized_end=2866
 # @@protoc_insertion_point(module_scope)

@@ -84,23 +84,27 @@ class Heartbeat(_message.Message):
     def __init__(self) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("step", "loss", "has_loss", "examples", "age_seconds", "checkpoint_step")
+    __slots__ = ("step", "loss", "has_loss", "examples", "age_seconds", "checkpoint_step", "steps_per_second", "checkpoint_age_seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
     EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     loss: float
     has_loss: bool
     examples: int
     age_seconds: float
     checkpoint_step: int
-    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: bool = ..., examples: _Optional[int] = ..., age_seconds: _Optional[float] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
+    steps_per_second: float
+    checkpoint_age_seconds: float
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: bool = ..., examples: _Optional[int] = ..., age_seconds: _Optional[float] = ..., checkpoint_step: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., checkpoint_age_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerReport(_message.Message):
-    __slots__ = ("generation", "status", "exit_code", "pid", "progress", "has_progress", "detail")
+    __slots__ = ("generation", "status", "exit_code", "pid", "progress", "has_progress", "detail", "gpus", "gpu_utilization")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +112,8 @@ class WorkerReport(_message.Message):
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     HAS_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPU_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     generation: int
     status: WorkerStatus
     exit_code: int
@@ -115,7 +121,9 @@ class WorkerReport(_message.Message):
     progress: Progress
     has_progress: bool
     detail: str
-    def __init__(self, generation: _Optional[int] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., exit_code: _Optional[int] = ..., pid: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., has_progress: bool = ..., detail: _Optional[str] = ...) -> None: ...
+    gpus: int
+    gpu_utilization: float
+    def __init__(self, generation: _Optional[int] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., exit_code: _Optional[int] = ..., pid: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., has_progress: bool = ..., detail: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_utilization: _Optional[float] = ...) -> None: ...
 
 class Leave(_message.Message):
     __slots__ = ("reason",)
@@ -208,7 +216,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "rank", "host", "worker_port", "state", "worker_pid", "progress", "has_progress")
+    __slots__ = ("node_id", "rank", "host", "worker_port", "state", "worker_pid", "progress", "has_progress", "gpus", "gpu_utilization")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +225,8 @@ class NodeStatus(_message.Message):
     WORKER_PID_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     HAS_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPU_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     rank: int
     host: str
@@ -225,7 +235,9 @@ class NodeStatus(_message.Message):
     worker_pid: int
     progress: Progress
     has_progress: bool
-    def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., state: _Optional[str] = ..., worker_pid: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., has_progress: bool = ...) -> None: ...
+    gpus: int
+    gpu_utilization: float
+    def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., state: _Optional[str] = ..., worker_pid: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., has_progress: bool = ..., gpus: _Optional[int] = ..., gpu_utilization: _Optional[float] = ...) -> None: ...
 
 class RestartCount(_message.Message):
     __slots__ = ("reason", "count")

@@ -244,3 +244,16 @@ def test_exit_0_in_answer_to_a_planned_stop_does_not_end_the_job(make_cluster: C
     assert doc["restarts_by_reason"] == {"scale_up": 1}
     assert cluster.wait_all(60) == [0, 0, 0], cluster.logs()
     assert [e["step"] for e in cluster.events() if e["event"] == "end"] == [120, 120, 120]
+
+
+def test_status_shows_step_rate_checkpoint_age_and_gpus(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="2", env={"COUNTER_STEPS": "400", "COUNTER_STEP_SECONDS": "0.05"})
+    cluster.start("a")
+    cluster.start("b")
+    doc = cluster.wait_status(lambda d: d["state"] == "running" and all(
+        (n["steps_per_second"] or 0) > 0 for n in members(d)), 30, "step rates")
+    chief, other = members(doc)
+    assert 5 < chief["steps_per_second"] < 40  # the counter makes about 20 steps a second
+    assert chief["last_checkpoint_age_seconds"] is not None and chief["last_checkpoint_step"] is not None
+    assert other["last_checkpoint_age_seconds"] is None  # only the chief saves
+    assert [(n["gpus"], n["gpu_utilization"]) for n in members(doc)] == [(0, None), (0, None)]  # no GPU here

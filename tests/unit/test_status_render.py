@@ -13,7 +13,7 @@ from tfelastic.daemon.status import SCHEMA_VERSION, render_table, status_to_json
 TOP_KEYS = ["schema_version", "job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes",
             "max_restarts", "restarts_total", "restarts_by_reason", "nodes"]
 NODE_KEYS = ["node_id", "rank", "address", "state", "worker_pid", "step", "loss", "last_checkpoint_step",
-             "progress_age_seconds"]
+             "progress_age_seconds", "steps_per_second", "last_checkpoint_age_seconds", "gpus", "gpu_utilization"]
 
 
 def cluster_status(**overrides: Any) -> pb.ClusterStatus:
@@ -25,13 +25,14 @@ def cluster_status(**overrides: Any) -> pb.ClusterStatus:
                             pb.RestartCount(reason="scale_up", count=1)],
         nodes=[
             pb.NodeStatus(node_id="node-a", rank=0, host="10.0.0.1", worker_port=2222, state="running",
-                          worker_pid=4242, has_progress=True,
+                          worker_pid=4242, has_progress=True, gpus=8, gpu_utilization=0.875,
                           progress=pb.Progress(step=120, loss=0.25, has_loss=True, examples=7680,
-                                               age_seconds=1.23456, checkpoint_step=100)),
+                                               age_seconds=1.23456, checkpoint_step=100, steps_per_second=12.5,
+                                               checkpoint_age_seconds=30.25)),
             pb.NodeStatus(node_id="node-b", rank=1, host="10.0.0.2", worker_port=2223, state="running",
                           worker_pid=4343, has_progress=True,
                           progress=pb.Progress(step=119, loss=0.0, has_loss=False, age_seconds=0.5,
-                                               checkpoint_step=-1)),
+                                               checkpoint_step=-1, checkpoint_age_seconds=-1)),
             pb.NodeStatus(node_id="spare", rank=-1, host="10.0.0.3", worker_port=0, state="waiting"),
         ],
     )
@@ -57,11 +58,14 @@ def test_status_to_json_has_exactly_the_documented_keys_and_values() -> None:
         "restarts_by_reason": {"worker_exit": 1, "scale_up": 1},
         "nodes": [
             {"node_id": "node-a", "rank": 0, "address": "10.0.0.1:2222", "state": "running", "worker_pid": 4242,
-             "step": 120, "loss": 0.25, "last_checkpoint_step": 100, "progress_age_seconds": 1.235},
+             "step": 120, "loss": 0.25, "last_checkpoint_step": 100, "progress_age_seconds": 1.235,
+             "steps_per_second": 12.5, "last_checkpoint_age_seconds": 30.25, "gpus": 8, "gpu_utilization": 0.875},
             {"node_id": "node-b", "rank": 1, "address": "10.0.0.2:2223", "state": "running", "worker_pid": 4343,
-             "step": 119, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": 0.5},
+             "step": 119, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": 0.5,
+             "steps_per_second": 0.0, "last_checkpoint_age_seconds": None, "gpus": 0, "gpu_utilization": None},
             {"node_id": "spare", "rank": None, "address": "10.0.0.3:0", "state": "waiting", "worker_pid": None,
-             "step": None, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": None},
+             "step": None, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": None,
+             "steps_per_second": None, "last_checkpoint_age_seconds": None, "gpus": 0, "gpu_utilization": None},
         ],
     }
     assert SCHEMA_VERSION == 1
@@ -112,10 +116,10 @@ def test_render_table() -> None:
         "generation 3, world size 2 (min 2, max 2)",
         "restarts: 2 (scale_up=1, worker_exit=1); budget 3 failures per window",
         "",
-        "NODE    RANK  ADDRESS        STATE    PID   STEP  LAST PROGRESS",
-        "node-a  0     10.0.0.1:2222  running  4242  120   1.2s ago",
-        "node-b  1     10.0.0.2:2223  running  4343  119   0.5s ago",
-        "spare   -     10.0.0.3:0     waiting  -     -     -",
+        "NODE    RANK  ADDRESS        STATE    PID   STEP  STEPS/S  LAST PROGRESS  LAST CHECKPOINT  GPUS",
+        "node-a  0     10.0.0.1:2222  running  4242  120   12.5     1.2s ago       30.2s ago        8 at 88%",
+        "node-b  1     10.0.0.2:2223  running  4343  119   0.0      0.5s ago       -                -",
+        "spare   -     10.0.0.3:0     waiting  -     -     -        -              -                -",
     ]
 
 
@@ -123,11 +127,13 @@ def test_render_table_has_a_header_and_one_row_per_node() -> None:
     nodes = [pb.NodeStatus(node_id=f"worker-{i}", rank=i, host=f"10.0.1.{i}", worker_port=2000 + i,
                            state="running", worker_pid=100 + i) for i in range(5)]
     lines = render_table(status_to_json(cluster_status(nodes=nodes))).splitlines()
-    header = lines.index("NODE      RANK  ADDRESS        STATE    PID  STEP  LAST PROGRESS")
+    header = lines.index("NODE      RANK  ADDRESS        STATE    PID  STEP  STEPS/S  LAST PROGRESS  LAST CHECKPOINT"
+                         "  GPUS")
     rows = lines[header + 1:]
     assert len(rows) == 5
     for i, row in enumerate(rows):
-        assert row.split() == [f"worker-{i}", str(i), f"10.0.1.{i}:{2000 + i}", "running", str(100 + i), "-", "-"]
+        assert row.split() == [f"worker-{i}", str(i), f"10.0.1.{i}:{2000 + i}", "running", str(100 + i), "-", "-",
+                               "-", "-", "-"]
 
 
 def test_render_table_with_a_reason_and_no_restarts_or_nodes() -> None:
@@ -138,5 +144,5 @@ def test_render_table_with_a_reason_and_no_restarts_or_nodes() -> None:
         "generation 3, world size 2 (min 2, max 2)",
         "restarts: 0 (none); budget 3 failures per window",
         "",
-        "NODE  RANK  ADDRESS  STATE  PID  STEP  LAST PROGRESS",
+        "NODE  RANK  ADDRESS  STATE  PID  STEP  STEPS/S  LAST PROGRESS  LAST CHECKPOINT  GPUS",
     ]
