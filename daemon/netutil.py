@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import socket
+from typing import Any
 
 
 def host_port(host: str, port: int) -> str:
@@ -42,35 +43,31 @@ def _ephemeral_low() -> int:
 
 def is_local_address(host: str) -> bool:
     """Whether this machine owns ``host`` (a name or address): whether it can bind to it."""
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    for family, _, _, _, sockaddr in infos:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((sockaddr[0], 0))
-                return True
-            except OSError:
-                continue
-    return False
+    return any(_binds(family, (sockaddr[0], 0), reuse=False) for family, sockaddr in _addresses(host, 0))
 
 
 def port_taken(host: str, port: int) -> bool:
     """Whether something listens on host:port. Binds like gRPC does (SO_REUSEADDR), so connections of a process
     that died (TIME_WAIT) do not count."""
+    return not all(_binds(family, sockaddr, reuse=True) for family, sockaddr in _addresses(host, port))
+
+
+def _addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, Any]]:
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return [(info[0], info[4]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
     except OSError:
-        return False
-    for family, _, _, _, sockaddr in infos:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
+        return []
+
+
+def _binds(family: socket.AddressFamily, sockaddr: Any, *, reuse: bool) -> bool:
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        if reuse:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(sockaddr)
-            except OSError:
-                return True
-    return False
+        try:
+            s.bind(sockaddr)
+            return True
+        except OSError:
+            return False
 
 
 def route_address(destination: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,6 +52,11 @@ class Agent:
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout)
 
+    def metrics_address(self) -> str:
+        """host:port of this agent's /metrics, as it logged it."""
+        found = wait_for(lambda: re.search(r"metrics on http://(\S+)/metrics", self.log()), 20, "the metrics address")
+        return str(found.group(1))
+
 
 @dataclass
 class Cluster:
@@ -81,6 +87,12 @@ class Cluster:
         if netns:
             command = ["ip", "netns", "exec", netns, *command]
         return self.launch(node_id, command)
+
+    def start_host(self, node_id: str, timeout: float = 20.0) -> Agent:
+        """Starts an agent and waits until it hosts the coordinator, so later agents connect to it."""
+        agent = self.start(node_id)
+        wait_for(lambda: "hosting the coordinator" in agent.log(), timeout, f"agent {node_id} to host")
+        return agent
 
     def launch(self, node_id: str, command: Sequence[str]) -> Agent:
         """Runs an agent command line, logging to agent-<node_id>.log."""

@@ -80,8 +80,7 @@ def test_sigstopped_worker_is_caught(make_cluster: ClusterFactory) -> None:
 
 def test_killed_agent_takes_its_worker_along_and_the_others_reform(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster(TRAINER, nodes="2:3", extra_args=FAST, env={"COUNTER_STEPS": "100"})
-    host = cluster.start("a")
-    wait_for(lambda: "hosting the coordinator" in host.log(), 20, "agent a to host")
+    host = cluster.start_host("a")
     cluster.start("b")
     victim_agent = cluster.start("c")
     doc = cluster.wait_running(1, 3, step=5)
@@ -97,8 +96,7 @@ def test_killed_agent_takes_its_worker_along_and_the_others_reform(make_cluster:
 
 def test_sigterm_leaves_cleanly_and_is_not_a_failure(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster(TRAINER, nodes="2:3", extra_args=FAST, env={"COUNTER_STEPS": "100"})
-    host = cluster.start("a")
-    wait_for(lambda: "hosting the coordinator" in host.log(), 20, "agent a to host")
+    cluster.start_host("a")
     cluster.start("b")
     leaving = cluster.start("c")
     cluster.wait_running(1, 3, step=5)
@@ -134,8 +132,7 @@ def test_restart_budget_exhausted_fails_the_job(make_cluster: ClusterFactory) ->
 
 def test_hosting_agent_dies_and_another_takes_over(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster(TRAINER, nodes="2:3", extra_args=FAST, env={"COUNTER_STEPS": "150"})
-    host = cluster.start("a")
-    wait_for(lambda: "hosting the coordinator" in host.log(), 20, "agent a to host")
+    host = cluster.start_host("a")
     cluster.start("b")
     cluster.start("c")
     cluster.wait_running(1, 3, step=5)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 import sys
@@ -11,15 +10,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster import COUNTER, Agent, wait_for
+from tests.cluster import COUNTER
 from tests.conftest import ClusterFactory
 
 pytestmark = pytest.mark.integration
-
-
-def metrics_url(agent: Agent) -> str:
-    found = wait_for(lambda: re.search(r"metrics on (http://\S+/metrics)", agent.log()), 20, "the metrics address")
-    return str(found.group(1))
 
 
 def scrape(url: str) -> tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
@@ -34,10 +28,9 @@ def test_agents_export_training_control_plane_host_and_cluster_metrics(make_clus
     cluster = make_cluster([sys.executable, COUNTER], nodes="2",
                            extra_args=["--failure-stop-grace", "0.25"],
                            env={"COUNTER_STEPS": "60", "COUNTER_FAIL_AT": "20"})
-    host = cluster.start("a")
-    wait_for(lambda: "hosting the coordinator" in host.log(), 20, "agent a to host")
+    host = cluster.start_host("a")
     other = cluster.start("b")
-    urls = {"a": metrics_url(host), "b": metrics_url(other)}
+    urls = {name: f"http://{agent.metrics_address()}/metrics" for name, agent in (("a", host), ("b", other))}
     cluster.wait_running(2, 2, step=25)
 
     _, a = scrape(urls["a"])
@@ -67,7 +60,7 @@ def test_agents_export_training_control_plane_host_and_cluster_metrics(make_clus
 def test_promtool_finds_nothing_to_complain_about(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster([sys.executable, COUNTER], nodes="1", env={"COUNTER_STEPS": "400"})
     agent = cluster.start("a")
-    url = metrics_url(agent)
+    url = f"http://{agent.metrics_address()}/metrics"
     cluster.wait_running(1, 1, step=2)
     text, _ = scrape(url)
     check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)

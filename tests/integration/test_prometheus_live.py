@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import COUNTER, Agent, kill, members, wait_for
+from tests.cluster import COUNTER, kill, members, wait_for
 from tests.conftest import ClusterFactory
 from tests.prometheus import Prometheus
 
@@ -22,11 +22,6 @@ pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus is not installed")]
 
 MONITORING = Path(__file__).resolve().parent.parent.parent / "monitoring"
-
-
-def metrics_address(agent: Agent) -> str:
-    found = wait_for(lambda: re.search(r"metrics on http://(\S+)/metrics", agent.log()), 20, "the metrics address")
-    return str(found.group(1))
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
@@ -63,10 +58,9 @@ def test_every_dashboard_query_returns_data(make_cluster: ClusterFactory, tmp_pa
                                             fake_gpu_target: str) -> None:
     cluster = make_cluster([sys.executable, COUNTER], nodes="2", extra_args=["--failure-stop-grace", "0.25"],
                            env={"COUNTER_STEPS": "100000", "COUNTER_STEP_SECONDS": "0.05", "COUNTER_FAIL_AT": "150"})
-    host = cluster.start("a")
-    wait_for(lambda: "hosting the coordinator" in host.log(), 20, "agent a to host")
+    host = cluster.start_host("a")
     agents = [host, cluster.start("b")]
-    addresses = [metrics_address(a) for a in agents]
+    addresses = [a.metrics_address() for a in agents]
     prometheus = Prometheus(tmp_path / "prom", {"tfelastic-agents": [*addresses, fake_gpu_target],
                                                 "tfelastic-coordinator": addresses[:1]},
                             rule_files=[MONITORING / "alerts.yml"])
@@ -92,7 +86,7 @@ def test_a_killed_worker_fires_the_job_failed_alert(make_cluster: ClusterFactory
                            env={"COUNTER_STEPS": "100000", "COUNTER_STEP_SECONDS": "0.05"})
     agents = [cluster.start("a"), cluster.start("b")]
     doc = cluster.wait_running(1, 2, step=5)
-    addresses = [metrics_address(a) for a in agents]
+    addresses = [a.metrics_address() for a in agents]
     host = next(address for agent, address in zip(agents, addresses, strict=True)
                 if "hosting the coordinator" in agent.log())
     prometheus = Prometheus(tmp_path / "prom", {"tfelastic-agents": addresses, "tfelastic-coordinator": [host]},

@@ -65,8 +65,7 @@ def test_sigstopped_worker_is_caught_as_a_stall(make_cluster: ClusterFactory) ->
 
 def test_killed_agent_takes_its_worker_and_the_others_reform(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster(TRAINER, nodes="2:3", extra_args=ARGS)
-    host = cluster.start("a")
-    wait_for(lambda: "hosting the coordinator" in host.log(), 30, "agent a to host")
+    cluster.start_host("a", timeout=30)
     cluster.start("b")
     victim = cluster.start("c")
     doc = cluster.wait_running(1, 3, timeout=120, step=15)
