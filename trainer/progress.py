@@ -104,6 +104,10 @@ class ProgressReporter:
     def enabled(self) -> bool:
         return self._sock is not None
 
+    def due(self) -> bool:
+        """Whether a report now would be sent: callers skip reading (and syncing) values when it would not."""
+        return self._sock is not None and time.monotonic() - self._last_sent >= self._min_interval
+
     def report(self, step: int, *, examples: int | None = None, loss: float | None = None,
                checkpoint_step: int | None = None, force: bool = False, done: bool = False) -> bool:
         """Returns whether a datagram was sent. ``done``: training completed (sent at once)."""
