@@ -48,6 +48,11 @@ def _add_security(p: argparse.ArgumentParser) -> None:
                    help="CA bundle of the peers; on a server it makes client certificates required (mTLS)")
 
 
+def _add_operator_connection(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rendezvous", required=True, metavar="HOST:PORT", help="the coordinator's endpoint")
+    _add_security(p)
+
+
 def _metrics_port(text: str) -> int | None:
     if text == METRICS_OFF:
         return None
@@ -128,11 +133,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_metrics(coord)
 
     status = sub.add_parser("status", help="show the cluster as the coordinator sees it")
-    status.add_argument("--rendezvous", required=True, metavar="HOST:PORT")
+    status.add_argument("--rendezvous", required=True, metavar="HOST:PORT", help="the coordinator's endpoint")
     status.add_argument("--json", action="store_true", help="print the documented JSON document")
     status.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="S",
                         help="refresh every S seconds (default 2)")
     _add_security(status)
+
+    drain = sub.add_parser("drain", help="remove a node on purpose: its trainer checkpoints, the job re-forms "
+                                         "without it (not counted as a failure)")
+    drain.add_argument("node", metavar="NODE", help="the node id to drain (see tfelastic status)")
+    drain.add_argument("--reason", default="", help="recorded in the coordinator's log and the restart reason")
+    drain.add_argument("--force", action="store_true", help="drain even if fewer than min nodes would remain")
+    _add_operator_connection(drain)
+
+    restart = sub.add_parser("restart", help="restart the job: every trainer checkpoints and stops, and the same "
+                                             "nodes re-form (not counted as a failure)")
+    restart.add_argument("--reason", default="", help="recorded in the coordinator's log and the restart reason")
+    _add_operator_connection(restart)
 
     demo = sub.add_parser("demo", help="train on 2 local agents, kill a worker, show the recovery")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
@@ -300,10 +317,7 @@ def _run_status(args: argparse.Namespace) -> int:
         try:
             doc = status_to_json(asyncio.run(fetch_status(endpoint, token, _tls(args))))
         except grpc.RpcError as e:
-            code = e.code()
-            hint = " (pass the job's --token-file)" if code is grpc.StatusCode.UNAUTHENTICATED else ""
-            print(f"tfelastic status: no cluster reachable at {endpoint}: {code.name}: "
-                  f"{e.details()}{hint}", file=sys.stderr)
+            print(_describe_rpc_error("status", endpoint, e), file=sys.stderr)
             return 1
         if args.watch is not None:
             print("\033[2J\033[H", end="")
@@ -311,6 +325,33 @@ def _run_status(args: argparse.Namespace) -> int:
         if args.watch is None:
             return 0
         time.sleep(args.watch)
+
+
+def _describe_rpc_error(command: str, endpoint: Endpoint, error: grpc.RpcError) -> str:
+    code = error.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return f"tfelastic {command}: no cluster reachable at {endpoint}: {code.name}: {error.details()}"
+    hint = " (pass the job's --token-file)" if code is grpc.StatusCode.UNAUTHENTICATED else ""
+    return f"tfelastic {command}: {code.name}: {error.details()}{hint}"
+
+
+def _run_operator_command(args: argparse.Namespace) -> int:
+    from tfelastic.daemon.rendezvous.client import drain_node, restart_job
+
+    endpoint = Endpoint.parse(args.rendezvous, "--rendezvous")
+    token = read_token(args.token_file) if args.token_file else None
+    tls = _tls(args)
+    _check_tls_files(tls)
+    try:
+        if args.command_name == "drain":
+            detail = asyncio.run(drain_node(endpoint, token, tls, args.node, args.reason, args.force))
+        else:
+            detail = asyncio.run(restart_job(endpoint, token, tls, args.reason))
+    except grpc.RpcError as e:
+        print(_describe_rpc_error(args.command_name, endpoint, e), file=sys.stderr)
+        return 1
+    print(detail)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -324,6 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_coordinator(args)
         if args.command_name == "status":
             return _run_status(args)
+        if args.command_name in ("drain", "restart"):
+            return _run_operator_command(args)
         if args.command_name == "demo":
             from tfelastic.daemon.demo import run_demo
 

@@ -40,6 +40,7 @@ from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
 from tfelastic.daemon.worker.progress import ProgressListener
 from tfelastic.daemon.worker.stall import StallDetector
 from tfelastic.daemon.worker.states import WorkerState, WorkerStateMachine
+from tfelastic.trainer.exit_codes import CHECKPOINTED_AND_STOPPED
 from tfelastic.trainer.progress import ProgressMessage
 
 log = logging.getLogger("tfelastic.agent")
@@ -102,7 +103,10 @@ class Agent:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop_task: asyncio.Task[None] | None = None
         self._worker_lock = asyncio.Lock()
-        self._shutdown_requested = asyncio.Event()
+        self._shutdown_requested = asyncio.Event()  # SIGTERM, or an operator's drain
+        self._signalled = asyncio.Event()  # SIGTERM or SIGINT only
+        self._leave_reason = "agent stopped (SIGTERM)"
+        self._drained = False
         self._exit_code: ExitCode | None = None
         self._host = config.advertise_address or route_address(config.rendezvous.host)
         self._incarnation = uuid.uuid4().hex
@@ -115,7 +119,7 @@ class Agent:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._shutdown_requested.set)
+            loop.add_signal_handler(sig, self._on_signal)
         self._listener = ProgressListener(self._on_progress)
         self._listener.start()
         self._serve_metrics()
@@ -126,6 +130,7 @@ class Agent:
             clean = self._exit_code is ExitCode.SUCCEEDED or self._shutdown_requested.is_set()
             await self._stop_worker("agent exiting", planned=clean)
             self._listener.close()
+            await self._keep_hosting_after_drain()
             await self._linger_after_failure()
             await self._stop_hosting()
             if self._metrics_server is not None:
@@ -235,11 +240,28 @@ class Agent:
         await self._shutdown_requested.wait()
         log.info("stopping: leaving the rendezvous and stopping the worker")
         self.on_status("stopping: draining the worker")
-        self._outbox.put_nowait(pb.AgentMessage(leave=pb.Leave(reason="agent stopped (SIGTERM)")))
+        self._outbox.put_nowait(pb.AgentMessage(leave=pb.Leave(reason=self._leave_reason)))
         await self._stop_worker("agent stopping", planned=True)
         self._outbox.put_nowait(None)
         await asyncio.sleep(self.config.node_timeout)  # the read loop ends when the coordinator hangs up
         raise _SessionOver()
+
+    def _on_signal(self) -> None:
+        self._signalled.set()
+        self._shutdown_requested.set()
+
+    async def _keep_hosting_after_drain(self) -> None:
+        """A drained node that hosts the coordinator keeps serving it: the other nodes still need it. It stops
+        when the job ends, or on SIGTERM."""
+        if not self._drained or self._coordinator is None or self._signalled.is_set():
+            return
+        log.info("drained, but this node hosts the coordinator: serving it until the job ends (SIGTERM stops it)")
+        self.on_status("drained: hosting the coordinator until the job ends")
+        finished = asyncio.create_task(self._coordinator.servicer.finished.wait())
+        signalled = asyncio.create_task(self._signalled.wait())
+        await asyncio.wait((finished, signalled), return_when=asyncio.FIRST_COMPLETED)
+        finished.cancel()
+        signalled.cancel()
 
     # ----------------------------------------------------------------------------------- coordinator orders
 
@@ -255,6 +277,11 @@ class Agent:
             log.info("job %s: %s", state.value, message.finished.reason)
             self.on_status(f"job {state.value}: {message.finished.reason}")
             self._exit_code = ExitCode.SUCCEEDED if state is api.JobState.SUCCEEDED else ExitCode.FAILED
+        elif kind == "drain":
+            reason = message.drain.reason
+            log.info("drained by an operator (%s): checkpointing, stopping the worker and leaving the job", reason)
+            self._leave_reason, self._drained = f"drained: {reason}", True
+            self._shutdown_requested.set()
         elif kind == "waiting":
             w = message.waiting
             self.on_status(f"waiting in rendezvous: {w.joined} joined, need {w.min_nodes}-{w.max_nodes}")
@@ -360,11 +387,28 @@ class Agent:
                 started = self._clock()
                 await self._worker.stop(grace)
                 log.info("worker stopped in %.3fs (%s)", self._clock() - started, why)
+                if grace == self.config.stop_grace and was_running:
+                    self._count_graceful_stop(self._worker)
                 if was_running and self._completed(self._worker):
                     # It finished training while we stopped it: the coordinator must know (see state.py).
                     log.info("the trainer completed (exit 0) while stopping")
                     self._report(pb.WORKER_STATUS_SUCCEEDED, exit_code=0)
             self.worker_state.to(WorkerState.STOPPED)  # STOPPING -> STOPPED
+
+    def _count_graceful_stop(self, worker: WorkerProcess) -> None:
+        code = worker.returncode
+        if code == CHECKPOINTED_AND_STOPPED:
+            step = self._progress.step if self._progress is not None else None
+            log.info("the trainer checkpointed%s and stopped: no work lost",
+                     f" after step {step}" if step is not None else "")
+            outcome = "checkpointed"
+        elif code == -signal.SIGKILL and not worker.exited_before_stop:
+            log.warning("the trainer did not stop within stop_grace=%gs and was killed: work since its last "
+                        "checkpoint is lost", self.config.stop_grace)
+            outcome = "killed"
+        else:
+            outcome = "exited"
+        self.metrics.graceful_stops.labels(outcome=outcome).inc()
 
     def _completed(self, worker: WorkerProcess) -> bool:
         """An exit 0 is a completion if the trainer ended by itself, or told us it had completed; an exit 0
@@ -541,7 +585,8 @@ class Agent:
         if self._coordinator is None:
             return
         # Let the other agents read the verdict and hang up before the coordinator goes away.
-        await self._coordinator.wait_agents_gone(timeout=5.0 if self._exit_code is not None else 0.0)
+        verdict = self._exit_code is not None or self._coordinator.servicer.finished.is_set()
+        await self._coordinator.wait_agents_gone(timeout=5.0 if verdict else 0.0)
         await self._coordinator.stop()
         self._coordinator = None
         if self._cluster_metrics is not None:

@@ -36,6 +36,10 @@ class AgentMetrics:
                                   registry=registry)
         self.restarts = Counter("tfelastic_restarts", "Restarts of the worker set this node took part in.",
                                 ["reason"], registry=registry)
+        self.graceful_stops = Counter(
+            "tfelastic_worker_graceful_stops", "Planned stops of the worker, by how it ended: 'checkpointed' (it "
+            "saved at an agreed step and exited 42: no work lost), 'exited' (another exit) or 'killed' (SIGKILL "
+            "after stop_grace).", ["outcome"], registry=registry)
         self.rendezvous = Histogram("tfelastic_rendezvous_duration_seconds",
                                     "From sending Join to receiving an assignment.", buckets=_SECONDS_BUCKETS,
                                     registry=registry)

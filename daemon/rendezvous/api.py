@@ -43,11 +43,13 @@ class RestartReason(enum.Enum):
     STALLED = "stalled"  # a trainer reported no progress for stall_timeout
     SCALE_UP = "scale_up"  # nodes joined while the world was below max_nodes
     NODE_LEFT = "node_left"  # an agent left on purpose (SIGTERM, drain)
+    OPERATOR_RESTART = "operator_restart"  # an operator restarted the job (tfelastic restart)
 
     @property
     def counts_against_budget(self) -> bool:
-        """Only failures spend the restart budget; growing the job or draining a node does not."""
-        return self not in (RestartReason.SCALE_UP, RestartReason.NODE_LEFT)
+        """Only failures spend the restart budget; growing the job, draining a node or an operator's restart
+        does not."""
+        return self not in (RestartReason.SCALE_UP, RestartReason.NODE_LEFT, RestartReason.OPERATOR_RESTART)
 
 
 class NodeState(enum.Enum):
@@ -159,13 +161,20 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class DrainNode:
+    """An operator drained this node: its agent stops the worker gracefully, leaves, and exits."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Evict:
     """Close this node's session: it was declared lost and must join again from scratch."""
 
     reason: str
 
 
-Order = Waiting | Assignment | StopWorkers | Finished | Evict
+Order = Waiting | Assignment | StopWorkers | Finished | DrainNode | Evict
 
 
 @dataclass(frozen=True)
@@ -230,3 +239,11 @@ class JobClosedError(RendezvousError):
 
 class ProtocolError(RendezvousError):
     pass
+
+
+class UnknownNodeError(RendezvousError):
+    """An operator named a node that is not in the job."""
+
+
+class OperatorRefusedError(RendezvousError):
+    """An operator command that cannot be carried out in the job's current state."""

@@ -36,3 +36,21 @@ async def fetch_status(endpoint: Endpoint, token: str | None, tls: TlsConfig | N
         status: pb.ClusterStatus = await stub.GetStatus(pb.StatusRequest(), metadata=call_metadata(token),
                                                         timeout=timeout)
         return status
+
+
+async def drain_node(endpoint: Endpoint, token: str | None, tls: TlsConfig | None, node_id: str, reason: str,
+                     force: bool, timeout: float = 5.0) -> str:
+    async with open_channel(endpoint, tls) as channel:
+        stub = pb_grpc.RendezvousStub(channel)  # type: ignore[no-untyped-call]
+        reply: pb.OperatorReply = await stub.Drain(pb.DrainRequest(node_id=node_id, reason=reason, force=force),
+                                                   metadata=call_metadata(token), timeout=timeout)
+        return reply.detail
+
+
+async def restart_job(endpoint: Endpoint, token: str | None, tls: TlsConfig | None, reason: str,
+                      timeout: float = 5.0) -> str:
+    async with open_channel(endpoint, tls) as channel:
+        stub = pb_grpc.RendezvousStub(channel)  # type: ignore[no-untyped-call]
+        reply: pb.OperatorReply = await stub.RestartJob(pb.RestartJobRequest(reason=reason),
+                                                        metadata=call_metadata(token), timeout=timeout)
+        return reply.detail

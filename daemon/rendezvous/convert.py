@@ -44,6 +44,8 @@ def order_to_proto(order: api.Order, template: pb.Assignment | None = None) -> p
     if isinstance(order, api.Waiting):
         return pb.CoordinatorMessage(waiting=pb.Waiting(
             joined=order.joined, min_nodes=order.min_nodes, max_nodes=order.max_nodes, detail=order.detail))
+    if isinstance(order, api.DrainNode):
+        return pb.CoordinatorMessage(drain=pb.DrainNode(reason=order.reason))
     raise TypeError(f"{order!r} has no wire form")  # Evict closes the stream instead
 
 

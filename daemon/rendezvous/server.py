@@ -13,7 +13,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,8 @@ _ERROR_CODES: dict[type[api.RendezvousError], grpc.StatusCode] = {
     api.DuplicateNodeError: grpc.StatusCode.ALREADY_EXISTS,
     api.JobClosedError: grpc.StatusCode.ABORTED,
     api.ProtocolError: grpc.StatusCode.INVALID_ARGUMENT,
+    api.UnknownNodeError: grpc.StatusCode.NOT_FOUND,
+    api.OperatorRefusedError: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -105,6 +107,33 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ClusterStatus:
         return convert.status_to_proto(self.rendezvous.snapshot(), self._clock())
+
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.OperatorReply:
+        node_id = _printable(request.node_id, 128)
+        reason = _printable(request.reason, 200) or "drained by an operator"
+        await self._operator(context, lambda: self.rendezvous.drain(node_id, reason, force=request.force))
+        log.info("operator drains node %s (%s)", node_id, reason)
+        return pb.OperatorReply(detail=f"node {node_id} is draining: its trainer checkpoints and stops, the node "
+                                       "leaves, and the job re-forms without it")
+
+    async def RestartJob(self, request: pb.RestartJobRequest,
+                         context: grpc.aio.ServicerContext[Any, Any]) -> pb.OperatorReply:
+        reason = _printable(request.reason, 200) or "requested by an operator"
+        await self._operator(context, lambda: self.rendezvous.restart_job(reason))
+        log.info("operator restarts the job (%s)", reason)
+        return pb.OperatorReply(detail=f"restarting job {self.rendezvous.spec.job if self.rendezvous.spec else ''}"
+                                       f" from generation {self.rendezvous.generation}: every trainer checkpoints "
+                                       "and stops, and the same nodes re-form")
+
+    async def _operator(self, context: grpc.aio.ServicerContext[Any, Any],
+                        command: Callable[[], list[api.Send]]) -> None:
+        """Run an operator command on the state machine; a refusal becomes the call's status."""
+        try:
+            sends = command()
+        except api.RendezvousError as e:
+            log.warning("refused an operator command from %s: %s", context.peer(), e)
+            await context.abort(_ERROR_CODES.get(type(e), grpc.StatusCode.FAILED_PRECONDITION), str(e))
+        self._dispatch(sends)
 
     async def _read(self, requests: AsyncIterator[pb.AgentMessage], session: _Session) -> None:
         try:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from tfelastic.daemon.rendezvous.api import (
     Assignment,
     ClusterSnapshot,
+    DrainNode,
     DuplicateNodeError,
     Evict,
     Finished,
@@ -41,6 +42,7 @@ from tfelastic.daemon.rendezvous.api import (
     NodeInfo,
     NodeSnapshot,
     NodeState,
+    OperatorRefusedError,
     Order,
     ProtocolError,
     RendezvousSettings,
@@ -48,6 +50,7 @@ from tfelastic.daemon.rendezvous.api import (
     Send,
     SpecMismatchError,
     StopWorkers,
+    UnknownNodeError,
     Waiting,
     WorkerProgress,
 )
@@ -182,6 +185,39 @@ class Rendezvous:
         if node.state is NodeState.LEAVING:
             return self._try_close_round(self._clock())
         return self._lost(node_id, node, "its session closed")
+
+    def drain(self, node_id: str, reason: str, *, force: bool = False) -> list[Send]:
+        """An operator's planned removal of a node: tell its agent to leave. The job re-forms when the agent's
+        Leave arrives (see :meth:`leave`), after its trainer has checkpointed and stopped.
+
+        Refused when fewer than ``min_nodes`` would remain, unless ``force``: the job would then wait up to
+        ``join_timeout`` for a replacement, which an operator should choose knowingly.
+        """
+        if self.state.is_terminal:
+            raise JobClosedError(f"job {self._job_name()!r} has already {self.state.value}: nothing to drain")
+        node = self._nodes.get(node_id)
+        if node is None:
+            known = ", ".join(sorted(self._nodes)) or "none"
+            raise UnknownNodeError(f"node {node_id!r} is not in job {self._job_name()!r} (nodes: {known})")
+        if node.state is NodeState.LEAVING:
+            return []
+        spec = self._require_spec()
+        remaining = len(self._nodes) - self._counts[NodeState.LEAVING] - 1
+        if remaining < spec.min_nodes and not force:
+            raise OperatorRefusedError(
+                f"draining {node_id!r} would leave {remaining} node(s), below min_nodes={spec.min_nodes}: the job "
+                f"would wait up to join_timeout={self.settings.join_timeout_seconds:g}s for another node. Start "
+                "a node first, or drain with --force")
+        return [Send(node_id, DrainNode(reason))]
+
+    def restart_job(self, reason: str) -> list[Send]:
+        """An operator's restart: every member stops its trainer gracefully and the same nodes re-form.
+        Planned, so it does not spend the restart budget."""
+        if self.state is not JobState.RUNNING:
+            raise OperatorRefusedError(
+                f"job {self._job_name()!r} is {self.state.value}"
+                + (f" ({self.reason})" if self.reason else "") + ": only a running job can be restarted")
+        return self._restart(RestartReason.OPERATOR_RESTART, reason)
 
     def tick(self) -> list[Send]:
         """Fire due timers: node leases, the last call, the scale-up settle delay, the join timeout."""

@@ -197,19 +197,27 @@ class Waiting(_message.Message):
     detail: str
     def __init__(self, joined: _Optional[int] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
+class DrainNode(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("heartbeat", "waiting", "assignment", "stop", "finished")
+    __slots__ = ("heartbeat", "waiting", "assignment", "stop", "finished", "drain")
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
     heartbeat: Heartbeat
     waiting: Waiting
     assignment: Assignment
     stop: StopWorkers
     finished: JobFinished
-    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., stop: _Optional[_Union[StopWorkers, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ...) -> None: ...
+    drain: DrainNode
+    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., stop: _Optional[_Union[StopWorkers, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ..., drain: _Optional[_Union[DrainNode, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -272,3 +280,25 @@ class ClusterStatus(_message.Message):
     max_restarts: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
     def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., restarts_total: _Optional[int] = ..., restarts_by_reason: _Optional[_Iterable[_Union[RestartCount, _Mapping]]] = ..., max_restarts: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("node_id", "reason", "force")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    reason: str
+    force: bool
+    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ..., force: bool = ...) -> None: ...
+
+class RestartJobRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class OperatorReply(_message.Message):
+    __slots__ = ("detail",)
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    detail: str
+    def __init__(self, detail: _Optional[str] = ...) -> None: ...

@@ -44,6 +44,16 @@ class RendezvousStub(object):
                 request_serializer=tfelastic_dot_v1_dot_rendezvous__pb2.StatusRequest.SerializeToString,
                 response_deserializer=tfelastic_dot_v1_dot_rendezvous__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/tfelastic.v1.Rendezvous/Drain',
+                request_serializer=tfelastic_dot_v1_dot_rendezvous__pb2.DrainRequest.SerializeToString,
+                response_deserializer=tfelastic_dot_v1_dot_rendezvous__pb2.OperatorReply.FromString,
+                _registered_method=True)
+        self.RestartJob = channel.unary_unary(
+                '/tfelastic.v1.Rendezvous/RestartJob',
+                request_serializer=tfelastic_dot_v1_dot_rendezvous__pb2.RestartJobRequest.SerializeToString,
+                response_deserializer=tfelastic_dot_v1_dot_rendezvous__pb2.OperatorReply.FromString,
+                _registered_method=True)
 
 
 class RendezvousServicer(object):
@@ -63,6 +73,22 @@ class RendezvousServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Operator commands (`tfelastic drain`, `tfelastic restart`), authenticated like every other call.
+        Drain: the planned removal of one node. Its agent stops its trainer gracefully (the trainer checkpoints),
+        leaves and exits 0; the job re-forms without it, and this does not count against the restart budget.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestartJob(self, request, context):
+        """Restart the job: every trainer stops gracefully and the same nodes re-form; not counted either.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendezvousServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +101,16 @@ def add_RendezvousServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=tfelastic_dot_v1_dot_rendezvous__pb2.StatusRequest.FromString,
                     response_serializer=tfelastic_dot_v1_dot_rendezvous__pb2.ClusterStatus.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=tfelastic_dot_v1_dot_rendezvous__pb2.DrainRequest.FromString,
+                    response_serializer=tfelastic_dot_v1_dot_rendezvous__pb2.OperatorReply.SerializeToString,
+            ),
+            'RestartJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestartJob,
+                    request_deserializer=tfelastic_dot_v1_dot_rendezvous__pb2.RestartJobRequest.FromString,
+                    response_serializer=tfelastic_dot_v1_dot_rendezvous__pb2.OperatorReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +167,60 @@ class Rendezvous(object):
             '/tfelastic.v1.Rendezvous/GetStatus',
             tfelastic_dot_v1_dot_rendezvous__pb2.StatusRequest.SerializeToString,
             tfelastic_dot_v1_dot_rendezvous__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tfelastic.v1.Rendezvous/Drain',
+            tfelastic_dot_v1_dot_rendezvous__pb2.DrainRequest.SerializeToString,
+            tfelastic_dot_v1_dot_rendezvous__pb2.OperatorReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestartJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tfelastic.v1.Rendezvous/RestartJob',
+            tfelastic_dot_v1_dot_rendezvous__pb2.RestartJobRequest.SerializeToString,
+            tfelastic_dot_v1_dot_rendezvous__pb2.OperatorReply.FromString,
             options,
             channel_credentials,
             insecure,

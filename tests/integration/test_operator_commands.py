@@ -1,0 +1,101 @@
+"""Operator commands against real agents: `tfelastic drain NODE` and `tfelastic restart`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import COUNTER, Cluster, members, wait_for
+from tests.conftest import ClusterFactory
+from tests.integration.test_security import job_summary, write_token
+
+pytestmark = pytest.mark.integration
+
+TRAINER = [sys.executable, COUNTER]
+FAST = ["--stall-timeout", "5", "--stop-grace", "3", "--last-call", "0.5", "--settle", "0.5"]
+SLOW_COUNTER = {"COUNTER_STEPS": "300", "COUNTER_STEP_SECONDS": "0.05", "COUNTER_EXIT_ON_TERM": "1"}
+
+
+def operator(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "tfelastic.daemon", *args, "--rendezvous", str(cluster.endpoint)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def test_drain_removes_the_node_without_spending_the_budget(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=[*FAST, "--max-restarts", "0"], env=SLOW_COUNTER)
+    cluster.start_host("a")
+    cluster.start("b")
+    drained = cluster.start("c")
+    cluster.wait_running(1, 3, step=5)
+
+    result = operator(cluster, "drain", "c", "--reason", "disk swap")
+    assert result.returncode == 0, result.stderr
+    assert "node c is draining" in result.stdout
+
+    assert drained.wait(30) == 0, drained.log()  # a drained agent leaves cleanly: systemd will not restart it
+    assert "drained by an operator (disk swap)" in drained.log()
+    doc = cluster.wait_running(2, 2, step=1)
+    assert [n["node_id"] for n in members(doc)] == ["a", "b"]
+    assert doc["restarts_by_reason"] == {"node_left": 1}  # with --max-restarts 0, a failure would have ended it
+    assert "node c leaves: drained: disk swap" in cluster.agents[0].log()
+    assert cluster.agents[0].wait(60) == 0 and cluster.agents[1].wait(60) == 0, cluster.logs()
+
+
+def test_restart_reforms_the_same_nodes_without_spending_the_budget(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="2", extra_args=[*FAST, "--max-restarts", "0"], env=SLOW_COUNTER)
+    cluster.start_host("a")
+    cluster.start("b")
+    cluster.wait_running(1, 2, step=5)
+
+    result = operator(cluster, "restart", "--reason", "new learning rate")
+    assert result.returncode == 0, result.stderr
+    assert "restarting job default from generation 1" in result.stdout
+    doc = cluster.wait_running(2, 2, step=1)
+    assert [n["node_id"] for n in members(doc)] == ["a", "b"]  # same nodes, same ranks
+    assert doc["restarts_by_reason"] == {"operator_restart": 1}
+    assert cluster.wait_all(60) == [0, 0], cluster.logs()
+    assert "operator restarts the job (new learning rate)" in cluster.agents[0].log()
+
+
+def test_refusals_name_the_problem_and_change_nothing(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    token = write_token(tmp_path / "token", "s3cret-operator")
+    cluster = make_cluster(TRAINER, nodes="2", token="s3cret-operator", extra_args=[*FAST, "--token-file", token],
+                           env=SLOW_COUNTER)
+    cluster.start_host("a")
+    cluster.start("b")
+    before = job_summary(cluster.wait_running(1, 2, step=1))
+
+    unauthenticated = operator(cluster, "drain", "b")
+    assert unauthenticated.returncode == 1
+    assert "UNAUTHENTICATED" in unauthenticated.stderr and "--token-file" in unauthenticated.stderr
+
+    below_min = operator(cluster, "drain", "b", "--token-file", token)
+    assert below_min.returncode == 1
+    assert "FAILED_PRECONDITION" in below_min.stderr and "below min_nodes=2" in below_min.stderr
+    assert "--force" in below_min.stderr
+
+    unknown = operator(cluster, "drain", "zz", "--token-file", token)
+    assert unknown.returncode == 1
+    assert "NOT_FOUND" in unknown.stderr and "(nodes: a, b)" in unknown.stderr
+
+    after = cluster.status()
+    assert after is not None and job_summary(after) == before
+    assert "s3cret" not in cluster.logs()
+
+
+def test_drained_node_keeps_hosting_the_coordinator_until_the_job_ends(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, nodes="1:2", extra_args=FAST, env={**SLOW_COUNTER, "COUNTER_STEPS": "120"})
+    host = cluster.start_host("a")
+    cluster.start("b")
+    cluster.wait_running(1, 2, step=5)
+
+    assert operator(cluster, "drain", "a").returncode == 0
+    doc = cluster.wait_running(2, 1, step=1)
+    assert [n["node_id"] for n in members(doc)] == ["b"]
+    wait_for(lambda: "serving it until the job ends" in host.log(), 10, "the drained host to keep serving")
+    assert host.proc.poll() is None  # b still needs the coordinator it hosts
+    assert cluster.agents[1].wait(60) == 0, cluster.logs()
+    assert host.wait(30) == 0, host.log()
