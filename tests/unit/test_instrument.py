@@ -1,0 +1,215 @@
+"""The automatic instrumentation: the agent's environment injection (daemon/worker/instrument.py), the injected
+sitecustomize (trainer/instrument/sitedir), and the wrapped ``Model.fit`` (trainer/instrument), each run in a real
+Python subprocess with the environment the agent would give it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+from tfelastic.daemon.worker.instrument import instrumentation_env
+from tfelastic.trainer.instrument import ENABLE_ENV, OFF_VALUES, SITE_DIR
+
+# ------------------------------------------------------------------------------------- environment injection
+
+
+def test_puts_the_site_dir_on_pythonpath() -> None:
+    assert instrumentation_env({}, True) == {"PYTHONPATH": SITE_DIR}
+    assert instrumentation_env({"PYTHONPATH": ""}, True) == {"PYTHONPATH": SITE_DIR}
+
+
+@pytest.mark.parametrize("user_path", ["/opt/lib", "/a:/b", ":/a", "/a::/b"])
+def test_keeps_the_users_pythonpath_verbatim_after_the_site_dir(user_path: str) -> None:
+    # Empty entries mean the working directory: they must survive as they were.
+    assert instrumentation_env({"PYTHONPATH": user_path}, True) == {"PYTHONPATH": f"{SITE_DIR}:{user_path}"}
+
+
+def test_adds_nothing_when_the_site_dir_is_already_there() -> None:
+    assert instrumentation_env({"PYTHONPATH": f"/a:{SITE_DIR}"}, True) == {}
+
+
+def test_disabled_by_the_agent_setting_also_switches_off_an_inherited_site_dir() -> None:
+    assert instrumentation_env({"PYTHONPATH": SITE_DIR}, False) == {ENABLE_ENV: "0"}
+
+
+@pytest.mark.parametrize("value", [*sorted(OFF_VALUES), "OFF", " False "])
+def test_disabled_by_the_environment(value: str) -> None:
+    assert instrumentation_env({ENABLE_ENV: value}, True) == {}
+
+
+def test_the_site_dir_holds_only_sitecustomize() -> None:
+    # Everything in it shadows modules of the trainer's program: it must stay a single file.
+    assert sorted(p.name for p in Path(SITE_DIR).iterdir() if p.name != "__pycache__") == ["sitecustomize.py"]
+
+
+# ----------------------------------------------------------------------------------- the injected sitecustomize
+
+PROBE = """
+import sys
+print("finder:", any(type(f).__name__ == "TfelasticFitFinder" for f in sys.meta_path))
+print("tfelastic modules:", sorted(m for m in sys.modules if m.startswith("tfelastic")))
+print("args:", sys.argv[1:])
+sys.exit(int(sys.argv[1]))
+"""
+WHICH_SITE = "import sitecustomize, sys\nprint('sitecustomize:', sitecustomize.__file__)\n"
+
+
+def run_python(code: str, env: Mapping[str, str], *args: str,
+               executable: str = sys.executable) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([executable, "-c", code, *args], env=dict(env), capture_output=True, text=True,
+                          timeout=120)
+
+
+def trainer_env(base: Mapping[str, str] | None = None, instrument: bool = True) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", ENABLE_ENV)}
+    env.update(base or {})
+    env.update(instrumentation_env(env, instrument))
+    return env
+
+
+@pytest.fixture
+def user_site(tmp_path: Path) -> Path:
+    """A directory with a sitecustomize of the user's own, as a venv or the distribution would have."""
+    site = tmp_path / "user-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nprint('user sitecustomize ran', flush=True)\n"
+                                           "os.environ['USER_SITE_RAN'] = '1'\n")
+    return site
+
+
+def test_a_program_without_tensorflow_runs_unchanged() -> None:
+    plain = run_python(PROBE, trainer_env(instrument=False), "3", "x y")
+    instrumented = run_python(PROBE, trainer_env(), "3", "x y")
+    assert plain.returncode == instrumented.returncode == 3
+    assert instrumented.stderr == plain.stderr == ""
+    # The only difference: the finder is installed. Nothing of tfelastic is imported at start-up (the editable
+    # install's own finder excepted), so a program that never imports tf_keras pays nothing more.
+    assert instrumented.stdout == plain.stdout.replace("finder: False", "finder: True"), instrumented.stdout
+    assert "finder: True" in instrumented.stdout
+    modules = next(line for line in instrumented.stdout.splitlines() if line.startswith("tfelastic modules:"))
+    assert "tfelastic.trainer" not in modules
+
+
+def test_an_existing_sitecustomize_still_runs(user_site: Path) -> None:
+    result = run_python(WHICH_SITE + PROBE, trainer_env({"PYTHONPATH": str(user_site)}), "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("user sitecustomize ran\n"), result.stdout
+    assert "finder: True" in result.stdout
+    # ``import sitecustomize`` still gives the environment's own module.
+    assert f"sitecustomize: {user_site / 'sitecustomize.py'}" in result.stdout
+    # And what it did to the process is there.
+    env_check = run_python("import os; print(os.environ.get('USER_SITE_RAN'))",
+                           trainer_env({"PYTHONPATH": str(user_site)}))
+    assert env_check.stdout.splitlines() == ["user sitecustomize ran", "1"]
+
+
+def test_an_existing_sitecustomize_that_fails_is_reported_by_python_as_before(user_site: Path) -> None:
+    (user_site / "sitecustomize.py").write_text("raise RuntimeError('broken site')\n")
+    env = trainer_env({"PYTHONPATH": str(user_site)})
+    result = run_python("print('main ran')", env)
+    without = run_python("print('main ran')", trainer_env({"PYTHONPATH": str(user_site)}, instrument=False))
+    assert result.returncode == without.returncode == 0
+    assert result.stdout == without.stdout == "main ran\n"
+    assert "Error in sitecustomize" in without.stderr and "broken site" in without.stderr
+    assert result.stderr == without.stderr
+
+
+@pytest.mark.parametrize("value", [*sorted(OFF_VALUES), "OFF"])
+def test_switched_off_in_the_trainers_environment_it_only_chains(user_site: Path, value: str) -> None:
+    # The agent injected the directory, then the trainer (or a wrapper script) set TFELASTIC_INSTRUMENT.
+    env = trainer_env({"PYTHONPATH": str(user_site)})
+    env[ENABLE_ENV] = value
+    result = run_python(PROBE, env, "0")
+    assert result.returncode == 0, result.stderr
+    assert "finder: False" in result.stdout
+    assert "user sitecustomize ran" in result.stdout
+
+
+def test_without_tfelastic_in_the_interpreter_it_warns_once_and_fit_is_untouched(tmp_path: Path) -> None:
+    """A trainer run by an interpreter that lacks tfelastic: the module is found, cannot be instrumented, and
+    the script goes on. tf_keras is replaced by a stand-in here, since that interpreter has no TensorFlow."""
+    base = getattr(sys, "_base_executable", sys.executable)
+    if run_python("import tfelastic", {}, executable=base).returncode == 0:
+        pytest.skip("the base interpreter can import tfelastic")
+    package = tmp_path / "fake" / "tf_keras" / "src" / "engine"
+    package.mkdir(parents=True)
+    for folder in (package, package.parent, package.parent.parent):
+        (folder / "__init__.py").write_text("")
+    (package / "training.py").write_text("class Model:\n    def fit(self, callbacks=None):\n        return callbacks\n")
+    code = ("from tf_keras.src.engine import training\nfrom tf_keras.src.engine import training as again\n"
+            "print(training.Model().fit(callbacks=['mine']))\n")
+    env = trainer_env({"PYTHONPATH": str(tmp_path / "fake")})
+    result = run_python(code, env, executable=base)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "['mine']\n"
+    assert result.stderr.count("tfelastic: automatic progress reporting is off") == 1, result.stderr
+    assert "tfelastic" in result.stderr and "ModuleNotFoundError" in result.stderr
+
+
+# ----------------------------------------------------------------------------------------- model.fit, for real
+
+FITS = """
+import inspect, sys
+import numpy as np
+import tensorflow as tf
+from tf_keras.src.engine import training
+from tfelastic.trainer.callbacks import ProgressCallback
+
+x, y = np.zeros((8, 4), np.float32), np.zeros((8, 1), np.float32)  # batch_size 4: 2 steps per fit
+model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(4,))])
+model.compile("sgd", "mse")
+model.fit(x, y, batch_size=4, verbose=0)                                  # steps 1-2: instrumented
+model.fit(x, y, batch_size=4, verbose=0, callbacks=[ProgressCallback()])  # steps 3-4: the script's own only
+mine = [tf.keras.callbacks.History()]
+model.fit(x, y, 4, 1, 0, mine)                                            # steps 5-6: callbacks positional
+model.fit(x, y, batch_size=4, verbose=0, callbacks=tf.keras.callbacks.CallbackList([], model=model))  # 7-8: as given
+print("user list untouched:", len(mine) == 1)
+print("loader:", type(training.__loader__).__name__, type(training.__spec__.loader).__name__)
+print("finder left:", any(type(f).__name__ == "TfelasticFitFinder" for f in sys.meta_path))
+print("source:", "def fit(" in inspect.getsource(training.Model.fit))
+"""
+
+
+@pytest.fixture
+def progress_socket(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
+    path = str(tmp_path / "progress.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.setblocking(False)
+    yield sock, path
+    sock.close()
+
+
+def received(sock: socket.socket) -> list[dict[str, int]]:
+    messages = []
+    while True:
+        try:
+            messages.append(json.loads(sock.recv(1024)))
+        except BlockingIOError:
+            return messages
+
+
+@pytest.mark.tensorflow
+def test_fit_reports_progress_once_per_fit_without_doubling_the_scripts_own(
+        progress_socket: tuple[socket.socket, str]) -> None:
+    sock, path = progress_socket
+    env = trainer_env({"TFELASTIC_PROGRESS_SOCKET": path, "TFELASTIC_GENERATION": "5", "TF_USE_LEGACY_KERAS": "1",
+                       "TF_CPP_MIN_LOG_LEVEL": "3"})
+    result = run_python(FITS, env)
+    assert result.returncode == 0, result.stderr
+    assert "tfelastic:" not in result.stderr
+    assert result.stdout.splitlines() == ["user list untouched: True", "loader: SourceFileLoader SourceFileLoader",
+                                          "finder left: False", "source: True"]
+    messages = received(sock)
+    assert {m["g"] for m in messages} == {5}
+    # One "done" per ProgressCallback that ran: one per fit, none for the CallbackList given as is.
+    assert Counter(m["step"] for m in messages if m.get("done")) == {2: 1, 4: 1, 6: 1}, messages
+    assert {m["step"] for m in messages} >= {0, 2, 4, 6}  # each fit reports its start (force) and its end
+

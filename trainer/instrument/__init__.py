@@ -1,0 +1,145 @@
+"""Automatic progress reporting for unmodified Keras scripts: ``model.fit`` gets a ProgressCallback by itself.
+
+The agent puts :data:`SITE_DIR` first on the trainer's ``PYTHONPATH``. Python then runs the ``sitecustomize``
+in it at start-up, which watches for tf_keras's training module and, once it is loaded, hands it to
+:func:`instrument_training_module`. From then on every ``Model.fit`` call appends a
+:class:`~tfelastic.trainer.callbacks.ProgressCallback` unless the call already has one, so ``tfelastic status``
+shows the step and the agent's hang detection works with no change to the script.
+
+What is covered: ``fit`` of tf_keras models (``tf.keras`` under ``TF_USE_LEGACY_KERAS=1``, which the agent
+sets), including subclasses and repeated calls. What is not: custom training loops (a Python hook cannot see
+steps that run inside a ``tf.function``; call :func:`tfelastic.trainer.report` once per step instead), Keras 3
+(it cannot run MultiWorkerMirroredStrategy anyway: FACTS 1), a ``CallbackList`` passed as ``callbacks`` (it is
+used as given), and interpreters started with ``-I``, ``-E`` or ``-S``, which ignore ``PYTHONPATH`` or
+``sitecustomize``.
+
+Importing this module does not import TensorFlow: it is imported while tf_keras itself is being imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+# The directory the agent injects: it holds only sitecustomize.py (package data, not a package).
+SITE_DIR = str(Path(__file__).resolve().with_name("sitedir"))
+ENABLE_ENV = "TFELASTIC_INSTRUMENT"
+OFF_VALUES = frozenset({"0", "false", "no", "off"})  # sitedir/sitecustomize.py keeps a copy (it imports nothing)
+FIT_MODULE = "tf_keras.src.engine.training"  # where tf_keras defines Model.fit
+_MARK = "_tfelastic_instrumented"
+
+_warned = False
+_reporter: Any = None  # one ProgressReporter (one socket) for every fit of the process, made on first use
+
+
+def enabled(env: Mapping[str, str]) -> bool:
+    return env.get(ENABLE_ENV, "1").strip().lower() not in OFF_VALUES
+
+
+def warn_once(what: str, error: BaseException) -> None:
+    """The instrumentation never breaks the script: it says once on stderr why it is off, and steps aside."""
+    global _warned
+    if not _warned:
+        _warned = True
+        print(f"tfelastic: automatic progress reporting is off in this process: {what}: {error!r}",
+              file=sys.stderr, flush=True)
+
+
+def instrument_training_module(module: ModuleType) -> bool:
+    """Wraps ``module.Model.fit``; returns False if it was wrapped already."""
+    model = module.Model
+    fit = model.fit
+    if getattr(fit, _MARK, False):
+        return False
+    model.fit = _wrap_fit(fit)
+    return True
+
+
+def _wrap_fit(fit: Callable[..., Any]) -> Callable[..., Any]:
+    # Position of ``callbacks`` among fit's arguments after self, for a call that passes it positionally.
+    index = list(inspect.signature(fit).parameters).index("callbacks") - 1
+
+    @functools.wraps(fit)
+    def instrumented_fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            args, kwargs = _with_progress(args, kwargs, index)
+        except Exception as e:
+            warn_once("cannot add the progress callback to fit", e)
+        return fit(self, *args, **kwargs)
+
+    setattr(instrumented_fit, _MARK, True)
+    return instrumented_fit
+
+
+def _with_progress(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    positional = len(args) > index
+    callbacks = args[index] if positional else kwargs.get("callbacks")
+    added = _add_progress(callbacks)
+    if added is callbacks:
+        return args, kwargs
+    if positional:
+        return (*args[:index], added, *args[index + 1:]), kwargs
+    return args, {**kwargs, "callbacks": added}
+
+
+def _add_progress(callbacks: Any) -> Any:
+    """A new list with a progress callback appended (last, so it sees the save BackupAndRestore made in the same
+    batch), or ``callbacks`` itself when there is nothing to add. The caller's list is never changed."""
+    import tensorflow as tf  # loaded already: fit is being called
+    from tf_keras.callbacks import CallbackList
+
+    reporter = _shared_reporter()
+    if not reporter.enabled or isinstance(callbacks, CallbackList):
+        return callbacks
+    from tfelastic.trainer.callbacks import ProgressCallback
+
+    existing = tf.nest.flatten(callbacks) if callbacks else []  # what Keras accepts: None, one, or a list
+    if any(isinstance(c, ProgressCallback) for c in existing):
+        return callbacks  # the script reports by itself
+    return [*existing, _guarded_class()(reporter)]
+
+
+def _shared_reporter() -> Any:
+    global _reporter
+    if _reporter is None:
+        from tfelastic.trainer.progress import ProgressReporter
+
+        _reporter = ProgressReporter.from_env()
+    return _reporter
+
+
+@functools.cache
+def _guarded_class() -> type:
+    """ProgressCallback whose errors are reported once and then silence it, instead of failing ``fit``."""
+    from tfelastic.trainer.callbacks import ProgressCallback
+
+    class AutoProgressCallback(ProgressCallback):
+        _failed = False
+
+        def _guard(self, hook: Callable[..., None], *args: Any) -> None:
+            if self._failed:
+                return
+            try:
+                hook(*args)
+            except Exception as e:
+                self._failed = True
+                warn_once("the progress callback failed", e)
+
+        def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+            self._guard(super().on_train_begin, logs)
+
+        def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+            self._guard(super().on_train_batch_end, batch, logs)
+
+        def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+            self._guard(super().on_train_end, logs)
+
+    return AutoProgressCallback
+
+
+__all__ = ["ENABLE_ENV", "FIT_MODULE", "OFF_VALUES", "SITE_DIR", "enabled", "instrument_training_module"]
