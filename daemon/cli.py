@@ -12,7 +12,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 from tfelastic.daemon.config import (
@@ -29,8 +29,11 @@ from tfelastic.daemon.config import (
 )
 from tfelastic.daemon.netutil import host_port, is_local_address, port_taken
 from tfelastic.daemon.rendezvous.api import JobState
+from tfelastic.daemon.slurm import SlurmStep
 
 DEFAULT = AgentConfig(command=("true",), rendezvous=Endpoint("localhost", 29400))
+_UNSET: Any = object()  # the default of the flags that SLURM may fill: not given (daemon/slurm.py)
+_SLURM_FILLS = ("nodes", "rendezvous", "job", "node_id", "token_file", "metrics_port")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,12 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     agent = sub.add_parser("agent", help="run the node daemon from a TOML job file")
     agent.add_argument("--config", required=True, metavar="JOB.toml")
+    _add_no_slurm(agent)
 
     run = sub.add_parser("run", help="run the node daemon from flags (like torchrun)")
-    run.add_argument("--nodes", default="1", metavar="MIN[:MAX]", help="node count range (default 1)")
-    run.add_argument("--rendezvous", required=True, metavar="HOST:PORT", help="the coordinator's endpoint")
-    run.add_argument("--job", default=d.job, help=f"job name (default {d.job!r})")
-    run.add_argument("--node-id", default=d.node_id, metavar="ID", help="unique node id (default: hostname)")
+    run.add_argument("--nodes", metavar="MIN[:MAX]",
+                     help="node count range (default 1; under SLURM the step's task count)")
+    run.add_argument("--rendezvous", metavar="HOST:PORT",
+                     help="the coordinator's endpoint (required; under SLURM the step's first host)")
+    run.add_argument("--job", help=f"job name (default {d.job!r}; under SLURM slurm-JOBID)")
+    run.add_argument("--node-id", metavar="ID", help="unique node id (default: hostname; under SLURM its node name)")
     run.add_argument("--worker-port", type=int, default=0, metavar="PORT",
                      help="trainer port (default 0: a free port, new for every generation)")
     run.add_argument("--advertise-address", default="", metavar="ADDR",
@@ -123,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_security(run)
     _add_timing(run)
     _add_metrics(run)
+    _add_no_slurm(run)
+    run.set_defaults(**dict.fromkeys(_SLURM_FILLS, _UNSET))
     run.add_argument("trainer", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
 
     coord = sub.add_parser("coordinator", help="run a standalone coordinator (e.g. on a head node)")
@@ -160,24 +168,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_no_slurm(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-slurm", action="store_true",
+                   help="ignore SLURM's environment (also TFELASTIC_NO_SLURM=1); see docs/configuration.md#slurm")
+
+
 def _tls(args: argparse.Namespace) -> TlsConfig:
     return TlsConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
 
 
-def config_from_run_args(args: argparse.Namespace) -> AgentConfig:
+def _given_run_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The AgentConfig fields that SLURM may fill, as far as flags gave them."""
+    given = {name: getattr(args, name) for name in _SLURM_FILLS if getattr(args, name) is not _UNSET}
+    if "nodes" in given:
+        given["min_nodes"], given["max_nodes"] = parse_nodes(given.pop("nodes"))
+    if "rendezvous" in given:
+        given["rendezvous"] = Endpoint.parse(given["rendezvous"], "--rendezvous")
+    return given
+
+
+def config_from_run_args(args: argparse.Namespace, slurm: SlurmStep | None = None) -> AgentConfig:
     command = list(args.trainer)
     if command and command[0] == "--":
         command = command[1:]
-    min_nodes, max_nodes = parse_nodes(args.nodes)
+    values = _given_run_values(args)
+    if slurm is not None:
+        values = slurm.complete(values)  # flags win; SLURM fills the rest; AgentConfig's defaults after that
+    if "rendezvous" not in values:
+        raise ConfigError("--rendezvous: required outside a SLURM job step; give HOST:PORT, e.g. head-node:29400")
     return validate(AgentConfig(
-        command=tuple(command), rendezvous=Endpoint.parse(args.rendezvous, "--rendezvous"), job=args.job,
-        min_nodes=min_nodes, max_nodes=max_nodes, node_id=args.node_id, worker_port=args.worker_port,
+        command=tuple(command), **values, worker_port=args.worker_port,
         advertise_address=args.advertise_address, backup_dir=args.backup_dir, workdir=args.workdir,
         max_restarts=args.max_restarts, restart_window=args.restart_window, stall_timeout=args.stall_timeout,
-        stop_grace=args.stop_grace, failure_stop_grace=args.failure_stop_grace, token_file=args.token_file,
+        stop_grace=args.stop_grace, failure_stop_grace=args.failure_stop_grace,
         tls=_tls(args), last_call=args.last_call,
         settle=args.settle, join_timeout=args.join_timeout, heartbeat_interval=args.heartbeat_interval,
-        node_timeout=args.node_timeout, log_level=args.log_level, metrics_port=args.metrics_port,
+        node_timeout=args.node_timeout, log_level=args.log_level,
         metrics_address=args.metrics_address, metrics_token_file=args.metrics_token_file,
         metrics_linger=args.metrics_linger,
     ))
@@ -245,7 +271,7 @@ def _metrics_token(config: AgentConfig) -> str | None:
     return read_token(config.metrics_token_file, "--metrics-token-file") if config.metrics_token_file else None
 
 
-def _run_agent(config: AgentConfig) -> int:
+def _run_agent(config: AgentConfig, slurm: SlurmStep | None = None) -> int:
     from tfelastic.daemon.agent.agent import Agent
 
     token = _token_for(config.rendezvous, config.token_file)
@@ -253,6 +279,8 @@ def _run_agent(config: AgentConfig) -> int:
     _check_environment(config)
     setup_logging(config.log_level, config.node_id)
     _warn_if_clear_text(config.rendezvous, config.tls)
+    if slurm is not None:
+        logging.getLogger("tfelastic").info("%s", slurm.note)
     return asyncio.run(Agent(config, token, metrics_token=metrics_token).run())
 
 
@@ -355,12 +383,16 @@ def _run_operator_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    slurm = SlurmStep.detect(os.environ, off=getattr(args, "no_slurm", False))
+    if args.command_name == "run" and args.rendezvous is _UNSET and slurm is None:
+        parser.error("the following arguments are required: --rendezvous (outside a SLURM job step)")
     try:
         if args.command_name == "agent":
-            return _run_agent(load_toml(args.config))
+            return _run_agent(load_toml(args.config, slurm.complete if slurm else None), slurm)
         if args.command_name == "run":
-            return _run_agent(config_from_run_args(args))
+            return _run_agent(config_from_run_args(args, slurm), slurm)
         if args.command_name == "coordinator":
             return _run_coordinator(args)
         if args.command_name == "status":

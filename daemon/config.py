@@ -14,6 +14,7 @@ import shlex
 import socket
 import stat
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,7 +237,10 @@ _TOML_KEYS: dict[str, dict[str, str]] = {
 _TOML_NAMES = {field: f"{section}.{key}" for section, keys in _TOML_KEYS.items() for key, field in keys.items()}
 
 
-def load_toml(path: str) -> AgentConfig:
+Completion = Callable[[dict[str, Any]], dict[str, Any]]  # adds values the file left out (daemon/slurm.py)
+
+
+def load_toml(path: str, complete: Completion | None = None) -> AgentConfig:
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
@@ -254,10 +258,10 @@ def load_toml(path: str) -> AgentConfig:
                 raise ConfigError(f"{path}: unknown key {section}.{key}; expected one of "
                                   f"{', '.join(sorted(_TOML_KEYS[section]))}")
             values[_TOML_KEYS[section][key]] = (f"{section}.{key}", value)
-    return validate(_from_values(values, path), where=path)
+    return validate(_from_values(values, path, complete), where=path)
 
 
-def _from_values(values: dict[str, tuple[str, Any]], path: str) -> AgentConfig:
+def _from_values(values: dict[str, tuple[str, Any]], path: str, complete: Completion | None = None) -> AgentConfig:
     kwargs: dict[str, Any] = {}
     tls: dict[str, str] = {}
     fields = {f.name: f for f in dataclasses.fields(AgentConfig)}
@@ -288,11 +292,13 @@ def _from_values(values: dict[str, tuple[str, Any]], path: str) -> AgentConfig:
             kwargs[name] = _expect(value, int, where)
         else:
             kwargs[name] = _expect(value, str, where)
+    if "max_nodes" not in kwargs and "min_nodes" in kwargs:
+        kwargs["max_nodes"] = kwargs["min_nodes"]  # like --nodes N: a fixed size unless a range is given
+    if complete is not None:
+        kwargs = complete(kwargs)
     for required, key in (("command", "job.command"), ("rendezvous", "rendezvous.endpoint")):
         if required not in kwargs:
             raise ConfigError(f"{path}: {key} is required")
-    if "max_nodes" not in kwargs and "min_nodes" in kwargs:
-        kwargs["max_nodes"] = kwargs["min_nodes"]  # like --nodes N: a fixed size unless a range is given
     return AgentConfig(tls=TlsConfig(**tls), **kwargs)
 
 

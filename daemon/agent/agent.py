@@ -27,7 +27,7 @@ from tfelastic.daemon.agent.api import ExitCode, FatalSessionError
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.metrics.cluster import ClusterCollector, register_cluster_collector
-from tfelastic.daemon.metrics.gpu import register_gpu_collector
+from tfelastic.daemon.metrics.gpu import register_gpu_collector, visible_gpus
 from tfelastic.daemon.metrics.host import register_host_collector
 from tfelastic.daemon.metrics.http import MetricsServer, serve_metrics
 from tfelastic.daemon.netutil import free_port, host_port, is_local_address, route_address
@@ -74,7 +74,8 @@ class Agent:
         self.registry = CollectorRegistry()
         self.metrics = AgentMetrics(self.registry, config.job, config.node_id)
         register_host_collector(self.registry, self._live_worker_pid, config.resolved_backup_dir())
-        self._gpus = register_gpu_collector(self.registry)
+        trainer_gpus = dict(os.environ, **dict(config.env)).get("CUDA_VISIBLE_DEVICES")  # its GPUs, not the node's
+        self._gpus = register_gpu_collector(self.registry, visible=visible_gpus(trainer_gpus))
         self._gpu_summary = (0, 0.0)
         self._recent_steps: deque[tuple[float, int]] = deque()  # (time, step) over the last 30 s
         self._checkpoint_at: float | None = None

@@ -90,11 +90,13 @@ class _Families:
 
 
 class GpuCollector(Collector):
-    """``nvml`` is the pynvml module, or a stand-in with the same functions; ``clock`` paces the cache and retries."""
+    """``nvml`` is the pynvml module, or a stand-in with the same functions; ``clock`` paces the cache and retries.
+    ``visible``: report only these GPUs (see :func:`visible_gpus`); None: every GPU of the machine."""
 
     def __init__(self, nvml: Any = None, cache_seconds: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, visible: tuple[str, ...] | None = None) -> None:
         self._nvml = pynvml if nvml is None else nvml
+        self._visible = visible
         self._cache_seconds = cache_seconds
         self._clock = clock
         self._lock = threading.Lock()  # scrapes come from several HTTP server threads at once
@@ -166,7 +168,7 @@ class GpuCollector(Collector):
     def _discover(self) -> None:
         self._driver = _text(self._nvml.nvmlSystemGetDriverVersion())
         gpus = (self._open(index) for index in range(self._nvml.nvmlDeviceGetCount()))
-        self._gpus = {gpu.index: gpu for gpu in gpus if gpu is not None}
+        self._gpus = {gpu.index: gpu for gpu in gpus if gpu is not None and _is_visible(gpu, self._visible)}
         self._register_xid_events()
 
     def _open(self, index: int) -> _Gpu | None:
@@ -296,6 +298,33 @@ class GpuCollector(Collector):
 def _health(up: bool, gpus: int) -> list[Metric]:
     return [GaugeMetricFamily("tfelastic_gpu_nvml_up", "1 if NVML is initialised, else 0.", value=1 if up else 0),
             GaugeMetricFamily("tfelastic_gpus", "GPUs this collector reports on.", value=gpus)]
+
+
+def visible_gpus(cuda_visible_devices: str | None) -> tuple[str, ...] | None:
+    """The GPUs CUDA_VISIBLE_DEVICES leaves a trainer, as NVML indices or UUID prefixes; None: all of them.
+
+    With several agents on one node (SLURM tasks), each then reports only its own trainer's GPUs. Indices match
+    NVML's when CUDA orders GPUs like NVML (PCI bus order: identical GPUs, or CUDA_DEVICE_ORDER=PCI_BUS_ID). MIG
+    instances are not NVML devices: with one in the list, every GPU is reported.
+    """
+    if cuda_visible_devices is None:
+        return None
+    wanted: list[str] = []
+    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        if entry.startswith("MIG-"):
+            return None
+        if entry.isascii() and entry.isdigit():
+            wanted.append(str(int(entry)))
+        elif entry.startswith("GPU-"):
+            wanted.append(entry)
+        else:
+            break  # CUDA ignores the list from its first invalid entry on ("-1" hides every GPU)
+    return tuple(wanted)
+
+
+def _is_visible(gpu: _Gpu, visible: tuple[str, ...] | None) -> bool:
+    index, uuid, _ = gpu.labels
+    return visible is None or any(v == index or (v.startswith("GPU-") and uuid.startswith(v)) for v in visible)
 
 
 def _text(value: str | bytes) -> str:
