@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"SIGTERM to SIGKILL grace period (default {d.stop_grace:g})")
     run.add_argument("--failure-stop-grace", type=float, default=d.failure_stop_grace, metavar="S",
                      help=f"SIGTERM to SIGKILL grace after a failure (default {d.failure_stop_grace:g})")
+    run.add_argument("--no-instrument", dest="instrument", action="store_false",
+                     help="do not make the trainer's model.fit report progress by itself (hang detection and "
+                          "status then need the trainer's own reports)")
     run.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     _add_security(run)
     _add_timing(run)
@@ -205,7 +208,7 @@ def config_from_run_args(args: argparse.Namespace, slurm: SlurmStep | None = Non
         settle=args.settle, join_timeout=args.join_timeout, heartbeat_interval=args.heartbeat_interval,
         node_timeout=args.node_timeout, log_level=args.log_level,
         metrics_address=args.metrics_address, metrics_token_file=args.metrics_token_file,
-        metrics_linger=args.metrics_linger,
+        metrics_linger=args.metrics_linger, instrument=args.instrument,
     ))
 
 

@@ -107,6 +107,7 @@ class AgentConfig:
     metrics_address: str = "127.0.0.1"  # loopback: a listener elsewhere needs metrics_token_file
     metrics_token_file: str = ""
     metrics_linger: float = 30.0  # after the job failed, keep /metrics up so Prometheus records the verdict
+    instrument: bool = True  # trainers' model.fit reports progress by itself (tfelastic.trainer.instrument)
 
     def resolved_backup_dir(self) -> str:
         base = self.backup_dir or os.path.join("tfelastic-backup", self.job)
@@ -222,7 +223,8 @@ _TOML_KEYS: dict[str, dict[str, str]] = {
     # section -> {toml key: AgentConfig field}
     "job": {"name": "job", "command": "command", "min_nodes": "min_nodes", "max_nodes": "max_nodes",
             "max_restarts": "max_restarts", "restart_window": "restart_window",
-            "stall_timeout": "stall_timeout", "backup_dir": "backup_dir", "workdir": "workdir", "env": "env"},
+            "stall_timeout": "stall_timeout", "backup_dir": "backup_dir", "workdir": "workdir", "env": "env",
+            "instrument": "instrument"},
     "node": {"id": "node_id", "worker_port": "worker_port", "advertise_address": "advertise_address",
              "stop_grace": "stop_grace", "failure_stop_grace": "failure_stop_grace", "log_level": "log_level"},
     "metrics": {"port": "metrics_port", "address": "metrics_address", "token_file": "metrics_token_file",
@@ -286,6 +288,10 @@ def _from_values(values: dict[str, tuple[str, Any]], path: str, complete: Comple
             kwargs[name] = None if value == METRICS_OFF else _expect(value, int, where)
         elif name.startswith("tls_"):
             tls[name[4:]] = _expect(value, str, where)
+        elif fields[name].type == "bool":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: {value!r} must be true or false")
+            kwargs[name] = value
         elif fields[name].type in ("float",):
             kwargs[name] = float(_expect(value, (int, float), where))
         elif fields[name].type in ("int",):

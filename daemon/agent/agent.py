@@ -36,6 +36,7 @@ from tfelastic.daemon.rendezvous.client import call_metadata, open_channel
 from tfelastic.daemon.rendezvous.server import BindError, Coordinator, create_server
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
+from tfelastic.daemon.worker.instrument import instrumentation_env
 from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
 from tfelastic.daemon.worker.progress import ProgressListener
 from tfelastic.daemon.worker.stall import StallDetector
@@ -563,6 +564,7 @@ class Agent:
             "TFELASTIC_BACKUP_DIR": self.config.resolved_backup_dir(),
             "TFELASTIC_PROGRESS_SOCKET": self._listener.path,
         })
+        env.update(instrumentation_env(env, self.config.instrument))  # model.fit reports with no code change
         return env
 
     # -------------------------------------------------------------------------------------------- hosting

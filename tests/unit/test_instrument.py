@@ -14,6 +14,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
+from tfelastic.daemon.cli import build_parser, config_from_run_args
+from tfelastic.daemon.config import ConfigError, load_toml
 from tfelastic.daemon.worker.instrument import instrumentation_env
 from tfelastic.trainer.instrument import ENABLE_ENV, OFF_VALUES, SITE_DIR
 
@@ -213,3 +215,30 @@ def test_fit_reports_progress_once_per_fit_without_doubling_the_scripts_own(
     assert Counter(m["step"] for m in messages if m.get("done")) == {2: 1, 4: 1, 6: 1}, messages
     assert {m["step"] for m in messages} >= {0, 2, 4, 6}  # each fit reports its start (force) and its end
 
+
+
+# ------------------------------------------------------------------------------------------------- the setting
+
+
+def write_job(tmp_path: Path, extra: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(f'[job]\ncommand = ["python", "train.py"]\n{extra}\n[rendezvous]\nendpoint = "127.0.0.1:29400"\n')
+    return str(path)
+
+
+def test_on_by_default_and_off_with_the_flag() -> None:
+    parser = build_parser()
+    base = ["run", "--rendezvous", "127.0.0.1:29400"]
+    trainer = ["--", "python", "t.py"]
+    assert config_from_run_args(parser.parse_args([*base, *trainer])).instrument is True
+    assert config_from_run_args(parser.parse_args([*base, "--no-instrument", *trainer])).instrument is False
+
+
+def test_job_file_key(tmp_path: Path) -> None:
+    assert load_toml(write_job(tmp_path, "")).instrument is True
+    assert load_toml(write_job(tmp_path, "instrument = false")).instrument is False
+
+
+def test_job_file_key_must_be_a_boolean(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"job\.instrument: 'no' must be true or false"):
+        load_toml(write_job(tmp_path, 'instrument = "no"'))
