@@ -29,6 +29,7 @@ from tfelastic.daemon.config import (
 )
 from tfelastic.daemon.netutil import host_port, is_local_address, port_taken
 from tfelastic.daemon.rendezvous.api import JobState
+from tfelastic.daemon.sdnotify import Notifier, journal_handler, run_notifying
 from tfelastic.daemon.slurm import SlurmStep
 
 DEFAULT = AgentConfig(command=("true",), rendezvous=Endpoint("localhost", 29400))
@@ -242,6 +243,19 @@ def _check_environment(config: AgentConfig) -> None:
     if config.advertise_address and not is_local_address(config.advertise_address):
         raise ConfigError(f"--advertise-address: {config.advertise_address!r} is not an address of this machine")
     _check_metrics_listen(config)
+    _check_backup_dir(config)
+
+
+def _check_backup_dir(config: AgentConfig) -> None:
+    """The trainer must be able to write its checkpoints; under systemd's ProtectSystem=strict a backup_dir
+    outside ReadWritePaths= would otherwise fail only at the first save, as a worker failure."""
+    path = existing = config.resolved_backup_dir()  # absolute
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--backup-dir: {path!r} cannot be written by this user ({existing} is read-only "
+                          "or not writable); fix its permissions, or under systemd add it to ReadWritePaths= "
+                          "(docs/operations.md)")
 
 
 def _check_metrics_listen(config: AgentConfig) -> None:
@@ -258,6 +272,10 @@ def _check_tls_files(tls: TlsConfig) -> None:
 
 def setup_logging(level: str, node: str = "") -> None:
     tag = f"tfelastic[{node}]" if node else "tfelastic"
+    journal = journal_handler(f"%(levelname)s {tag} %(name)s: %(message)s")  # journald stamps the time itself
+    if journal is not None:
+        logging.basicConfig(level=level.upper(), handlers=[journal])
+        return
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s.%(msecs)03d %(levelname)s {tag} %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -280,11 +298,13 @@ def _run_agent(config: AgentConfig, slurm: SlurmStep | None = None) -> int:
     token = _token_for(config.rendezvous, config.token_file)
     metrics_token = _metrics_token(config)
     _check_environment(config)
-    setup_logging(config.log_level, config.node_id)
+    notifier = Notifier()  # first: the trainer must not inherit $NOTIFY_SOCKET
+    setup_logging(config.log_level, f"{config.job}/{config.node_id}")  # journald: job and node in every line
     _warn_if_clear_text(config.rendezvous, config.tls)
     if slurm is not None:
         logging.getLogger("tfelastic").info("%s", slurm.note)
-    return asyncio.run(Agent(config, token, metrics_token=metrics_token).run())
+    agent = Agent(config, token, metrics_token=metrics_token)
+    return asyncio.run(run_notifying(agent, notifier, f"joining the rendezvous at {config.rendezvous}"))
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:

@@ -115,6 +115,8 @@ class Agent:
         self._trainer_done = 0  # the generation whose trainer reported that training completed
         self._listener: ProgressListener | None = None
         self.on_status: Callable[[str], None] = lambda text: None  # systemd STATUS= lines hook here
+        self.on_ready: Callable[[], None] = lambda: None  # systemd READY=1: the coordinator has taken us in
+        self._ticked_at = clock()  # the control loop's last turn, for systemd's watchdog
 
     # ------------------------------------------------------------------------------------------ main loop
 
@@ -141,6 +143,7 @@ class Agent:
     async def _run_sessions(self) -> ExitCode:
         self._last_contact = self._clock()
         while True:
+            self._ticked_at = self._clock()
             await self._try_hosting()
             try:
                 await self._session()
@@ -150,6 +153,7 @@ class Agent:
             except _SessionLost as e:
                 if not self._outage:  # once per outage, not once per retry
                     log.warning("lost the coordinator at %s: %s; retrying", self.config.rendezvous, e)
+                    self.on_status(f"retrying the coordinator at {self.config.rendezvous} (unreachable: {e})")
                 self._outage = True
             except Exception:  # a bug must not leave a worker unsupervised: fence, and try again
                 log.exception("the session with the coordinator failed")
@@ -230,6 +234,7 @@ class Agent:
         next_heartbeat = self._clock()
         while True:
             await asyncio.sleep(interval / 2)
+            self._ticked_at = self._clock()
             silent = self._clock() - self._coordinator_seen
             if silent > fence_after:
                 raise _SessionLost(f"no message from the coordinator for {silent:.1f}s")
@@ -247,6 +252,15 @@ class Agent:
         self._outbox.put_nowait(None)
         await asyncio.sleep(self.config.node_timeout)  # the read loop ends when the coordinator hangs up
         raise _SessionOver()
+
+    def control_loop_healthy(self, max_age: float) -> bool:
+        """For systemd's watchdog: the control loop turned within ``max_age`` seconds. A worker stop in progress
+        (bounded by its grace period) and the planned way out (job over, drain, SIGTERM) count as healthy."""
+        if self._exit_code is not None or self._shutdown_requested.is_set():
+            return True
+        if self._stop_task is not None and not self._stop_task.done():
+            return True
+        return self._clock() - self._ticked_at <= max_age
 
     def _on_signal(self) -> None:
         self._signalled.set()
@@ -269,6 +283,8 @@ class Agent:
 
     async def _handle(self, message: pb.CoordinatorMessage) -> None:
         kind = message.WhichOneof("kind")
+        if kind in ("assignment", "waiting"):
+            self.on_ready()
         if kind == "assignment":
             await self._launch(convert.assignment_from_proto(message.assignment))
         elif kind == "stop":
