@@ -1,0 +1,106 @@
+"""A Keras script that knows nothing of tfelastic (tests/trainers/unmodified_keras.py), run by real agents: its
+progress reaches ``tfelastic status`` and the hang detector through the automatic instrumentation alone."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from tfelastic.trainer.instrument import ENABLE_ENV, SITE_DIR
+
+from tests.cluster import ROOT, Cluster, kill, members, trainer_pids, wait_for
+from tests.conftest import ClusterFactory
+
+pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
+
+SCRIPT = str(ROOT / "tests" / "trainers" / "unmodified_keras.py")
+EPOCHS, STEPS = 8, 10  # BackupAndRestore saves at the end of every epoch, its default
+# The input pipeline takes 50 ms a batch, so that faults land mid-training, not in a run that already ended.
+KNOBS = {"UNMODIFIED_EPOCHS": str(EPOCHS), "UNMODIFIED_STEPS": str(STEPS), "UNMODIFIED_STEP_SECONDS": "0.05"}
+ARGS = ["--stall-timeout", "8", "--stop-grace", "1", "--last-call", "0.5", "--settle", "1"]
+
+
+def start(make_cluster: ClusterFactory, tmp_path: Path, *, env: dict[str, str] | None = None,
+          extra: list[str] | None = None) -> Cluster:
+    cluster = make_cluster([sys.executable, SCRIPT, str(tmp_path / "backup")], extra_args=[*ARGS, *(extra or [])],
+                           env={**KNOBS, **(env or {})})
+    cluster.start("a")
+    cluster.start("b")
+    return cluster
+
+
+def first_epoch(cluster: Cluster, generation: int) -> int:
+    """The first epoch rank 0 printed in ``generation``: Keras starts at the epoch after the restored one."""
+    for agent in cluster.agents:
+        _, started, after = agent.log().partition(f"generation {generation}: started worker")
+        found = re.search(r"\[rank 0\] Epoch (\d+)/", after) if started else None
+        if found:
+            return int(found.group(1))
+    raise AssertionError(f"rank 0 printed no epoch in generation {generation}")
+
+
+def test_status_shows_each_nodes_step_and_the_job_completes(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    cluster = start(make_cluster, tmp_path)
+    doc = cluster.wait_running(1, 2, timeout=120, step=STEPS)  # each node past the first epoch
+    assert all(n["step"] >= STEPS for n in members(doc)), doc
+    assert cluster.wait_all(120) == [0, 0], cluster.logs()
+    assert f"[rank 0] Epoch {EPOCHS}/{EPOCHS}" in cluster.logs()
+    assert "automatic progress reporting is off" not in cluster.logs()
+
+
+def test_killed_worker_restarts_the_set_from_the_checkpoint(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    cluster = start(make_cluster, tmp_path)
+    doc = cluster.wait_running(1, 2, timeout=120, step=2 * STEPS + 2)  # two epochs saved
+    kill(members(doc)[1]["worker_pid"])
+    doc = cluster.wait_status(lambda d: d["generation"] >= 2, 60, "the restart after the kill")
+    assert set(doc["restarts_by_reason"]) == {"worker_exit"}, doc
+    assert cluster.wait_all(180) == [0, 0], cluster.logs()
+    assert first_epoch(cluster, 2) >= 3, cluster.logs()  # resumed after epoch 2, not from scratch
+
+
+def test_hung_input_pipeline_is_caught_as_a_stall(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    marker = tmp_path / "hung-once"
+    # Batch 40 of a worker's pipeline: past the first epoch's save on either worker.
+    cluster = start(make_cluster, tmp_path, env={"UNMODIFIED_HANG_AT": "40", "UNMODIFIED_HANG_MARKER": str(marker)})
+    cluster.wait_running(1, 2, timeout=120, step=1)
+    hung = wait_for(lambda: next((a for a in cluster.agents if "input pipeline: hanging" in a.log()), None), 120,
+                    "the input pipeline to hang")
+    assert marker.exists()
+    doc = cluster.wait_status(lambda d: d["generation"] >= 2, 60, "the restart after the stall")
+    assert "stalled" in doc["restarts_by_reason"], doc
+    assert "trainer stalled: no progress" in cluster.logs()
+    assert hung.proc.poll() is None  # the agent is fine; only its trainer hung
+    assert cluster.wait_all(180) == [0, 0], cluster.logs()
+    assert first_epoch(cluster, 2) >= 3, cluster.logs()
+
+
+def test_without_instrumentation_the_script_runs_and_status_has_no_step(make_cluster: ClusterFactory,
+                                                                        tmp_path: Path) -> None:
+    cluster = start(make_cluster, tmp_path, extra=["--no-instrument"])
+    doc = cluster.wait_status(lambda d: d["state"] == "running" and len(trainer_pids(d)) == 2, 120, "2 trainers")
+    for pid in trainer_pids(doc):
+        env = psutil.Process(pid).environ()
+        assert SITE_DIR not in env.get("PYTHONPATH", "") and env.get(ENABLE_ENV) == "0"
+    samples = sample_status_until_done(cluster, timeout=120)
+    assert cluster.wait_all(10) == [0, 0], cluster.logs()
+    assert f"[rank 0] Epoch {EPOCHS}/{EPOCHS}" in cluster.logs()  # it trained while we looked
+    running = [d for d in samples if d["state"] == "running" and len(members(d)) == 2]
+    assert running, samples
+    assert all(n["step"] is None for d in running for n in members(d)), running
+
+
+def sample_status_until_done(cluster: Cluster, timeout: float) -> list[dict[str, Any]]:
+    samples: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while any(a.proc.poll() is None for a in cluster.agents):
+        assert time.monotonic() < deadline, cluster.logs()
+        doc = cluster.status()
+        if doc is not None:
+            samples.append(doc)
+        time.sleep(0.2)
+    return samples
