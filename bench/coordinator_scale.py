@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
 from functools import partial
 
+import grpc
 import psutil
 from tfelastic.daemon.config import Endpoint
 from tfelastic.daemon.netutil import free_port
-from tfelastic.daemon.rendezvous.client import fetch_status, open_channel
+from tfelastic.daemon.rendezvous.client import fetch_status
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
 
@@ -73,8 +75,15 @@ async def heartbeats(agents: list[SimulatedAgent], stop: asyncio.Event) -> None:
 
 async def measure(nodes: int, endpoint: Endpoint, coordinator: psutil.Process) -> str:
     agents = [SimulatedAgent(i, nodes) for i in range(nodes)]
-    async with open_channel(endpoint) as channel:
-        sessions = [asyncio.create_task(a.run(channel)) for a in agents]
+    async with contextlib.AsyncExitStack() as channels:
+        # The coordinator allows 100 streams per connection (a real agent uses one): 50 agents per connection.
+        # A local subchannel pool keeps gRPC from sharing one connection between the channels.
+        sessions = []
+        for i, agent in enumerate(agents):
+            if i % 50 == 0:
+                channel = await channels.enter_async_context(grpc.aio.insecure_channel(
+                    str(endpoint), options=[("grpc.use_local_subchannel_pool", 1)]))
+            sessions.append(asyncio.create_task(agent.run(channel)))
         stop = asyncio.Event()
         beating = asyncio.create_task(heartbeats(agents, stop))
         joined = time.perf_counter()

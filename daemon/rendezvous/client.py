@@ -5,12 +5,12 @@ from __future__ import annotations
 import grpc
 from tfelastic.daemon.auth import bearer, channel_credentials
 from tfelastic.daemon.config import Endpoint, TlsConfig
-from tfelastic.daemon.rendezvous.server import MAX_MESSAGE_BYTES
+from tfelastic.daemon.rendezvous.limits import Limits
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
 
 _CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 16 * MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", Limits().max_response_bytes),
     # Reconnect at once after a coordinator fails over instead of backing off for seconds.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),

@@ -23,13 +23,13 @@ from tfelastic.daemon.auth import TokenInterceptor, server_credentials
 from tfelastic.daemon.config import TlsConfig
 from tfelastic.daemon.netutil import port_taken
 from tfelastic.daemon.rendezvous import api, convert
+from tfelastic.daemon.rendezvous.limits import GuardInterceptor, LimitExceededError, Limits, server_options
 from tfelastic.daemon.rendezvous.state import Clock, Rendezvous
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tfelastic.coordinator")
 
-MAX_MESSAGE_BYTES = 1 << 20
 SERVICE_NAME = "tfelastic.v1.Rendezvous"
 
 _ERROR_CODES: dict[type[api.RendezvousError], grpc.StatusCode] = {
@@ -37,6 +37,7 @@ _ERROR_CODES: dict[type[api.RendezvousError], grpc.StatusCode] = {
     api.DuplicateNodeError: grpc.StatusCode.ALREADY_EXISTS,
     api.JobClosedError: grpc.StatusCode.ABORTED,
     api.ProtocolError: grpc.StatusCode.INVALID_ARGUMENT,
+    LimitExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     api.UnknownNodeError: grpc.StatusCode.NOT_FOUND,
     api.OperatorRefusedError: grpc.StatusCode.FAILED_PRECONDITION,
 }
@@ -335,8 +336,9 @@ def validate_join(join: pb.Join) -> None:
         problems.append(f"restart_count {join.restart_count} is out of range")
     if not -1 <= join.last_rank < _MAX_NODES or len(join.incarnation) > 64:
         problems.append("last_rank or incarnation out of range")
-    if not join.HasField("spec") or not spec.job or len(spec.job) > 128 or len(spec.command_digest) != 32:
-        problems.append("a job spec with a job name and a 32-byte command digest is required")
+    if not join.HasField("spec") or not _valid_job(spec.job) or len(spec.command_digest) != 32:
+        problems.append("a job spec with a job name (1-128 letters, digits, '-', '_' or '.') and a 32-byte "
+                        "command digest is required")
     if not 1 <= spec.min_nodes <= spec.max_nodes <= _MAX_NODES or spec.max_restarts > _MAX_NODES:
         problems.append(f"node range {spec.min_nodes}:{spec.max_nodes} or max_restarts is out of range")
     timings = (spec.restart_window_seconds, spec.stall_timeout_seconds, spec.heartbeat_interval_seconds,
@@ -345,6 +347,11 @@ def validate_join(join: pb.Join) -> None:
         problems.append("a timing or the backup_dir of the job spec is out of range")
     if problems:
         raise api.ProtocolError("invalid Join: " + "; ".join(problems))
+
+
+def _valid_job(name: str) -> bool:
+    """The rule of the agent's configuration (config.validate), bounded."""
+    return 0 < len(name) <= 128 and all(c.isalnum() or c in "-_." for c in name)
 
 
 def _printable(text: str, limit: int) -> str:
@@ -361,6 +368,7 @@ async def create_server(
     spec: api.JobSpec | None = None,
     heartbeat_interval: float = 0.5,
     clock: Clock = time.monotonic,
+    limits: Limits | None = None,
 ) -> Coordinator:
     """Start a coordinator on ``address`` (port 0 picks a free one). Raises BindError if the port is taken.
 
@@ -370,18 +378,17 @@ async def create_server(
     bind_host, _, bind_port = address.rpartition(":")
     if bind_port.isdigit() and int(bind_port) and port_taken(bind_host.strip("[]"), int(bind_port)):
         raise BindError(f"cannot listen on {address}: the address is in use")
-    interceptors = [TokenInterceptor(token)] if token else []
+    limits = limits or Limits()
+    rendezvous = Rendezvous(settings, clock, spec)
+    # The guard is outermost, so that it bounds every call, authenticated or not (daemon/rendezvous/limits.py).
+    guard = GuardInterceptor(limits, clock, heartbeat_interval,
+                             lambda: rendezvous.spec.max_nodes if rendezvous.spec else None)
     server = grpc.aio.server(
-        interceptors=interceptors,
-        options=[
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", 16 * MAX_MESSAGE_BYTES),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 1000),
-        ],
+        interceptors=[guard, *([TokenInterceptor(token)] if token else [])],
+        options=[("grpc.so_reuseport", 0), *server_options(limits)],
+        maximum_concurrent_rpcs=limits.max_concurrent_rpcs(),
     )
-    servicer = RendezvousServicer(Rendezvous(settings, clock, spec), clock, heartbeat_interval)
+    servicer = RendezvousServicer(rendezvous, clock, heartbeat_interval)
     pb_grpc.add_RendezvousServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
