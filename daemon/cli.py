@@ -368,7 +368,7 @@ def _run_status(args: argparse.Namespace) -> int:
         try:
             doc = status_to_json(asyncio.run(fetch_status(endpoint, token, _tls(args))))
         except grpc.RpcError as e:
-            print(_describe_rpc_error("status", endpoint, e), file=sys.stderr)
+            print(_describe_rpc_error("status", endpoint, e, tls=_tls(args).enabled), file=sys.stderr)
             return 1
         if args.watch is not None:
             print("\033[2J\033[H", end="")
@@ -378,10 +378,14 @@ def _run_status(args: argparse.Namespace) -> int:
         time.sleep(args.watch)
 
 
-def _describe_rpc_error(command: str, endpoint: Endpoint, error: grpc.RpcError) -> str:
+def _describe_rpc_error(command: str, endpoint: Endpoint, error: grpc.RpcError, *, tls: bool = False) -> str:
+    from tfelastic.daemon.rendezvous.client import handshake_problem
+
     code = error.code()
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return f"tfelastic {command}: no cluster reachable at {endpoint}: {code.name}: {error.details()}"
+        problem = handshake_problem(error.details() or "", tls)
+        hint = f" (TLS: {problem})" if problem else ""
+        return f"tfelastic {command}: no cluster reachable at {endpoint}: {code.name}: {error.details()}{hint}"
     hint = " (pass the job's --token-file)" if code is grpc.StatusCode.UNAUTHENTICATED else ""
     return f"tfelastic {command}: {code.name}: {error.details()}{hint}"
 

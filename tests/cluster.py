@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,19 +74,24 @@ class Cluster:
     def events_path(self) -> Path:
         return self.tmp / "events.jsonl"
 
-    def agent_env(self) -> dict[str, str]:
+    def agent_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         # TMPDIR keeps what a SIGKILLed agent cannot clean up (its progress socket) inside the test's folder.
-        return dict(os.environ, COUNTER_EVENTS=str(self.events_path), TFELASTIC_DEMO_EVENTS=str(self.events_path),
-                    TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp), **self.env)
+        # SLURM's variables only where a test sets them: inside a SLURM job, agents would otherwise take its values.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SLURMD_"))}
+        return dict(inherited, COUNTER_EVENTS=str(self.events_path), TFELASTIC_DEMO_EVENTS=str(self.events_path),
+                    TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp), **self.env, **(extra or {}))
 
-    def start(self, node_id: str, *, extra: Sequence[str] = (), netns: str = "") -> Agent:
-        command = [sys.executable, "-m", "tfelastic.daemon", "run", "--nodes", self.nodes,
-                   "--rendezvous", str(self.endpoint), "--node-id", node_id,
+    def start(self, node_id: str, *, extra: Sequence[str] = (), netns: str = "", env: Mapping[str, str] | None = None,
+              placement: bool = True) -> Agent:
+        """``env``: this agent's own extra variables. ``placement=False`` leaves out --nodes, --rendezvous and
+        --node-id, for agents that take them from their environment (SLURM)."""
+        flags = ["--nodes", self.nodes, "--rendezvous", str(self.endpoint), "--node-id", node_id] if placement else []
+        command = [sys.executable, "-m", "tfelastic.daemon", "run", *flags,
                    "--metrics-port", "0", "--metrics-linger", "0",
                    "--backup-dir", str(self.tmp / "backup"), *self.extra_args, *extra, "--", *self.trainer]
         if netns:
             command = ["ip", "netns", "exec", netns, *command]
-        return self.launch(node_id, command)
+        return self.launch(node_id, command, env)
 
     def start_host(self, node_id: str, timeout: float = 20.0) -> Agent:
         """Starts an agent and waits until it hosts the coordinator, so later agents connect to it."""
@@ -94,11 +99,12 @@ class Cluster:
         wait_for(lambda: "hosting the coordinator" in agent.log(), timeout, f"agent {node_id} to host")
         return agent
 
-    def launch(self, node_id: str, command: Sequence[str]) -> Agent:
+    def launch(self, node_id: str, command: Sequence[str], env: Mapping[str, str] | None = None) -> Agent:
         """Runs an agent command line, logging to agent-<node_id>.log."""
         log_path = self.tmp / f"agent-{node_id}.log"
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.agent_env(), cwd=self.tmp)
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.agent_env(env),
+                                    cwd=self.tmp)
         agent = Agent(node_id, proc, log_path)
         self.agents.append(agent)
         return agent

@@ -32,7 +32,7 @@ from tfelastic.daemon.metrics.host import register_host_collector
 from tfelastic.daemon.metrics.http import MetricsServer, serve_metrics
 from tfelastic.daemon.netutil import free_port, host_port, is_local_address, route_address
 from tfelastic.daemon.rendezvous import api, convert
-from tfelastic.daemon.rendezvous.client import call_metadata, open_channel
+from tfelastic.daemon.rendezvous.client import HandshakeFailures, call_metadata, open_channel
 from tfelastic.daemon.rendezvous.server import BindError, Coordinator, create_server
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
@@ -102,6 +102,7 @@ class Agent:
         self._coordinator_seen = 0.0  # last message on the current session (the coordinator's lease)
         self._last_contact = 0.0  # last message on any session (the join_timeout deadline)
         self._outage = False
+        self._handshakes = HandshakeFailures(config.tls.enabled, config.join_timeout, clock)
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop_task: asyncio.Task[None] | None = None
         self._worker_lock = asyncio.Lock()
@@ -155,6 +156,9 @@ class Agent:
                     log.warning("lost the coordinator at %s: %s; retrying", self.config.rendezvous, e)
                     self.on_status(f"retrying the coordinator at {self.config.rendezvous} (unreachable: {e})")
                 self._outage = True
+                if (tls_problem := self._handshakes.failed(str(e), self._last_contact)) is not None:
+                    log.error("%s", tls_problem)  # a certificate that cannot be verified does not fix itself
+                    return ExitCode.CONFIG
             except Exception:  # a bug must not leave a worker unsupervised: fence, and try again
                 log.exception("the session with the coordinator failed")
                 self._outage = True

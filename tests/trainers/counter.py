@@ -4,7 +4,8 @@ It resumes from a step file in TFELASTIC_BACKUP_DIR, like a checkpoint. Environm
 COUNTER_STEPS (target, default 50), COUNTER_STEP_SECONDS (default 0.05), COUNTER_EVENTS (a file to which
 every rank appends one JSON line when it starts and when it ends), COUNTER_HANG_AT (a step at which the chief
 stops making progress while its process stays alive, once), COUNTER_FAIL_AT (a step at which the chief exits 3,
-once), COUNTER_EXIT_ON_TERM=1 (exit 0 on SIGTERM, like a trainer that checkpoints and stops).
+once), COUNTER_EXIT_ON_TERM=1 (exit 0 on SIGTERM, like a trainer that checkpoints and stops), COUNTER_RECORD_ENV
+(comma-separated variable names: the start event records their values as "env", null where unset).
 
 Unlike MWMS ranks, counters do not wait for each other. Faults hit the chief (rank 0) so that the other rank
 cannot finish the job alone: a chief's exit 0 completes a job (see rendezvous/state.py).
@@ -69,8 +70,9 @@ def main() -> int:
                                     "step": step, **extra}) + "\n")
 
     generation = int(os.environ["TFELASTIC_GENERATION"])
+    recorded = [name for name in os.environ.get("COUNTER_RECORD_ENV", "").split(",") if name]
     event("start", tf_config=os.environ["TF_CONFIG"], legacy_keras=os.environ.get("TF_USE_LEGACY_KERAS"),
-          stale=stale_workers(backup, generation))
+          stale=stale_workers(backup, generation), env={name: os.environ.get(name) for name in recorded})
     if os.environ.get("COUNTER_EXIT_ON_TERM"):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     hang_at = int(os.environ.get("COUNTER_HANG_AT", "-1"))

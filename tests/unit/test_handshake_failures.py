@@ -1,0 +1,87 @@
+"""How the agent reads a failed connection: which errors are TLS problems, and when it stops retrying them.
+The error texts are the ones grpcio reports (tests/integration/test_tls.py checks them against real
+handshakes)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from tfelastic.daemon.rendezvous.client import TLS_GIVE_UP_SECONDS, HandshakeFailures, handshake_problem
+
+UNTRUSTED = ("UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:41285: Tls "
+             "handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:"
+             "CERTIFICATE_VERIFY_FAILED: certificate has expired: OK")
+NOT_TLS = ("UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:45545: Tls handshake "
+           "failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL routines:OPENSSL_internal:"
+           "WRONG_VERSION_NUMBER: Invalid certificate verification context: OK")
+HUNG_UP = "UNAVAILABLE: failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:32979: Socket closed"
+REFUSED = ("UNAVAILABLE: failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: "
+           "Connection refused")
+
+
+@pytest.mark.parametrize(("error", "tls", "expected"), [
+    (UNTRUSTED, True, "this node cannot verify the coordinator's certificate (CERTIFICATE_VERIFY_FAILED: "
+                      "certificate has expired): check that --tls-ca"),
+    (NOT_TLS, True, "the coordinator does not speak TLS (WRONG_VERSION_NUMBER: Invalid certificate verification "
+                    "context)"),
+    (HUNG_UP, True, "the coordinator closed the connection during the TLS handshake: it probably refused this "
+                    "node's certificate"),
+    (HUNG_UP, False, "the coordinator closed the connection during set-up: it probably requires TLS"),
+], ids=["untrusted-certificate", "plain-text-coordinator", "certificate-refused", "tls-required"])
+def test_tls_failures_are_named(error: str, tls: bool, expected: str) -> None:
+    problem = handshake_problem(error, tls)
+    assert problem is not None and problem.startswith(expected), problem
+
+
+@pytest.mark.parametrize("error", [REFUSED, "UNAVAILABLE: Socket closed", "no message from the coordinator for 1.6s"])
+def test_other_failures_are_not_tls(error: str) -> None:
+    """A coordinator that is down, or that dropped an established session, is not a TLS problem."""
+    assert handshake_problem(error, True) is None
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_gives_up_after_the_bound_of_nothing_but_tls_failures(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    failures = HandshakeFailures(tls_enabled=True, join_timeout=600, clock=clock)
+    contact = clock.now
+    with caplog.at_level(logging.ERROR, "tfelastic.agent"):
+        for _ in range(29):
+            clock.now += 1
+            assert failures.failed(UNTRUSTED, contact) is None
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 3  # at once, then every 10 s: at 1, 11 and 21 s
+    assert all(m.startswith("TLS problem with the coordinator: this node cannot verify") for m in logged)
+    clock.now = contact + TLS_GIVE_UP_SECONDS
+    fatal = failures.failed(UNTRUSTED, contact)
+    assert fatal is not None and fatal.startswith("giving up after 30s of failed TLS handshakes with the coordinator: ")
+
+
+def test_a_short_join_timeout_shortens_the_bound() -> None:
+    clock = FakeClock()
+    failures = HandshakeFailures(tls_enabled=True, join_timeout=3, clock=clock)
+    contact = clock.now
+    clock.now += 2.9
+    assert failures.failed(HUNG_UP, contact) is None
+    clock.now += 0.1
+    assert failures.failed(HUNG_UP, contact) is not None
+
+
+def test_contact_or_another_kind_of_failure_resets_the_count() -> None:
+    clock = FakeClock()
+    failures = HandshakeFailures(tls_enabled=True, join_timeout=600, clock=clock)
+    clock.now += 40
+    assert failures.failed(REFUSED, 100.0) is None  # the coordinator was down for a while
+    assert failures.failed(UNTRUSTED, 100.0) is None  # then a TLS failure: not only TLS failures since contact
+    later_contact = clock.now  # the agent got through once (e.g. a certificate rotation finished)
+    clock.now += 29
+    assert failures.failed(UNTRUSTED, later_contact) is None
+    clock.now += 1
+    assert failures.failed(UNTRUSTED, later_contact) is not None
