@@ -15,7 +15,8 @@ UNTRUSTED = ("UNAVAILABLE: failed to connect to all addresses; last error: UNKNO
 NOT_TLS = ("UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:45545: Tls handshake "
            "failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL routines:OPENSSL_internal:"
            "WRONG_VERSION_NUMBER: Invalid certificate verification context: OK")
-HUNG_UP = "UNAVAILABLE: failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:32979: Socket closed"
+HUNG_UP = ("UNAVAILABLE: failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:32979: "
+           "Socket closed")
 REFUSED = ("UNAVAILABLE: failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: "
            "Connection refused")
 
