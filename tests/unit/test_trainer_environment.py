@@ -1,0 +1,117 @@
+"""What the trainer library reads from the agent's environment, and the Keras-3 guard (pure code, fake modules)."""
+
+from __future__ import annotations
+
+import json
+import re
+from types import ModuleType, SimpleNamespace
+from typing import Any, cast
+
+import pytest
+from tfelastic.trainer.environment import TrainerEnvironment, TrainerEnvironmentError, parse_collective
+from tfelastic.trainer.tfkeras import KerasVersionError, check_keras, check_model, ensure_legacy_keras
+
+
+def tf_config(index: int, workers: int = 2, chief: bool = False, task_type: str = "worker") -> str:
+    cluster: dict[str, list[str]] = {"worker": [f"10.0.0.{i}:2222" for i in range(workers)]}
+    if chief:
+        cluster["chief"] = ["10.0.0.99:2222"]
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+
+
+def test_without_an_agent_it_is_a_single_chief_worker() -> None:
+    env = TrainerEnvironment.from_env({})
+    assert (env.rank, env.world_size, env.is_chief, env.managed, env.multi_worker) == (0, 1, True, False, False)
+    assert env.backup_path("loop") == "tfelastic-backup/default/loop"
+
+
+def test_what_the_agent_sets_is_read() -> None:
+    env = TrainerEnvironment.from_env({
+        "TF_CONFIG": tf_config(1), "TFELASTIC_RANK": "1", "TFELASTIC_WORLD_SIZE": "2", "TFELASTIC_GENERATION": "3",
+        "TFELASTIC_RESTART_COUNT": "2", "TFELASTIC_BACKUP_DIR": "/shared/ckpt", "TFELASTIC_JOB": "mnist",
+        "TFELASTIC_NODE_ID": "gpu-02", "TFELASTIC_PROGRESS_SOCKET": "/run/tfelastic/p.sock"})
+    assert (env.rank, env.world_size, env.generation, env.restart_count) == (1, 2, 3, 2)
+    assert (env.job, env.node_id, env.managed, env.is_chief, env.multi_worker) == ("mnist", "gpu-02", True, False,
+                                                                                     True)
+    assert env.backup_path("fit") == "/shared/ckpt/fit"
+    assert env.workers == ("10.0.0.0:2222", "10.0.0.1:2222")
+
+
+def test_tf_config_alone_gives_rank_and_world() -> None:
+    env = TrainerEnvironment.from_env({"TF_CONFIG": tf_config(0, workers=3)})
+    assert (env.rank, env.world_size, env.is_chief) == (0, 3, True)
+
+
+def test_with_a_chief_job_worker_zero_is_not_the_chief() -> None:
+    assert not TrainerEnvironment.from_env({"TF_CONFIG": tf_config(0, chief=True)}).is_chief
+    chief = TrainerEnvironment.from_env({"TF_CONFIG": tf_config(0, chief=True, task_type="chief")})
+    assert (chief.is_chief, chief.rank, chief.world_size) == (True, 0, 3)
+    assert TrainerEnvironment.from_env({"TF_CONFIG": tf_config(1, chief=True)}).rank == 2
+
+
+@pytest.mark.parametrize("environ, fragment", [
+    ({"TF_CONFIG": "{not json"}, "TF_CONFIG is not valid JSON"),
+    ({"TF_CONFIG": "[]"}, "TF_CONFIG must be a JSON object"),
+    ({"TF_CONFIG": tf_config(2)}, "TF_CONFIG task index 2 is outside the 2 worker addresses"),
+    ({"TF_CONFIG": tf_config(0, task_type="ps")}, "TF_CONFIG task must be"),
+    ({"TF_CONFIG": tf_config(0), "TFELASTIC_RANK": "1", "TFELASTIC_WORLD_SIZE": "2"},
+     "disagrees with TFELASTIC_RANK=1"),
+    ({"TFELASTIC_RANK": "x"}, "TFELASTIC_RANK='x' is not an integer"),
+    ({"TFELASTIC_RANK": "2", "TFELASTIC_WORLD_SIZE": "2"}, "TFELASTIC_RANK=2 is not below TFELASTIC_WORLD_SIZE=2"),
+    ({"TFELASTIC_WORLD_SIZE": "0"}, "TFELASTIC_WORLD_SIZE=0 is below 1"),
+])
+def test_inconsistent_environments_name_the_variable(environ: dict[str, str], fragment: str) -> None:
+    with pytest.raises(TrainerEnvironmentError, match=re.escape(fragment)):
+        TrainerEnvironment.from_env(environ)
+
+
+def test_collective_comes_from_the_argument_then_the_environment() -> None:
+    assert parse_collective(None, {}) == "AUTO"
+    assert parse_collective(None, {"TFELASTIC_COLLECTIVE": "ring"}) == "RING"
+    assert parse_collective("nccl", {"TFELASTIC_COLLECTIVE": "ring"}) == "NCCL"
+    with pytest.raises(TrainerEnvironmentError, match="TFELASTIC_COLLECTIVE='mpi' is not one of AUTO, RING, NCCL"):
+        parse_collective(None, {"TFELASTIC_COLLECTIVE": "mpi"})
+
+
+def fake_tensorflow(legacy_at_import: bool | None, keras_version: str = "2.21.0") -> ModuleType:
+    tf = SimpleNamespace(keras=SimpleNamespace(__version__=keras_version))
+    if legacy_at_import is not None:
+        tf._tf_uses_legacy_keras = legacy_at_import
+    return cast(ModuleType, tf)
+
+
+def test_the_guard_sets_the_variable_when_tensorflow_is_not_imported_yet() -> None:
+    environ: dict[str, str] = {}
+    ensure_legacy_keras(environ, {})
+    assert environ == {"TF_USE_LEGACY_KERAS": "1"}
+
+
+def test_the_guard_refuses_a_variable_that_selects_keras_3() -> None:
+    with pytest.raises(KerasVersionError, match=re.escape("TF_USE_LEGACY_KERAS='0' makes tf.keras Keras 3")):
+        ensure_legacy_keras({"TF_USE_LEGACY_KERAS": "0"}, {})
+
+
+def test_the_guard_refuses_tensorflow_imported_before_the_variable() -> None:
+    modules = {"tensorflow": fake_tensorflow(legacy_at_import=False)}
+    with pytest.raises(KerasVersionError, match="TensorFlow was imported before TF_USE_LEGACY_KERAS=1 was set"):
+        check_keras({"TF_USE_LEGACY_KERAS": "1"}, modules)
+    with pytest.raises(KerasVersionError, match="TensorFlow was imported with TF_USE_LEGACY_KERAS unset"):
+        check_keras({}, modules)
+
+
+def test_the_guard_accepts_tensorflow_imported_with_tf_keras() -> None:
+    check_keras({"TF_USE_LEGACY_KERAS": "1"}, {"tensorflow": fake_tensorflow(legacy_at_import=True)})
+
+
+def test_the_guard_asks_tf_keras_when_tensorflow_has_no_flag() -> None:
+    check_keras({}, {"tensorflow": fake_tensorflow(None, keras_version="2.15.0")})
+    with pytest.raises(KerasVersionError, match=re.escape("tf.keras resolves to Keras 3")):
+        check_keras({}, {"tensorflow": fake_tensorflow(None, keras_version="3.15.1")})
+
+
+def test_a_keras_3_model_is_refused_by_its_module() -> None:
+    keras3_model: Any = type("Sequential", (), {"__module__": "keras.src.models.sequential"})()
+    with pytest.raises(KerasVersionError, match="Build it with tf_keras"):
+        check_model(keras3_model)
+    tf_keras_model: Any = type("Sequential", (), {"__module__": "tf_keras.src.engine.sequential"})()
+    check_model(tf_keras_model)

@@ -1,0 +1,157 @@
+"""What the agent tells a trainer, read from the environment. Pure: importing this module imports nothing heavy.
+
+The agent sets ``TF_CONFIG`` and the ``TFELASTIC_*`` variables for every trainer it launches. Without an agent
+(a plain ``python train.py``) none is set and :meth:`TrainerEnvironment.from_env` describes a single worker, so
+the same script runs alone and under the daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+COLLECTIVE_ENV = "TFELASTIC_COLLECTIVE"
+COLLECTIVES = ("AUTO", "RING", "NCCL")
+
+
+class TrainerEnvironmentError(ValueError):
+    """The environment a trainer was started with is inconsistent; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class TrainerEnvironment:
+    rank: int = 0
+    world_size: int = 1
+    generation: int = 0
+    restart_count: int = 0
+    backup_dir: str | None = None
+    progress_socket: str | None = None
+    job: str | None = None
+    node_id: str | None = None
+    task_type: str | None = None  # TF_CONFIG's task; None without TF_CONFIG
+    task_index: int = 0
+    workers: tuple[str, ...] = ()  # TF_CONFIG's cluster, chief first when there is a "chief" job
+    has_chief_job: bool = False
+
+    @property
+    def managed(self) -> bool:
+        """Whether an agent launched this trainer."""
+        return self.progress_socket is not None or self.generation > 0
+
+    @property
+    def is_chief(self) -> bool:
+        """TensorFlow's rule: the "chief" task, or worker 0 when the cluster has no chief."""
+        if self.task_type is None:
+            return True
+        if self.task_type == "chief":
+            return True
+        return self.task_type == "worker" and self.task_index == 0 and not self.has_chief_job
+
+    @property
+    def multi_worker(self) -> bool:
+        return self.world_size > 1
+
+    def backup_path(self, *parts: str, default_root: str = "tfelastic-backup") -> str:
+        """A path under the agent's backup directory, or under ``./tfelastic-backup/JOB`` without an agent (the
+        agent's own default), so that a standalone run and a daemon run lay checkpoints out the same way."""
+        root = self.backup_dir or os.path.join(default_root, self.job or "default")
+        return os.path.join(root, *parts)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TrainerEnvironment:
+        env = os.environ if environ is None else environ
+        cluster = _parse_tf_config(env.get("TF_CONFIG"))
+        rank = cluster.rank if cluster else 0
+        world = len(cluster.workers) if cluster else 1
+        rank = _int(env, "TFELASTIC_RANK", rank, minimum=0)
+        world = _int(env, "TFELASTIC_WORLD_SIZE", world, minimum=1)
+        if rank >= world:
+            raise TrainerEnvironmentError(f"TFELASTIC_RANK={rank} is not below TFELASTIC_WORLD_SIZE={world}")
+        if cluster and (cluster.rank != rank or len(cluster.workers) != world):
+            raise TrainerEnvironmentError(
+                f"TF_CONFIG (task {cluster.rank} of {len(cluster.workers)}) disagrees with TFELASTIC_RANK={rank} "
+                f"and TFELASTIC_WORLD_SIZE={world}: the agent sets both; do not override one of them")
+        return cls(
+            rank=rank, world_size=world,
+            generation=_int(env, "TFELASTIC_GENERATION", 0, minimum=0),
+            restart_count=_int(env, "TFELASTIC_RESTART_COUNT", 0, minimum=0),
+            backup_dir=env.get("TFELASTIC_BACKUP_DIR") or None,
+            progress_socket=env.get("TFELASTIC_PROGRESS_SOCKET") or None,
+            job=env.get("TFELASTIC_JOB") or None,
+            node_id=env.get("TFELASTIC_NODE_ID") or None,
+            task_type=cluster.task_type if cluster else None,
+            task_index=cluster.task_index if cluster else 0,
+            workers=cluster.workers if cluster else (),
+            has_chief_job=cluster.has_chief if cluster else False,
+        )
+
+
+def parse_collective(value: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The collective implementation: ``value``, else ``TFELASTIC_COLLECTIVE``, else AUTO (case-insensitive)."""
+    env = os.environ if environ is None else environ
+    name = value if value is not None else env.get(COLLECTIVE_ENV, "AUTO")
+    upper = name.strip().upper()
+    if upper not in COLLECTIVES:
+        source = "collective" if value is not None else COLLECTIVE_ENV
+        raise TrainerEnvironmentError(f"{source}={name!r} is not one of {', '.join(COLLECTIVES)} "
+                                      "(AUTO lets TensorFlow choose: NCCL on GPUs, RING otherwise)")
+    return upper
+
+
+@dataclass(frozen=True)
+class _Cluster:
+    task_type: str
+    task_index: int
+    workers: tuple[str, ...]
+    has_chief: bool
+
+    @property
+    def rank(self) -> int:
+        """Position in ``workers``: the chief, if any, is first."""
+        if self.task_type == "chief":
+            return 0
+        return self.task_index + (1 if self.has_chief else 0)
+
+
+def _parse_tf_config(raw: str | None) -> _Cluster | None:
+    if not raw:
+        return None
+    try:
+        doc: Any = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise TrainerEnvironmentError(f"TF_CONFIG is not valid JSON ({e}): {raw[:200]!r}") from e
+    if not isinstance(doc, dict):
+        raise TrainerEnvironmentError(f"TF_CONFIG must be a JSON object, got {raw[:200]!r}")
+    cluster, task = doc.get("cluster") or {}, doc.get("task") or {}
+    if not cluster:
+        return None  # TensorFlow treats a TF_CONFIG without a cluster as a single worker
+    if not isinstance(cluster, dict) or not isinstance(task, dict):
+        raise TrainerEnvironmentError(f"TF_CONFIG needs 'cluster' and 'task' objects, got {raw[:200]!r}")
+    chief, workers = cluster.get("chief") or [], cluster.get("worker") or []
+    if not isinstance(chief, list) or not isinstance(workers, list) or not all(
+            isinstance(a, str) for a in chief + workers):
+        raise TrainerEnvironmentError(f"TF_CONFIG cluster jobs must be lists of 'host:port' strings: {raw[:200]!r}")
+    task_type, index = task.get("type"), task.get("index", 0)
+    if task_type not in ("chief", "worker") or not isinstance(index, int) or isinstance(index, bool):
+        raise TrainerEnvironmentError(f"TF_CONFIG task must be {{'type': 'worker' or 'chief', 'index': N}}, "
+                                      f"got {task!r}")
+    size = len(chief) if task_type == "chief" else len(workers)
+    if not 0 <= index < size:
+        raise TrainerEnvironmentError(f"TF_CONFIG task index {index} is outside the {size} {task_type} addresses")
+    return _Cluster(task_type, index, tuple(chief + workers), bool(chief))
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise TrainerEnvironmentError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise TrainerEnvironmentError(f"{name}={value} is below {minimum}")
+    return value
