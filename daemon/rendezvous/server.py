@@ -334,19 +334,35 @@ def validate_join(join: pb.Join) -> None:
         problems.append(f"last_generation {join.last_generation} is out of range")
     if join.restart_count > _MAX_RESTARTS:  # it ends up in uint32 fields, plus the restarts still to come
         problems.append(f"restart_count {join.restart_count} is out of range")
-    if not -1 <= join.last_rank < _MAX_NODES or len(join.incarnation) > 64:
-        problems.append("last_rank or incarnation out of range")
-    if not join.HasField("spec") or not _valid_job(spec.job) or len(spec.command_digest) != 32:
-        problems.append("a job spec with a job name (1-128 letters, digits, '-', '_' or '.') and a 32-byte "
-                        "command digest is required")
-    if not 1 <= spec.min_nodes <= spec.max_nodes <= _MAX_NODES or spec.max_restarts > _MAX_NODES:
-        problems.append(f"node range {spec.min_nodes}:{spec.max_nodes} or max_restarts is out of range")
-    timings = (spec.restart_window_seconds, spec.stall_timeout_seconds, spec.heartbeat_interval_seconds,
-               spec.node_timeout_seconds)
-    if not all(0 <= t <= 1e9 for t in timings) or len(spec.backup_dir) > 4096:
-        problems.append("a timing or the backup_dir of the job spec is out of range")
+    if not -1 <= join.last_rank < _MAX_NODES:
+        problems.append(f"last_rank {join.last_rank} is out of range -1..{_MAX_NODES - 1}")
+    if len(join.incarnation) > 64:
+        problems.append(f"incarnation has {len(join.incarnation)} characters, more than 64")
+    if not join.HasField("spec"):
+        problems.append("a job spec is required")
+    problems += _spec_problems(spec)
     if problems:
         raise api.ProtocolError("invalid Join: " + "; ".join(problems))
+
+
+def _spec_problems(spec: pb.JobSpec) -> list[str]:
+    problems = []
+    if not _valid_job(spec.job):
+        problems.append(f"spec.job {spec.job[:64]!r} must be 1-128 letters, digits, '-', '_' or '.'")
+    if len(spec.command_digest) != 32:
+        problems.append(f"spec.command_digest has {len(spec.command_digest)} bytes, not 32 (SHA-256)")
+    if not 1 <= spec.min_nodes <= spec.max_nodes <= _MAX_NODES:
+        problems.append(f"node range {spec.min_nodes}:{spec.max_nodes} (spec.min_nodes:spec.max_nodes) is out of "
+                        f"range 1..{_MAX_NODES}")
+    if spec.max_restarts > _MAX_NODES:
+        problems.append(f"spec.max_restarts {spec.max_restarts} is more than {_MAX_NODES}")
+    for name in ("restart_window_seconds", "stall_timeout_seconds", "heartbeat_interval_seconds",
+                 "node_timeout_seconds"):
+        if not 0 <= getattr(spec, name) <= 1e9:  # NaN fails too
+            problems.append(f"spec.{name} timing {getattr(spec, name)} is out of range 0..1e9")
+    if len(spec.backup_dir) > 4096:
+        problems.append(f"spec.backup_dir has {len(spec.backup_dir)} characters, more than 4096")
+    return problems
 
 
 def _valid_job(name: str) -> bool:

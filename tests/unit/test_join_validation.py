@@ -35,12 +35,16 @@ def test_a_valid_join_passes() -> None:
     ({"last_generation": 2**64 - 1}, "last_generation"),
     ({"restart_count": 2**32 - 1}, "restart_count"),
     ({"last_rank": -2}, "last_rank"),
-    ({"spec": {"job": ""}}, "job spec"),
-    ({"spec": {"command_digest": b"short"}}, "job spec"),
+    ({"spec": {"job": ""}}, "spec.job ''"),
+    ({"spec": {"job": "a/b"}}, "spec.job 'a/b'"),
+    ({"spec": {"command_digest": b"short"}}, "spec.command_digest has 5 bytes"),
+    ({"spec": {"max_restarts": 100_001}}, "spec.max_restarts 100001"),
+    ({"spec": {"backup_dir": "d" * 4097}}, "spec.backup_dir has 4097 characters"),
+    ({"incarnation": "i" * 65}, "incarnation has 65 characters"),
     ({"spec": {"min_nodes": 0, "max_nodes": 0}}, "node range 0:0"),
     ({"spec": {"min_nodes": 3, "max_nodes": 2}}, "node range 3:2"),
-    ({"spec": {"node_timeout_seconds": -1}}, "timing"),
-    ({"spec": {"stall_timeout_seconds": float("nan")}}, "timing"),
+    ({"spec": {"node_timeout_seconds": -1}}, "spec.node_timeout_seconds timing -1.0"),
+    ({"spec": {"stall_timeout_seconds": float("nan")}}, "spec.stall_timeout_seconds timing nan"),
 ])
 def test_out_of_range_values_are_refused_naming_them(changes: dict[str, Any], named: str) -> None:
     with pytest.raises(ProtocolError, match=r"^invalid Join: .*" + named):
