@@ -1,5 +1,8 @@
 """Keras callbacks that connect ``model.fit`` to the local agent.
 
+:func:`fit_callbacks` is the bundle for ``model.fit`` under the daemon: BackupAndRestore on the agent's backup
+directory, progress reports, the graceful stop on SIGTERM (exit 42), and TensorBoard on the chief only.
+
 Importing this module imports TensorFlow and tf_keras (``TF_USE_LEGACY_KERAS=1`` is set first: FACTS 1).
 """
 
@@ -9,10 +12,13 @@ import os
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-from typing import Any
+from typing import Any, Literal
 
 import tf_keras as keras
+from tfelastic.trainer.environment import TrainerEnvironment
+from tfelastic.trainer.preemption import STOP, preemption_guard
 from tfelastic.trainer.progress import ProgressReporter
+from tfelastic.trainer.tfkeras import check_keras, check_model
 
 
 class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
@@ -67,3 +73,74 @@ class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if self._reporter.enabled:
             self._send(logs, done=True)
+
+
+class GracefulStopCallback(keras.callbacks.Callback):  # type: ignore[misc]
+    """The graceful stop for ``model.fit``: on SIGTERM every worker saves through the BackupAndRestore of the same
+    ``fit`` at one agreed batch and raises :class:`~tfelastic.trainer.preemption.Preempted` (exit 42); at the end
+    of ``fit`` it saves the final state (``final_save``), so that a stop or a failure during evaluation or export
+    resumes without training again. Put it after BackupAndRestore and ProgressCallback (``fit_callbacks`` does).
+
+    tf_keras' own ``BackupAndRestore(save_before_preemption=True)`` is off outside Google Cloud (see
+    :mod:`tfelastic.trainer.preemption`); this callback is its replacement.
+    """
+
+    def __init__(self, reporter: ProgressReporter | None = None, *, final_save: bool = True) -> None:
+        super().__init__()
+        self._reporter = reporter or ProgressReporter.from_env()
+        self._final_save = final_save
+        self._state: Any = None
+        self._training: Any = None
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        check_model(self.model)
+        self._state = getattr(self.model, "_training_state", None)
+        if self._state is None:
+            raise RuntimeError("GracefulStopCallback needs a tf_keras BackupAndRestore earlier in the same fit's "
+                               "callbacks: it saves through it (use fit_callbacks(), which puts them in order)")
+        self._guard = preemption_guard(self.model.distribute_strategy)
+        self._training = STOP.training()
+        self._training.__enter__()
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._guard.after_step(self._save)
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self._final_save:
+            self._save()
+        self._training.__exit__(None, None, None)  # raises Preempted if a SIGTERM came in the last steps
+
+    def _save(self) -> int:
+        self._state.back_up(epoch=0)  # the epoch and batch saved are those BackupAndRestore tracks
+        step = int(self.model.optimizer.iterations.numpy())
+        self._reporter.report(step, checkpoint_step=step)
+        return step
+
+
+def fit_callbacks(backup_dir: str | None = None, *, save_every: int | Literal["epoch"] = "epoch",
+                  global_batch_size: int | None = None, tensorboard_dir: str | None = None,
+                  graceful_stop: bool = True, delete_checkpoint: bool = False,
+                  env: TrainerEnvironment | None = None, reporter: ProgressReporter | None = None
+                  ) -> list[keras.callbacks.Callback]:
+    """BackupAndRestore + ProgressCallback + GracefulStopCallback + TensorBoard (chief only), in that order.
+
+    ``backup_dir``: default ``TFELASTIC_BACKUP_DIR/fit``, or ``./tfelastic-backup/JOB/fit`` without an agent.
+    ``save_every``: steps between backups, or "epoch". ``delete_checkpoint``: tf_keras deletes the backup
+    after a successful ``fit`` by default; here the final state is kept, so that a failure after ``fit``
+    (evaluation, export) does not train again; a finished job restarted resumes at its end and trains no step.
+    ``tensorboard_dir``: written by the chief only; the other workers write no summaries.
+    """
+    check_keras()
+    environment = env or TrainerEnvironment.from_env()
+    reporter = reporter or ProgressReporter.from_env()
+    callbacks: list[keras.callbacks.Callback] = [
+        keras.callbacks.BackupAndRestore(backup_dir or environment.backup_path("fit"), save_freq=save_every,
+                                         delete_checkpoint=delete_checkpoint),
+        ProgressCallback(reporter, global_batch_size=global_batch_size),
+    ]
+    if graceful_stop:
+        callbacks.append(GracefulStopCallback(reporter, final_save=not delete_checkpoint))
+    if tensorboard_dir and environment.is_chief:
+        callbacks.append(keras.callbacks.TensorBoard(tensorboard_dir))
+    return callbacks
+

@@ -1,0 +1,246 @@
+"""The tfelastic.trainer library with real TensorFlow processes: torn checkpoints, the graceful stop (SIGTERM ->
+save at an agreed step -> exit 42) on 1 and 2 workers, TensorBoard on the chief only, the export, and the
+Keras-3 guard. Every TensorFlow run is a subprocess: signal handlers and TF_USE_LEGACY_KERAS stay out of pytest."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.workers import WorkerSet, example, run_alone, wait_for_file, worker_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
+
+CHECKPOINTED_AND_STOPPED = 42
+
+
+def python(tmp: Path, code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=180, cwd=tmp, env=worker_env(env))
+
+
+TORN = """
+    import json, os, sys
+    from tfelastic.trainer.checkpoint import ChiefCheckpointManager, NoRestorableCheckpointError
+    import tensorflow as tf
+
+    directory = sys.argv[1] if len(sys.argv) > 1 else "ckpt"
+    weights, bias = tf.Variable(tf.zeros([4096])), tf.Variable(tf.zeros([4096]))
+    checkpoint = tf.train.Checkpoint(weights=weights, bias=bias)
+    chief = ChiefCheckpointManager(checkpoint, directory, is_chief=True, max_to_keep=3)
+    for step in (10, 20, 30):
+        weights.assign(tf.fill([4096], float(step)))
+        bias.assign(tf.fill([4096], float(step)))
+        chief.save(step)
+
+    def restore():
+        weights.assign(tf.zeros([4096]))
+        bias.assign(tf.zeros([4096]))
+        try:
+            result = ChiefCheckpointManager(checkpoint, directory, is_chief=True).restore()
+        except NoRestorableCheckpointError as e:
+            return {"error": str(e)}
+        return {"weights": float(weights[-1]), "bias": float(bias[-1]),
+                "path": result.path and os.path.basename(result.path),
+                "skipped": [os.path.basename(p) for p, _ in result.skipped]}
+
+    def data(step):
+        return os.path.join(directory, f"ckpt-{step}.data-00000-of-00001")
+
+    report = {"intact": restore()}
+    with open(data(30), "r+b") as f:  # the tail: the object graph (first) reads, the last variable does not
+        f.truncate(os.path.getsize(data(30)) - 64)
+    report["tail_truncated"] = restore()
+    os.remove(data(20))
+    report["data_missing"] = restore()
+    os.remove(os.path.join(directory, "checkpoint"))
+    report["state_file_lost"] = restore()
+    with open(data(10), "r+b") as f:
+        f.truncate(16)
+    report["all_torn"] = restore()
+
+    worker = ChiefCheckpointManager(checkpoint, "shared", is_chief=False, task_id=1)
+    report["worker_save"] = worker.save(40)
+    report["shared_after_worker_save"] = sorted(os.listdir("shared")) if os.path.isdir("shared") else []
+    print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def torn(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("torn")
+    result = python(tmp, TORN)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    return report
+
+
+def test_intact_checkpoints_restore_the_newest(torn: dict[str, Any]) -> None:
+    assert torn["intact"] == {"weights": 30.0, "bias": 30.0, "path": "ckpt-30", "skipped": []}
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous(torn: dict[str, Any]) -> None:
+    # Every variable comes from ckpt-20, also those that ckpt-30's partial read had already filled.
+    assert torn["tail_truncated"] == {"weights": 20.0, "bias": 20.0, "path": "ckpt-20", "skipped": ["ckpt-30"]}
+
+
+def test_a_missing_data_file_falls_back_further(torn: dict[str, Any]) -> None:
+    assert torn["data_missing"] == {"weights": 10.0, "bias": 10.0, "path": "ckpt-10",
+                                    "skipped": ["ckpt-30", "ckpt-20"]}
+
+
+def test_checkpoints_are_found_without_the_state_file(torn: dict[str, Any]) -> None:
+    assert torn["state_file_lost"]["path"] == "ckpt-10"
+
+
+def test_when_no_checkpoint_restores_the_error_lists_them_all(torn: dict[str, Any]) -> None:
+    error = torn["all_torn"]["error"]
+    assert "none of the 3 checkpoints in ckpt restores" in error
+    assert all(f"ckpt-{n}" in error for n in (10, 20, 30)) and "move the directory away" in error
+
+
+def test_a_non_chief_save_leaves_nothing_on_shared_storage(torn: dict[str, Any]) -> None:
+    assert torn["worker_save"] is None
+    assert torn["shared_after_worker_save"] == []
+
+
+# ---------------------------------------------------------------------------------------------- graceful stop
+
+LOOP = ["--steps", "400", "--save-every", "20", "--step-seconds", "0.02", "--train-examples", "2048"]
+
+
+def test_sigterm_stops_two_custom_loop_workers_at_one_saved_step_and_the_next_run_resumes_there(
+        tmp_path: Path) -> None:
+    backup = tmp_path / "backup"
+    first = WorkerSet(tmp_path, example("custom_loop", *LOOP, "--backup-dir", str(backup))).start("-1")
+    wait_for_file(backup / "ckpt-20.index", 120, first)
+    first.signal(signal.SIGTERM)
+    assert first.wait() == [CHECKPOINTED_AND_STOPPED] * 2, first.logs()
+    stopped = first.summaries()
+    assert all(s["preempted"] for s in stopped)
+    step = stopped[0]["final_step"]
+    assert [s["final_step"] for s in stopped] == [step, step] and 20 <= step < 400
+    assert (backup / f"ckpt-{step}.index").exists()  # the chief saved where both stopped
+    assert not list(backup.glob("workertemp_*"))  # the other worker's save went to a deleted temporary path
+
+    second = WorkerSet(tmp_path, example("custom_loop", *LOOP[:4], "--backup-dir", str(backup))).start("-2")
+    assert second.wait() == [0, 0], second.logs()
+    resumed = second.summaries()
+    assert [s["initial_step"] for s in resumed] == [step, step]
+    assert [s["final_step"] for s in resumed] == [400, 400]
+
+
+def test_sigterm_stops_two_keras_fit_workers_at_one_saved_step_and_the_next_run_resumes_there(
+        tmp_path: Path) -> None:
+    backup = tmp_path / "backup"
+    fit = ["--epochs", "4", "--steps-per-epoch", "100", "--save-every", "20", "--train-examples", "2048",
+           "--backup-dir", str(backup)]
+    first = WorkerSet(tmp_path, example("keras_fit", *fit, "--step-seconds", "0.02")).start("-1")
+    wait_for_file(backup / "chief" / "checkpoint", 120, first)
+    first.signal(signal.SIGTERM)
+    assert first.wait() == [CHECKPOINTED_AND_STOPPED] * 2, first.logs()
+    stopped = first.summaries()
+    step = stopped[0]["final_step"]
+    assert all(s["preempted"] for s in stopped) and [s["final_step"] for s in stopped] == [step, step]
+
+    second = WorkerSet(tmp_path, example("keras_fit", *fit)).start("-2")
+    assert second.wait() == [0, 0], second.logs()
+    assert [(s["initial_step"], s["final_step"]) for s in second.summaries()] == [(step, 400)] * 2
+
+
+def test_sigterm_stops_a_single_worker_and_its_restore_is_exact(tmp_path: Path) -> None:
+    alone = ["--steps", "120", "--save-every", "50", "--train-examples", "2048"]
+    code, output, uninterrupted = run_alone(tmp_path, example("custom_loop", *alone, "--backup-dir", "a"))
+    assert code == 0 and uninterrupted, output
+
+    run = WorkerSet(tmp_path, example("custom_loop", *alone, "--backup-dir", "b", "--step-seconds", "0.05"), 0)
+    run.start()  # alone: no TF_CONFIG at all
+    wait_for_file(tmp_path / "b" / "ckpt-50.index", 120, run)
+    run.signal(signal.SIGTERM)
+    assert run.wait() == [CHECKPOINTED_AND_STOPPED], run.logs()
+    step = run.summaries()[0]["final_step"]
+    assert 50 <= step < 120
+
+    code, output, resumed = run_alone(tmp_path, example("custom_loop", *alone, "--backup-dir", "b"))
+    assert code == 0 and resumed, output
+    assert (resumed["initial_step"], resumed["final_step"]) == (step, 120)
+    assert resumed["weights_digest"] == uninterrupted["weights_digest"]  # same data, same order, same weights
+
+
+# ------------------------------------------------------------------------------------- TensorBoard and export
+
+def test_tensorboard_is_written_by_the_chief_only_and_the_export_loads_without_a_strategy(tmp_path: Path) -> None:
+    fit = ["--epochs", "2", "--steps-per-epoch", "30", "--save-every", "20", "--train-examples", "1024",
+           "--test-examples", "512", "--backup-dir", "backup", "--tensorboard-dir", "tb", "--export-dir",
+           str(tmp_path / "model.keras")]
+    workers = WorkerSet(tmp_path, example("keras_fit", *fit)).start()
+    assert workers.wait() == [0, 0], workers.logs()
+    chief, other = workers.summaries()
+    events = [p.name for p in (tmp_path / "tb").rglob("events.out.tfevents.*")]
+    assert events, "the chief wrote no TensorBoard events"
+    writers = {name.split(".")[-3] for name in events}  # events.out.tfevents.TIME.HOST.PID.N.v2
+    assert writers == {str(chief["pid"])}, (events, chief["pid"], other["pid"])
+    assert not list(tmp_path.rglob("workertemp_*"))
+    assert chief["exported"] == str(tmp_path / "model.keras") and other["exported"] is None
+
+    evaluate = f"""
+        import json, sys
+        sys.path.insert(0, {str(workers.command[1].rsplit("/", 1)[0])!r})
+        import mnist_like
+        import numpy as np
+        import tensorflow as tf
+        from tfelastic.trainer.export import load_model
+        assert not tf.distribute.has_strategy()
+        model = load_model({str(tmp_path / "model.keras")!r})
+        data = mnist_like.generate(1024, 512, seed=1)
+        logits = model(data.x_test, training=False)
+        print(json.dumps({{"accuracy": float(np.mean(np.argmax(logits, axis=1) == data.y_test))}}))
+    """
+    result = python(tmp_path, evaluate)
+    assert result.returncode == 0, result.stdout + result.stderr
+    accuracy = json.loads(result.stdout.splitlines()[-1])["accuracy"]
+    assert accuracy == pytest.approx(chief["accuracy"], abs=2 / 512)  # the trained model, not a fresh one
+    assert accuracy > 0.3
+
+
+# ---------------------------------------------------------------------------------------------- Keras-3 guard
+
+def test_tensorflow_imported_before_the_variable_is_refused_with_the_fix(tmp_path: Path) -> None:
+    result = python(tmp_path, """
+        import os
+        os.environ.pop("TF_USE_LEGACY_KERAS", None)
+        import tensorflow as tf
+        from tfelastic.trainer.strategy import make_strategy  # the library refuses as soon as it is imported
+        make_strategy()
+    """)
+    assert result.returncode != 0
+    assert "KerasVersionError: tf.keras is Keras 3 in this process (TensorFlow was imported with " \
+           "TF_USE_LEGACY_KERAS unset)" in result.stderr, result.stderr
+    assert "Set TF_USE_LEGACY_KERAS=1 before TensorFlow is imported" in result.stderr
+    assert "pip install tf-keras" in result.stderr
+
+
+def test_a_variable_that_selects_keras_3_and_a_keras_3_model_are_refused(tmp_path: Path) -> None:
+    result = python(tmp_path, """
+        try:
+            import tfelastic.trainer.strategy
+        except Exception as e:
+            print(f"{type(e).__name__}: {e}")
+        import keras
+        from tfelastic.trainer.tfkeras import check_model
+        try:
+            check_model(keras.Sequential([keras.layers.Input((2,)), keras.layers.Dense(1)]))
+        except Exception as e:
+            print(f"{type(e).__name__}: {e}")
+    """, env={"TF_USE_LEGACY_KERAS": "0"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("KerasVersionError: TF_USE_LEGACY_KERAS='0' makes tf.keras Keras 3"), lines
+    assert lines[1].startswith("KerasVersionError: the model is a Keras 3 model (keras."), lines

@@ -1,0 +1,197 @@
+"""A custom training loop for MultiWorkerMirroredStrategy that survives restarts exactly.
+
+:func:`make_train_step` is the ``strategy.run`` step: the per-example loss is averaged over the *global* batch
+(``tf.nn.compute_average_loss``) and the regularization losses are divided by the replica count
+(``tf.nn.scale_regularization_loss``), so the all-reduced gradient sum is the gradient of the global mean loss
+whatever the number of replicas.
+
+:class:`TrainLoop` puts together the step, a :class:`~tfelastic.trainer.checkpoint.ChiefCheckpointManager` on
+shared storage (restore of the model, the optimizer with its step and slots, the epoch and the position in the
+epoch), the data position of :mod:`tfelastic.trainer.data`, a checkpoint every ``save_every`` steps and at the
+end, progress reports to the agent, and the graceful stop of :mod:`tfelastic.trainer.preemption`::
+
+    loop = TrainLoop(strategy, model, optimizer, loss_fn=per_example_loss, global_batch=plan.global_batch,
+                     examples=lambda epoch: shuffled(train, epoch, seed, n), examples_per_epoch=n,
+                     checkpoint_dir=env.backup_path("loop"), save_every=100)
+    loop.restore()
+    result = loop.run(steps=1000)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tfelastic.trainer.batching import epoch_steps
+from tfelastic.trainer.checkpoint import ChiefCheckpointManager, RestoreResult
+from tfelastic.trainer.data import ExamplesFn, distribute_epoch
+from tfelastic.trainer.preemption import STOP, preemption_guard
+from tfelastic.trainer.progress import ProgressReporter
+from tfelastic.trainer.tfkeras import check_model, ensure_legacy_keras
+
+ensure_legacy_keras()
+import tensorflow as tf  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[Any, Any], Any]  # (labels, predictions) -> per-example loss, shape [batch]
+
+
+def make_train_step(strategy: Any, model: Any, optimizer: Any, loss_fn: LossFn, global_batch: int,
+                    metrics: Sequence[Any] = ()) -> Callable[[Any], Any]:
+    """A ``tf.function`` that runs one step on the next batch of a distributed iterator and returns the loss of
+    the global batch (the sum over replicas of their share of the mean)."""
+
+    def replica_step(features: Any, labels: Any) -> Any:
+        with tf.GradientTape() as tape:
+            predictions = model(features, training=True)
+            loss = tf.nn.compute_average_loss(loss_fn(labels, predictions), global_batch_size=global_batch)
+            if model.losses:
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables, strict=True))
+        for metric in metrics:
+            metric.update_state(labels, predictions)
+        return loss
+
+    def train_step(iterator: Any) -> Any:
+        per_replica = strategy.run(replica_step, args=next(iterator))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    return tf.function(train_step)  # type: ignore[no-any-return]
+
+
+def make_eval_step(strategy: Any, model: Any, loss_fn: LossFn, global_batch: int,
+                   metrics: Sequence[Any] = ()) -> Callable[[Any], Any]:
+    """Like :func:`make_train_step` without the update: the global batch's mean loss; metrics updated."""
+
+    def replica_step(features: Any, labels: Any) -> Any:
+        predictions = model(features, training=False)
+        for metric in metrics:
+            metric.update_state(labels, predictions)
+        return tf.nn.compute_average_loss(loss_fn(labels, predictions), global_batch_size=global_batch)
+
+    def eval_step(iterator: Any) -> Any:
+        per_replica = strategy.run(replica_step, args=next(iterator))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    return tf.function(eval_step)  # type: ignore[no-any-return]
+
+
+@dataclass
+class LoopResult:
+    step: int  # the optimizer step reached (also the step of the last checkpoint)
+    initial_step: int  # the step this run restored
+    epoch: int
+    loss: float | None  # the last step's global-batch loss; None when no step ran
+
+
+class TrainLoop:
+    """The loop; build ``model`` (so that it has weights) and the optimizer inside ``strategy.scope()`` first."""
+
+    def __init__(self, strategy: Any, model: Any, optimizer: Any, *, loss_fn: LossFn, global_batch: int,
+                 examples: ExamplesFn, examples_per_epoch: int, checkpoint_dir: str, save_every: int,
+                 metrics: Sequence[Any] = (), max_to_keep: int = 3, reporter: ProgressReporter | None = None,
+                 graceful_stop: bool = True, on_step: Callable[[int, Any], None] | None = None) -> None:
+        check_model(model)
+        if save_every < 1:
+            raise ValueError(f"save_every={save_every} must be a positive number of steps")
+        self.strategy, self.model, self.optimizer = strategy, model, optimizer
+        self.global_batch, self.examples_per_epoch, self.save_every = global_batch, examples_per_epoch, save_every
+        self._examples = examples
+        self._reporter = reporter or ProgressReporter.from_env()
+        self._graceful_stop = graceful_stop
+        self._on_step = on_step  # (step, loss tensor): runs on every worker after every step, before the stop check
+        epoch_steps(examples_per_epoch, global_batch)  # validates both
+        with strategy.scope():
+            # Slots exist before the restore, so it fills them at once rather than on the first step: a
+            # restore that fails half-way is then fully overwritten by the fallback checkpoint.
+            optimizer.build(model.trainable_variables)
+        self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
+        self._examples_done = tf.Variable(0, dtype=tf.int64, trainable=False, name="examples_in_epoch")
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=self._epoch,
+                                         examples_in_epoch=self._examples_done)
+        self.checkpoints = ChiefCheckpointManager.for_strategy(checkpoint, checkpoint_dir, strategy, max_to_keep)
+        self.step = self.epoch = self.examples_done = 0
+        self._last_saved: int | None = None
+        self._train_step = make_train_step(strategy, model, optimizer, loss_fn, global_batch, metrics)
+
+    def restore(self) -> RestoreResult:
+        """Restores the newest checkpoint that restores and checks that every worker restored the same step."""
+        result = self.checkpoints.restore()
+        self.step = int(self.optimizer.iterations.numpy())
+        self.epoch, self.examples_done = int(self._epoch.numpy()), int(self._examples_done.numpy())
+        self._last_saved = self.step if result.path else None
+        agree_across_workers(self.strategy, self.step, "restored step")
+        if result.path:
+            log.info("restored %s: step %d, epoch %d, %d examples into it", result.path, self.step, self.epoch,
+                     self.examples_done)
+        return result
+
+    def save(self) -> int:
+        """Saves at the current step (every worker must call it); returns the step."""
+        if self._last_saved != self.step:
+            self._epoch.assign(self.epoch)
+            self._examples_done.assign(self.examples_done)
+            self.checkpoints.save(self.step)
+            self._last_saved = self.step
+            self._reporter.report(self.step, examples=self._examples_seen(), checkpoint_step=self.step)
+        return self.step
+
+    def run(self, steps: int) -> LoopResult:
+        """Trains until the optimizer step reaches ``steps``, then saves. Raises
+        :class:`~tfelastic.trainer.preemption.Preempted` (exit 42) after saving on a stop request."""
+        initial, loss = self.step, None
+        self._reporter.report(self.step, examples=self._examples_seen(), force=True)
+        guard = preemption_guard(self.strategy) if self._graceful_stop else None
+        with STOP.training():
+            while self.step < steps:
+                left = epoch_steps(self.examples_per_epoch, self.global_batch, self.examples_done)
+                if left == 0:
+                    self.epoch, self.examples_done = self.epoch + 1, 0
+                    continue
+                iterator = iter(distribute_epoch(self.strategy, self._examples, epoch=self.epoch,
+                                                 global_batch=self.global_batch, skip=self.examples_done))
+                for _ in range(min(left, steps - self.step)):
+                    loss = self._train_step(iterator)
+                    self.step, self.examples_done = self.step + 1, self.examples_done + self.global_batch
+                    self._after_step(loss, guard)
+            self.save()
+        final_loss = None if loss is None else float(loss)
+        self._reporter.report(self.step, examples=self._examples_seen(), loss=final_loss, done=True)
+        return LoopResult(self.step, initial, self.epoch, final_loss)
+
+    def _after_step(self, loss: Any, guard: Any) -> None:
+        if self._on_step is not None:
+            self._on_step(self.step, loss)
+        if self.step % self.save_every == 0:
+            self.save()
+        elif self._reporter.due():  # reading the loss waits for the step: only when a report is due
+            self._reporter.report(self.step, examples=self._examples_seen(), loss=float(loss))
+        if guard is not None:
+            guard.after_step(self.save)
+
+    def _examples_seen(self) -> int:
+        return self.step * self.global_batch
+
+
+def agree_across_workers(strategy: Any, value: int, what: str) -> None:
+    """Raises RuntimeError unless every worker passes the same ``value`` (one all-reduce)."""
+    replicas = strategy.num_replicas_in_sync
+    if replicas == 1:
+        return
+
+    def replica() -> Any:
+        context = tf.distribute.get_replica_context()
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.constant(float(value), tf.float64))
+
+    def total() -> Any:
+        return strategy.experimental_local_results(strategy.run(replica))[0]
+
+    summed = float(tf.function(total)().numpy())
+    if summed != float(value) * replicas:
+        raise RuntimeError(f"workers disagree on the {what}: this worker has {value}, the mean over the "
+                           f"{replicas} replicas is {summed / replicas:g}. They restored different checkpoints "
+                           "(storage not shared, or a transient read error): restart the job")
