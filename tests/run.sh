@@ -13,6 +13,7 @@ missing=()
 command -v ip >/dev/null || missing+=(iproute2)
 command -v openssl >/dev/null || missing+=(openssl)
 command -v promtool >/dev/null || missing+=(prometheus)
+[[ -x /lib/systemd/systemd ]] || missing+=(systemd)  # the hermetic systemd of tests/integration/test_systemd.py
 if ((${#missing[@]})); then
   if [[ $(id -u) == 0 ]]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"

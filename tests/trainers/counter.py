@@ -7,6 +7,10 @@ stops making progress while its process stays alive, once), COUNTER_FAIL_AT (a s
 once), COUNTER_EXIT_ON_TERM=1 (exit 0 on SIGTERM, like a trainer that checkpoints and stops), COUNTER_RECORD_ENV
 (comma-separated variable names: the start event records their values as "env", null where unset).
 
+COUNTER_SAVE_EVERY (the chief saves its step file every N steps, default 1) and COUNTER_CHECKPOINT_ON_TERM=1 (on
+SIGTERM the chief saves the step it reached, each rank records a "checkpointed" event and exits 42,
+CHECKPOINTED_AND_STOPPED: a trainer that loses no step on a planned stop; set before the start event is written).
+
 Unlike MWMS ranks, counters do not wait for each other. Faults hit the chief (rank 0) so that the other rank
 cannot finish the job alone: a chief's exit 0 completes a job (see rendezvous/state.py).
 
@@ -21,6 +25,7 @@ import sys
 import time
 
 import psutil
+from tfelastic.trainer.exit_codes import CHECKPOINTED_AND_STOPPED
 from tfelastic.trainer.progress import ProgressReporter
 
 
@@ -69,6 +74,10 @@ def main() -> int:
                                     "restart_count": int(os.environ["TFELASTIC_RESTART_COUNT"]),
                                     "step": step, **extra}) + "\n")
 
+    terminated: list[int] = []
+    if os.environ.get("COUNTER_CHECKPOINT_ON_TERM"):  # before "start": a test that saw it may stop us
+        signal.signal(signal.SIGTERM, lambda *_: terminated.append(1))  # finish the step, then save
+    save_every = int(os.environ.get("COUNTER_SAVE_EVERY", "1"))
     generation = int(os.environ["TFELASTIC_GENERATION"])
     recorded = [name for name in os.environ.get("COUNTER_RECORD_ENV", "").split(",") if name]
     event("start", tf_config=os.environ["TF_CONFIG"], legacy_keras=os.environ.get("TF_USE_LEGACY_KERAS"),
@@ -81,10 +90,13 @@ def main() -> int:
     while step < target:
         time.sleep(pause)
         step += 1
-        if rank == 0:
+        if rank == 0 and (step % save_every == 0 or terminated):
             with open(state + ".tmp", "w") as f:
                 f.write(str(step))
             os.replace(state + ".tmp", state)
+        if terminated:
+            event("checkpointed")
+            return CHECKPOINTED_AND_STOPPED
         reporter.report(step, examples=step * 32, loss=1.0 / step, checkpoint_step=step if rank == 0 else None)
         if rank == 0 and step == hang_at and once(backup, "hung"):
             event("hang")
