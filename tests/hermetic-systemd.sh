@@ -9,9 +9,9 @@
 #   hermetic-systemd.sh stop PID           kill the namespace's PID 1: everything inside dies with it
 #
 # Why: booting systemd without this isolation ran systemd-tmpfiles and emptied the host's /tmp.
-# tfelastic's copy of the team recipe adds: a private /srv and an overlay over /etc (tests write job files and
-# create users without touching the host), and journald's sockets left unmasked (else PID 1 never logs to the
-# journal: no "Watchdog timeout", no unit results).
+# tfelastic's copy of the team recipe adds: a private /srv and overlays over /etc and /var/lib (tests write job
+# files, create users and state directories without touching the host), and journald's sockets left unmasked
+# (else PID 1 never logs to the journal: no "Watchdog timeout", no unit results).
 # The network namespace is shared with the host on purpose (loopback servers stay reachable).
 set -euo pipefail
 
@@ -20,11 +20,15 @@ boot() {
   mount -t tmpfs tmpfs /run
   mkdir -p /run/systemd/system
   if [[ -n $units ]]; then cp -r "$units"/. /run/systemd/system/; fi   # before /tmp is hidden
+  # tfelastic: private, writable /etc and /var/lib (overlays over the host's), so that tests can put job files in
+  # /etc/tfelastic, create users, and let units create StateDirectory= without touching the host; /srv (below)
+  # is their private "shared storage".
+  for d in etc var/lib; do
+    mkdir -p "/run/hermetic-overlay/$d/upper" "/run/hermetic-overlay/$d/work"
+    mount -t overlay overlay \
+      -o "lowerdir=/$d,upperdir=/run/hermetic-overlay/$d/upper,workdir=/run/hermetic-overlay/$d/work" "/$d"
+  done
   for d in /tmp /var/tmp /var/log /var/lib/systemd /srv; do mount -t tmpfs tmpfs "$d"; done
-  # tfelastic: a private, writable /etc (an overlay over the host's), so that tests can put job files in
-  # /etc/tfelastic without touching the host; /srv (above) is their private "shared storage".
-  mkdir -p /run/hermetic-etc/upper /run/hermetic-etc/work
-  mount -t overlay overlay -o lowerdir=/etc,upperdir=/run/hermetic-etc/upper,workdir=/run/hermetic-etc/work /etc
   for w in /lib/systemd/system/*.target.wants /etc/systemd/system/*.target.wants; do
     for u in "$w"/*; do
       [[ -e $u || -L $u ]] || continue

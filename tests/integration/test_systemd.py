@@ -1,7 +1,8 @@
 """systemd/tfelastic@.service under a real systemd.
 
 tests/hermetic-systemd.sh boots systemd as PID 1 of private namespaces, with a private /run, /tmp, /var/log, /srv
-and an overlay over /etc, so nothing of the host changes. systemd/install.sh runs inside it: the unit, the
+and overlays over /etc and /var/lib, so nothing of the host changes (the fixture checks it, and removes the empty
+control groups the units leave in the shared cgroup tree). systemd/install.sh runs inside it: the unit, the
 ``tfelastic`` user and /etc/tfelastic are the installed ones. A drop-in adds only what this machine needs (the
 Python interpreter lives under /root, which ProtectHome= hides; /srv/tfe plays the shared storage, as
 ReadWritePaths= does for a real backup_dir) and a short watchdog. Jobs run tests/trainers/counter.py; the test
@@ -13,6 +14,7 @@ the journal (systemd's own lines, and the agent's), and live properties (NRestar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -107,6 +109,8 @@ def _dropin() -> str:
 @pytest.fixture(scope="module")
 def systemd_ns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hermetic]:
     boot_log = tmp_path_factory.mktemp("systemd") / "boot.log"
+    host_paths = {p: p.exists() for p in map(Path, ("/etc/tfelastic", "/var/lib/tfelastic", "/srv/tfe"))}
+    cgroups_before = set(_unit_cgroups())
     started = subprocess.run(["bash", str(HERMETIC), "start"], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "HERMETIC_LOG": str(boot_log)})
     assert started.returncode == 0, started.stderr + boot_log.read_text()
@@ -121,6 +125,22 @@ def systemd_ns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hermetic]:
         yield ns
     finally:
         subprocess.run(["bash", str(HERMETIC), "stop", str(ns.pid)], check=False)
+        _remove_cgroups(set(_unit_cgroups()) - cgroups_before)
+    assert {p: p.exists() for p in host_paths} == host_paths, "the hermetic systemd wrote to the host"
+
+
+def _unit_cgroups() -> list[Path]:
+    """The control groups our units got: the namespaces share the host's cgroup tree (no cgroup namespace)."""
+    root = Path("/sys/fs/cgroup")
+    slices = [*root.glob("system.slice/system-tfelastic.slice"), *root.glob("*/system.slice/system-tfelastic.slice")]
+    return [d for s in slices for d in (s, *s.rglob("*")) if d.is_dir()]
+
+
+def _remove_cgroups(created: set[Path]) -> None:
+    """Empty control groups are left behind when the namespaces' systemd dies; remove ours, deepest first."""
+    for cgroup in sorted(created, key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            cgroup.rmdir()
 
 
 def _toml_value(value: Any) -> str:
