@@ -45,13 +45,7 @@ STORAGE = "/srv/tfe"  # the jobs' "shared storage", a tmpfs inside the namespace
 WATCHDOG_SECONDS = 4  # the unit ships 30 s; the mechanism is the same
 START_TIMEOUT = 4  # the unit ships 90 s
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.systemd,
-    pytest.mark.skipif(os.geteuid() != 0, reason="booting a hermetic systemd needs root"),
-    pytest.mark.skipif(not SYSTEMD.exists() or shutil.which("nsenter") is None,
-                       reason="needs systemd (/lib/systemd/systemd; Debian: apt-get install systemd) and nsenter"),
-]
+pytestmark = [pytest.mark.integration, pytest.mark.systemd]
 
 
 class Hermetic:
@@ -108,6 +102,10 @@ def _dropin() -> str:
 
 @pytest.fixture(scope="module")
 def systemd_ns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hermetic]:
+    if os.geteuid() != 0:
+        pytest.skip("booting a hermetic systemd needs root")
+    if not SYSTEMD.exists() or shutil.which("nsenter") is None:
+        pytest.skip("needs systemd (/lib/systemd/systemd; Debian: apt-get install systemd) and nsenter")
     boot_log = tmp_path_factory.mktemp("systemd") / "boot.log"
     host_paths = {p: p.exists() for p in map(Path, ("/etc/tfelastic", "/var/lib/tfelastic", "/srv/tfe"))}
     cgroups_before = set(_unit_cgroups())
