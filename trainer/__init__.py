@@ -1,7 +1,13 @@
 """tfelastic.trainer: what runs inside the trainer process.
 
-Importing this package does not import TensorFlow. :mod:`tfelastic.trainer.progress` reports training progress
-to the local agent, which uses it for hang detection, ``tfelastic status`` and metrics.
+Importing this package does not import TensorFlow: :mod:`~tfelastic.trainer.progress` (progress reports to the
+local agent, for hang detection, ``tfelastic status`` and metrics), :mod:`~tfelastic.trainer.environment` (what
+the agent set), :mod:`~tfelastic.trainer.batching` (batch sizes and learning rate when the world size changes),
+:mod:`~tfelastic.trainer.tfkeras` (the tf_keras guard) and :mod:`~tfelastic.trainer.exit_codes` are pure.
+
+The modules that need TensorFlow set ``TF_USE_LEGACY_KERAS=1`` before importing it: ``strategy``
+(``make_strategy``), ``callbacks`` (``fit_callbacks`` for ``model.fit``), ``loop`` (a custom training loop),
+``checkpoint``, ``data``, ``preemption`` (the graceful stop, exit 42) and ``export``. See docs/trainer.md.
 """
 
 from tfelastic.trainer.progress import ProgressReporter, report

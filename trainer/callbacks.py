@@ -74,6 +74,19 @@ class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
         if self._reporter.enabled:
             self._send(logs, done=True)
 
+    # Evaluation and prediction are progress too: the agent's hang detection keeps watching after training
+    # (pass this callback to evaluate/predict), and a long evaluation must not look like a stalled trainer.
+    def on_test_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._alive()
+
+    def on_predict_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._alive()
+
+    def _alive(self) -> None:
+        if self._reporter.due():
+            optimizer = getattr(self.model, "optimizer", None)  # predict() needs no compiled model
+            self._reporter.report(int(optimizer.iterations.numpy()) if optimizer is not None else 0)
+
 
 class GracefulStopCallback(keras.callbacks.Callback):  # type: ignore[misc]
     """The graceful stop for ``model.fit``: on SIGTERM every worker saves through the BackupAndRestore of the same

@@ -74,6 +74,10 @@ class ChiefCheckpointManager:
             return None
         return str(path)
 
+    def path_for(self, step: int) -> str:
+        """The chief's checkpoint prefix for ``step``, in the shared directory."""
+        return os.path.join(self.directory, f"{CHECKPOINT_NAME}-{step}")
+
     def candidates(self) -> list[str]:
         """Checkpoint prefixes in ``directory``, newest first: those the state file lists and any other
         ``ckpt-N`` with an index file (a state file lost or damaged must not hide them)."""

@@ -117,6 +117,7 @@ class TrainLoop:
         self.step = self.epoch = self.examples_done = 0
         self._last_saved: int | None = None
         self._train_step = make_train_step(strategy, model, optimizer, loss_fn, global_batch, metrics)
+        self._all_reduce = make_all_reduce(strategy)
 
     def restore(self) -> RestoreResult:
         """Restores the newest checkpoint that restores and checks that every worker restored the same step."""
@@ -124,18 +125,25 @@ class TrainLoop:
         self.step = int(self.optimizer.iterations.numpy())
         self.epoch, self.examples_done = int(self._epoch.numpy()), int(self._examples_done.numpy())
         self._last_saved = self.step if result.path else None
-        agree_across_workers(self.strategy, self.step, "restored step")
+        agree_across_workers(self.strategy, self.step, "restored step", self._all_reduce)
         if result.path:
             log.info("restored %s: step %d, epoch %d, %d examples into it", result.path, self.step, self.epoch,
                      self.examples_done)
         return result
 
+    @property
+    def last_checkpoint(self) -> str | None:
+        """The chief's checkpoint of the last save or restore (complete on every worker once save() returned)."""
+        return None if self._last_saved is None else self.checkpoints.path_for(self._last_saved)
+
     def save(self) -> int:
-        """Saves at the current step (every worker must call it); returns the step."""
+        """Saves at the current step (every worker must call it); returns the step. When it returns, the chief's
+        checkpoint is complete on every worker: the save ends with a barrier."""
         if self._last_saved != self.step:
             self._epoch.assign(self.epoch)
             self._examples_done.assign(self.examples_done)
             self.checkpoints.save(self.step)
+            self._all_reduce(0.0)  # the chief reaches it after its files are written
             self._last_saved = self.step
             self._reporter.report(self.step, examples=self._examples_seen(), checkpoint_step=self.step)
         return self.step
@@ -163,6 +171,12 @@ class TrainLoop:
         self._reporter.report(self.step, examples=self._examples_seen(), loss=final_loss, done=True)
         return LoopResult(self.step, initial, self.epoch, final_loss)
 
+    def report_alive(self) -> None:
+        """A progress report at the current step, when one is due: call it from work after training (a test
+        loop, an export) so that the agent's hang detection does not take it for a stalled trainer."""
+        if self._reporter.due():
+            self._reporter.report(self.step, examples=self._examples_seen())
+
     def _after_step(self, loss: Any, guard: Any) -> None:
         if self._on_step is not None:
             self._on_step(self.step, loss)
@@ -177,20 +191,27 @@ class TrainLoop:
         return self.step * self.global_batch
 
 
-def agree_across_workers(strategy: Any, value: int, what: str) -> None:
+def make_all_reduce(strategy: Any) -> Callable[[float], float]:
+    """A function that sums a number over all replicas: every worker must call it, so it is also a barrier."""
+    if strategy.num_replicas_in_sync == 1:
+        return lambda value: float(value)
+
+    def replica(value: Any) -> Any:
+        local = tf.identity(value)  # on this replica's device: all_reduce needs one
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local)
+
+    def local_sum(value: Any) -> Any:
+        return strategy.experimental_local_results(strategy.run(replica, args=(value,)))[0]
+
+    compiled = tf.function(local_sum)
+    return lambda value: float(compiled(tf.constant(value, tf.float64)))
+
+
+def agree_across_workers(strategy: Any, value: int, what: str, all_reduce: Callable[[float], float] | None = None
+                         ) -> None:
     """Raises RuntimeError unless every worker passes the same ``value`` (one all-reduce)."""
     replicas = strategy.num_replicas_in_sync
-    if replicas == 1:
-        return
-
-    def replica() -> Any:
-        context = tf.distribute.get_replica_context()
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.constant(float(value), tf.float64))
-
-    def total() -> Any:
-        return strategy.experimental_local_results(strategy.run(replica))[0]
-
-    summed = float(tf.function(total)().numpy())
+    summed = (all_reduce or make_all_reduce(strategy))(float(value))
     if summed != float(value) * replicas:
         raise RuntimeError(f"workers disagree on the {what}: this worker has {value}, the mean over the "
                            f"{replicas} replicas is {summed / replicas:g}. They restored different checkpoints "

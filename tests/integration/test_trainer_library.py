@@ -111,6 +111,27 @@ def test_a_non_chief_save_leaves_nothing_on_shared_storage(torn: dict[str, Any])
     assert torn["shared_after_worker_save"] == []
 
 
+def test_workers_that_restored_different_steps_are_stopped(tmp_path: Path) -> None:
+    code = textwrap.dedent("""
+        from tfelastic.trainer.loop import agree_across_workers, make_all_reduce
+        from tfelastic.trainer.strategy import make_strategy
+        strategy = make_strategy()
+        all_reduce = make_all_reduce(strategy)
+        agree_across_workers(strategy, 70, "restored step", all_reduce)
+        print("same step: agreed", flush=True)
+        try:
+            agree_across_workers(strategy, 70 + 10 * strategy.cluster_resolver.task_id, "restored step", all_reduce)
+        except RuntimeError as e:
+            print(f"different steps: {e}")
+    """)
+    workers = WorkerSet(tmp_path, [sys.executable, "-c", code]).start()
+    assert workers.wait(120) == [0, 0], workers.logs()
+    for worker in workers.workers:
+        assert "same step: agreed" in worker.output()
+        assert "different steps: workers disagree on the restored step" in worker.output(), worker.output()
+        assert "the mean over the 2 replicas is 75" in worker.output()
+
+
 # ---------------------------------------------------------------------------------------------- graceful stop
 
 LOOP = ["--steps", "400", "--save-every", "20", "--step-seconds", "0.02", "--train-examples", "2048"]

@@ -1,0 +1,161 @@
+"""The examples run: alone (one worker, no daemon), under 2 real agents through a killed worker, and SyncBatchNorm
+on 2 workers computes what one worker computes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.cluster import kill, members
+from tests.conftest import ClusterFactory
+from tests.workers import EXAMPLES, WorkerSet, example, run_alone, summaries, worker_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
+
+# A stall timeout well above the time between progress reports on a loaded machine (TensorFlow's tracing of the
+# evaluation, the process teardown): these tests are about a killed worker, not hang detection.
+AGENT_ARGS = ["--stall-timeout", "20", "--stop-grace", "1", "--last-call", "0.5", "--settle", "1"]
+
+
+def write_npz(path: Path, seed: int = 3) -> None:
+    """An mnist.npz-like file (uint8 28x28 images, int labels) of learnable data made here: a bright square
+    whose position is the class, on noise."""
+    rng = np.random.default_rng(seed)
+
+    def split(n: int) -> tuple[np.ndarray, np.ndarray]:
+        labels = rng.integers(0, 10, n)
+        images = rng.integers(0, 90, (n, 28, 28)).astype(np.uint8)
+        for image, label in zip(images, labels, strict=True):
+            row, col = divmod(int(label), 5)
+            image[4 + 12 * row: 12 + 12 * row, 1 + 5 * col: 6 + 5 * col] = 255
+        return images, labels
+
+    x_train, y_train = split(1024)
+    x_test, y_test = split(256)
+    np.savez(path, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
+
+
+def check_alone(summary: dict[str, Any] | None, output: str, target: int) -> dict[str, Any]:
+    assert summary is not None, output[-3000:]
+    assert summary["preempted"] is False and summary["final_step"] == summary["target_step"] == target, summary
+    assert (summary["world_size"], summary["replicas"], summary["global_batch"], summary["per_replica_batch"]) == \
+        (1, 1, 64, 64), summary
+    assert summary["accuracy"] > 0.5, summary  # 10 classes: chance is 0.1
+    assert np.isfinite(summary["train_loss"]) and len(summary["weights_digest"]) == 16
+    return summary
+
+
+def test_keras_fit_alone_on_an_npz_file_and_exports(tmp_path: Path) -> None:
+    write_npz(tmp_path / "digits.npz")
+    code, output, summary = run_alone(tmp_path, example(
+        "keras_fit", "--epochs", "2", "--steps-per-epoch", "30", "--save-every", "20", "--data", "digits.npz",
+        "--export-dir", "model.keras"))
+    assert code == 0, output[-3000:]
+    check_alone(summary, output, 60)
+    assert summary and summary["exported"] == "model.keras" and (tmp_path / "model.keras").is_file()
+    assert summary["learning_rate"] == pytest.approx(0.002)
+
+
+def test_custom_loop_alone_checkpoints_and_evaluates_its_checkpoint_without_a_strategy(tmp_path: Path) -> None:
+    code, output, summary = run_alone(tmp_path, example(
+        "custom_loop", "--steps", "100", "--save-every", "40", "--train-examples", "2048", "--export-dir", "model"))
+    assert code == 0, output[-3000:]
+    check_alone(summary, output, 100)
+    assert summary is not None
+    assert summary["checkpoint"].endswith("custom_loop/ckpt-100")  # under ./tfelastic-backup/default
+    saved = sorted(p.name for p in (tmp_path / "tfelastic-backup" / "default" / "custom_loop").glob("*.index"))
+    assert saved == ["ckpt-100.index", "ckpt-40.index", "ckpt-80.index"]
+    # The same weights, evaluated in a model built without a strategy, score what the distributed test loop did.
+    assert summary["restored_accuracy"] == pytest.approx(summary["accuracy"], abs=2 / 1024)
+    # The SavedModel export serves through its signature, without Keras objects or a strategy: the same accuracy.
+    serve = subprocess.run([sys.executable, "-c", SERVE, str(EXAMPLES), str(tmp_path / "model")], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120, env=worker_env())
+    assert serve.returncode == 0, serve.stderr[-3000:]
+    assert float(serve.stdout.split()[-1]) == pytest.approx(summary["accuracy"], abs=2 / 1024)
+
+
+SERVE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from mnist_like import generate  # first: it sets TF_USE_LEGACY_KERAS before TensorFlow is imported
+import numpy as np, tensorflow as tf
+serving = tf.saved_model.load(sys.argv[2]).signatures["serving_default"]
+data = generate(2048, 1024, seed=1)
+logits = next(iter(serving(tf.constant(data.x_test)).values()))
+print(float(np.mean(np.argmax(logits, axis=1) == data.y_test)))
+"""
+
+
+def test_sync_batchnorm_alone(tmp_path: Path) -> None:
+    code, output, summary = run_alone(tmp_path, example("sync_batchnorm", "--steps", "60", "--save-every", "30"))
+    assert code == 0, output[-3000:]
+    check_alone(summary, output, 60)
+    assert summary is not None and summary["synchronized"] is True and len(summary["bn_moving_mean"]) == 8
+
+
+def test_sync_batchnorm_on_two_workers_computes_what_one_worker_computes(tmp_path: Path) -> None:
+    def final_weights(name: str, workers: int, *extra: str) -> list[np.ndarray]:
+        command = example("sync_batchnorm", "--steps", "15", "--save-every", "15", "--train-examples", "1024",
+                          "--backup-dir", name, "--weights-file", f"{name}.npz", *extra)
+        run = WorkerSet(tmp_path, command, workers).start(name)
+        assert run.wait() == [0] * max(1, workers), run.logs()
+        with np.load(tmp_path / f"{name}.npz") as f:
+            return [f[f"w{i}"] for i in range(len(f.files))]
+
+    def largest_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+        return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+    alone = final_weights("alone", 0)
+    synchronized = largest_difference(alone, final_weights("sync", 2))
+    plain = largest_difference(alone, final_weights("plain", 2, "--no-sync"))
+    # Measured after 15 steps: 2e-6 (summation order) against 1e-2 for plain BatchNormalization. Few steps:
+    # Adam amplifies rounding differences over long runs (1e-3 after 40 steps), not the missing synchronisation.
+    assert synchronized < 1e-4, (synchronized, plain)
+    assert plain > 1e-3, (synchronized, plain)
+
+
+def final_summaries(text: str, generation: int) -> list[dict[str, Any]]:
+    return sorted((s for s in summaries(text) if s["generation"] == generation and not s["preempted"]),
+                  key=lambda s: s["rank"])
+
+
+def test_keras_fit_under_two_agents_survives_a_killed_worker(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    summary_file = tmp_path / "summary.jsonl"
+    trainer = example("keras_fit", "--epochs", "3", "--steps-per-epoch", "60", "--save-every", "10",
+                      "--step-seconds", "0.02", "--train-examples", "2048", "--summary-file", str(summary_file))
+    cluster = make_cluster(trainer, extra_args=AGENT_ARGS)
+    cluster.start("a")
+    cluster.start("b")
+    doc = cluster.wait_running(1, 2, timeout=120, step=25)
+    kill(members(doc)[1]["worker_pid"])
+    assert cluster.wait_all(240) == [0, 0], cluster.logs()
+    done = final_summaries(summary_file.read_text(), 2)
+    assert [(s["rank"], s["final_step"]) for s in done] == [(0, 180), (1, 180)], done
+    assert done[0]["initial_step"] >= 20 and done[0]["initial_step"] % 10 == 0  # a BackupAndRestore save
+    assert done[0]["weights_digest"] == done[1]["weights_digest"]
+
+
+def test_custom_loop_under_two_agents_survives_a_killed_worker(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    summary_file = tmp_path / "summary.jsonl"
+    trainer = example("custom_loop", "--steps", "180", "--save-every", "10", "--step-seconds", "0.02",
+                      "--train-examples", "2048", "--batch-policy", "keep-per-replica", "--per-replica-batch", "32",
+                      "--learning-rate", "0.001", "--summary-file", str(summary_file))
+    cluster = make_cluster(trainer, extra_args=AGENT_ARGS)
+    cluster.start("a")
+    cluster.start("b")
+    doc = cluster.wait_running(1, 2, timeout=120, step=25)
+    kill(members(doc)[0]["worker_pid"])
+    assert cluster.wait_all(240) == [0, 0], cluster.logs()
+    done = final_summaries(summary_file.read_text(), 2)
+    assert [(s["rank"], s["final_step"]) for s in done] == [(0, 180), (1, 180)], done
+    resumed = done[0]["restored_from"]
+    assert resumed.endswith(f"ckpt-{done[0]['initial_step']}") and done[0]["initial_step"] >= 20, done[0]
+    # keep-per-replica: 2 replicas of 32, the learning rate of 1 replica scaled by 2
+    assert (done[0]["global_batch"], done[0]["per_replica_batch"]) == (64, 32)
+    assert done[0]["learning_rate"] == pytest.approx(0.002)
+    assert done[0]["weights_digest"] == done[1]["weights_digest"] and done[0]["accuracy"] > 0.5
