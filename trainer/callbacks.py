@@ -130,7 +130,7 @@ class GracefulStopCallback(keras.callbacks.Callback):  # type: ignore[misc]
         return step
 
 
-def fit_callbacks(backup_dir: str | None = None, *, save_every: int | Literal["epoch"] = "epoch",
+def fit_callbacks(backup_dir: str | None = None, *, save_every: int | Literal["epoch"] = 100,
                   global_batch_size: int | None = None, tensorboard_dir: str | None = None,
                   graceful_stop: bool = True, delete_checkpoint: bool = False,
                   env: TrainerEnvironment | None = None, reporter: ProgressReporter | None = None
@@ -138,12 +138,18 @@ def fit_callbacks(backup_dir: str | None = None, *, save_every: int | Literal["e
     """BackupAndRestore + ProgressCallback + GracefulStopCallback + TensorBoard (chief only), in that order.
 
     ``backup_dir``: default ``TFELASTIC_BACKUP_DIR/fit``, or ``./tfelastic-backup/JOB/fit`` without an agent.
-    ``save_every``: steps between backups, or "epoch". ``delete_checkpoint``: tf_keras deletes the backup
+    ``save_every``: steps between backups (default 100), or "epoch", which needs ``graceful_stop=False``:
+    tf_keras resumes an epoch-saved backup at the next epoch, so a stop saved mid-epoch would skip the rest of
+    that epoch. ``delete_checkpoint``: tf_keras deletes the backup
     after a successful ``fit`` by default; here the final state is kept, so that a failure after ``fit``
     (evaluation, export) does not train again; a finished job restarted resumes at its end and trains no step.
     ``tensorboard_dir``: written by the chief only; the other workers write no summaries.
     """
     check_keras()
+    if save_every == "epoch" and graceful_stop:
+        raise ValueError("save_every='epoch' with graceful_stop=True would lose the rest of an epoch on a stop: "
+                         "tf_keras resumes an epoch-based backup at the next epoch. Give save_every a number of "
+                         "steps, or pass graceful_stop=False")
     environment = env or TrainerEnvironment.from_env()
     reporter = reporter or ProgressReporter.from_env()
     callbacks: list[keras.callbacks.Callback] = [

@@ -231,6 +231,30 @@ def test_tensorboard_is_written_by_the_chief_only_and_the_export_loads_without_a
     assert accuracy > 0.3
 
 
+def test_fit_callbacks_bundle_order_tensorboard_rank_and_epoch_saves(tmp_path: Path) -> None:
+    result = python(tmp_path, """
+        import json
+        from tfelastic.trainer.callbacks import fit_callbacks
+        from tfelastic.trainer.environment import TrainerEnvironment
+        def names(**kwargs):
+            return [type(c).__name__ for c in fit_callbacks("backup", tensorboard_dir="tb", **kwargs)]
+        worker = TrainerEnvironment(rank=1, world_size=2, task_type="worker", task_index=1)
+        report = {"chief": names(), "worker": names(env=worker), "epoch": names(save_every="epoch",
+                                                                                graceful_stop=False)}
+        try:
+            fit_callbacks("backup", save_every="epoch")
+        except ValueError as e:
+            report["refused"] = str(e)
+        print(json.dumps(report))
+    """)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["chief"] == ["BackupAndRestore", "ProgressCallback", "GracefulStopCallback", "TensorBoard"]
+    assert report["worker"] == ["BackupAndRestore", "ProgressCallback", "GracefulStopCallback"]
+    assert report["epoch"] == ["BackupAndRestore", "ProgressCallback", "TensorBoard"]
+    assert "save_every='epoch' with graceful_stop=True would lose the rest of an epoch" in report["refused"]
+
+
 # ---------------------------------------------------------------------------------------------- Keras-3 guard
 
 def test_tensorflow_imported_before_the_variable_is_refused_with_the_fix(tmp_path: Path) -> None:
