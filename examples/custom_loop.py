@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     env = TrainerEnvironment.from_env()
     plan = plan_batches(strategy.num_replicas_in_sync, args.batch_policy, learning_rate=args.learning_rate,
                         reference_replicas=args.reference_replicas, **common.batch_arguments(args))
+    common.announce(plan)
     data = common.load_data(args)
     train = tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train))
     with strategy.scope():

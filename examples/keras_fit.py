@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     env = TrainerEnvironment.from_env()
     plan = plan_batches(strategy.num_replicas_in_sync, args.batch_policy, learning_rate=args.learning_rate,
                         reference_replicas=args.reference_replicas, **common.batch_arguments(args))
+    common.announce(plan)
     data = common.load_data(args)
     train, test = datasets(data, plan, args.seed)
     steps_per_epoch = args.steps_per_epoch or max(1, len(data.x_train) // plan.global_batch)

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tfelastic.trainer.batching import BatchPlan
 from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.tfkeras import ensure_legacy_keras
 
@@ -179,6 +180,14 @@ def batch_arguments(args: argparse.Namespace) -> dict[str, Any]:
     if args.per_replica_batch is not None:
         return {"per_replica_batch": args.per_replica_batch}
     return {"global_batch": args.global_batch if args.global_batch is not None else 64}
+
+
+def announce(plan: BatchPlan) -> None:
+    """One line with the world and the batch plan, at start (the agents' logs show it per generation)."""
+    env = TrainerEnvironment.from_env()
+    print(f"world size {env.world_size}, {plan.replicas} replicas: global batch {plan.global_batch}, "
+          f"{plan.per_replica_batch} per replica, learning rate {plan.learning_rate:g} ({plan.policy.value})",
+          flush=True)
 
 
 def emit_summary(args: argparse.Namespace, example: str, **fields: Any) -> dict[str, Any]:
