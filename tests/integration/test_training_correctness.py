@@ -1,0 +1,189 @@
+"""Correctness of training under failure (issue 3 §4): real TensorFlow, 2-3 workers under real agents, on the CPU.
+
+How the work lost to a kill is measured: the examples report every step to their agent (a step takes longer
+than the reporter's 0.1 s interval here), so once the chief is frozen with SIGSTOP, the step the cluster status
+shows stops moving at the last step the chief completed; no worker can complete a later one, since every step
+ends in an all-reduce with the chief. That step, minus the step the next generation starts at (its ``starting at
+step N`` line), is the work redone. A report can be lost in the instant between a step and its send, which only
+makes the measured redo smaller by one step; the bound tested allows nothing for it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cluster import Cluster, members, wait_for
+from tests.conftest import ClusterFactory
+from tests.workers import example, summaries
+
+pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
+
+AGENTS = ["--stall-timeout", "60", "--stop-grace", "20", "--last-call", "0.5", "--settle", "0.5",
+          "--max-restarts", "10"]
+SAVE_EVERY = 10
+
+
+def starting_steps(log: str) -> list[int]:
+    """The step each generation's chief started at, in order, from its agent's log."""
+    return [int(m) for m in re.findall(r"\[rank 0\] starting at step (\d+)", log)]
+
+
+def chief_summaries(cluster: Cluster) -> list[dict[str, Any]]:
+    return [s for s in summaries(cluster.logs()) if s["rank"] == 0]
+
+
+def freeze_chief_and_read_its_step(cluster: Cluster, generation: int, world: int, past: int) -> tuple[int, int]:
+    """Waits until the chief is past step ``past``, SIGSTOPs it, and returns (its pid, the last step it
+    completed) once the reported step has settled."""
+    doc = cluster.wait_running(generation, world, timeout=120, step=past)
+    chief = members(doc)[0]
+    os.kill(chief["worker_pid"], signal.SIGSTOP)
+    readings: list[int] = []
+
+    def settled() -> bool:
+        now = cluster.status()
+        if now is None or now["generation"] != generation:
+            return False
+        readings.append(members(now)[0]["step"])
+        return len(readings) >= 8 and len(set(readings[-8:])) == 1  # unchanged for 8 polls, 0.8 s
+
+    wait_for(settled, 30, "the frozen chief's step to settle", interval=0.1)
+    return chief["worker_pid"], readings[-1]
+
+
+def kill_at_random_steps(cluster: Cluster, kills: int, rng: random.Random) -> list[tuple[int, int]]:
+    """Kills a random worker (frozen chief or the other) at random steps; returns (last step, restart step)."""
+    lost: list[tuple[int, int]] = []
+    step = 0
+    for generation in range(1, kills + 1):
+        chief_pid, step = freeze_chief_and_read_its_step(cluster, generation, 2, step + rng.randint(3, 2 * SAVE_EVERY))
+        doc = cluster.status()
+        assert doc is not None
+        victim = rng.choice(members(doc))["worker_pid"]
+        os.kill(victim, signal.SIGKILL)
+        if victim != chief_pid:
+            os.kill(chief_pid, signal.SIGCONT)  # its agent stops it; a frozen process would wait for SIGKILL
+        lost.append((step, wait_for_start(cluster, generation + 1)))
+    return lost
+
+
+def wait_for_start(cluster: Cluster, generation: int) -> int:
+    """The step the chief of ``generation`` started at."""
+    def started() -> list[int] | None:
+        steps = starting_steps(cluster.agents[0].log())
+        return steps if len(steps) >= generation else None
+
+    steps: list[int] = wait_for(started, 120, f"generation {generation} to start")
+    return steps[generation - 1]
+
+
+def assert_redo_bounded(lost: list[tuple[int, int]]) -> None:
+    for last, restart in lost:
+        assert restart <= last, f"resumed at {restart}, after the last step completed ({last})"
+        assert last - restart <= SAVE_EVERY, f"{last - restart} steps redone (last {last}, resumed {restart})"
+
+
+def custom_loop(tmp: Path, run: str, *extra: str) -> list[str]:
+    return example("custom_loop", "--steps", "100", "--save-every", str(SAVE_EVERY), "--train-examples", "1024",
+                   "--seed", "5", "--backup-dir", str(tmp / run / "ckpt"), *extra)
+
+
+def test_custom_loop_killed_three_times_ends_with_the_weights_of_an_uninterrupted_run(
+        make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    reference = make_cluster(custom_loop(tmp_path, "reference"), nodes="2", extra_args=AGENTS)
+    reference.start_host("ref-a")  # other node ids: other log files in the same folder
+    reference.start("ref-b")
+    assert reference.wait_all(300) == [0, 0], reference.logs()[-4000:]
+    [expected] = chief_summaries(reference)
+
+    cluster = make_cluster(custom_loop(tmp_path, "killed", "--step-seconds", "0.2"), nodes="2", extra_args=AGENTS)
+    cluster.start_host("a")
+    cluster.start("b")
+    lost = kill_at_random_steps(cluster, 3, random.Random(11))
+    assert cluster.wait_all(300) == [0, 0], cluster.logs()[-4000:]
+
+    [final] = chief_summaries(cluster)
+    assert final["final_step"] == final["target_step"] == expected["final_step"] == 100
+    assert_redo_bounded(lost)
+    doc = cluster.status() or {}
+    assert doc.get("restarts_total", 3) == 3
+    # Exact restore (model, optimizer, step, position in the shuffled epoch): the same weights, bit for bit.
+    assert final["weights_digest"] == expected["weights_digest"], (final, expected)
+
+
+def test_keras_fit_killed_twice_reaches_the_target_step_redoing_at_most_the_save_interval(
+        make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    trainer = example("keras_fit", "--epochs", "2", "--steps-per-epoch", "40", "--save-every", str(SAVE_EVERY),
+                      "--train-examples", "1024", "--step-seconds", "0.2", "--backup-dir", str(tmp_path / "ckpt"))
+    cluster = make_cluster(trainer, nodes="2", extra_args=AGENTS)
+    cluster.start_host("a")
+    cluster.start("b")
+    lost = kill_at_random_steps(cluster, 2, random.Random(5))
+    assert cluster.wait_all(300) == [0, 0], cluster.logs()[-4000:]
+    [final] = chief_summaries(cluster)
+    assert final["final_step"] == final["target_step"] == 80
+    assert_redo_bounded(lost)
+
+
+def test_world_size_2_3_2_keeps_the_batch_policy_and_loses_nothing_on_the_planned_change(
+        make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    """2 workers, a third joins (scale-up: a planned stop, so the trainers checkpoint and exit 42), then the third
+    node's agent is SIGKILLed (a failure) and the job goes on with 2. Policy keep-per-replica: the per-replica
+    batch stays 32, the global batch is 32 x workers, and the learning rate scales linearly with the workers."""
+    trainer = custom_loop(tmp_path, "elastic", "--step-seconds", "0.2", "--batch-policy", "keep-per-replica",
+                          "--per-replica-batch", "32", "--learning-rate", "0.001", "--reference-replicas", "1")
+    cluster = make_cluster(trainer, nodes="2:3", extra_args=AGENTS)
+    cluster.start_host("a")
+    cluster.start("b")
+    cluster.wait_running(1, 2, timeout=120, step=15)
+    third = cluster.start("c")
+
+    cluster.wait_running(2, 3, timeout=120, step=1)
+    stopped = [s for s in chief_summaries(cluster) if s["generation"] == 1]
+    assert len(stopped) == 1 and stopped[0]["preempted"] is True, chief_summaries(cluster)
+    assert starting_steps(cluster.agents[0].log())[1] == stopped[0]["final_step"]  # zero steps lost
+    step = cluster.wait_running(2, 3, timeout=120, step=stopped[0]["final_step"] + 5)["nodes"][0]["step"]
+
+    third.proc.kill()
+    assert [agent.wait(300) for agent in cluster.agents[:2]] == [0, 0], cluster.logs()[-4000:]
+    final = [s for s in chief_summaries(cluster) if s["generation"] == 3]
+    assert len(final) == 1 and final[0]["final_step"] == 100, chief_summaries(cluster)
+    assert step - SAVE_EVERY <= final[0]["initial_step"] <= step
+    # Every generation's chief logged its plan at start: the per-replica batch holds, the rest follows the world.
+    plans = re.findall(r"\[rank 0\] world size (\d+), (\d+) replicas: global batch (\d+), (\d+) per replica, "
+                       r"learning rate (\S+) \(keep-per-replica\)", cluster.agents[0].log())
+    assert [int(p[0]) for p in plans] == [2, 3, 2], plans
+    for world, replicas, global_batch, per_replica, learning_rate in plans:
+        assert int(replicas) == int(world) and int(per_replica) == 32 and int(global_batch) == 32 * int(world)
+        assert float(learning_rate) == pytest.approx(0.001 * int(world))
+
+
+def test_sigterm_drain_loses_no_step(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    trainer = example("keras_fit", "--epochs", "2", "--steps-per-epoch", "40", "--save-every", "25",
+                      "--train-examples", "1024", "--step-seconds", "0.2", "--backup-dir", str(tmp_path / "ckpt"))
+    cluster = make_cluster(trainer, nodes="1:2", extra_args=[*AGENTS, "--last-call", "30"])  # form with both
+    cluster.start_host("a")
+    drained = cluster.start("b")
+    cluster.wait_running(1, 2, timeout=120, step=12)  # between two saves (25, 50): a kill would lose steps
+
+    drained.proc.send_signal(signal.SIGTERM)  # what systemctl stop does
+    assert drained.wait(60) == 0, drained.log()
+    cluster.wait_running(2, 1, timeout=120, step=1)
+    [stopped] = [s for s in chief_summaries(cluster) if s["generation"] == 1]
+    assert stopped["preempted"] is True and stopped["final_step"] % 25 != 0  # saved off the save schedule
+    assert starting_steps(cluster.agents[0].log())[1] == stopped["final_step"]
+    assert "checkpointed after step" in drained.log() or "checkpointed after step" in cluster.agents[0].log()
+    assert cluster.agents[0].wait(300) == 0, cluster.logs()[-4000:]
+    assert [s["final_step"] for s in chief_summaries(cluster) if s["generation"] == 2] == [80]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
