@@ -33,6 +33,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps-per-epoch", type=int, help="default: the training examples / global batch")
     parser.add_argument("--tensorboard-dir", help="TensorBoard logs, written by the chief only")
+    parser.add_argument("--plain-keras", action="store_true",
+                        help="only tf_keras' own BackupAndRestore, none of tfelastic's callbacks (the overhead "
+                             "benchmark's baseline: no progress reports, no graceful stop)")
     common.add_common_arguments(parser)
     return parser.parse_args(argv)
 
@@ -86,13 +89,19 @@ def main(argv: list[str] | None = None) -> int:
         model.compile(optimizer=keras.optimizers.Adam(schedule),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     probe = StepProbe(args.step_seconds)
-    callbacks = fit_callbacks(args.backup_dir or env.backup_path(EXAMPLE), save_every=args.save_every,
-                              global_batch_size=plan.global_batch, tensorboard_dir=args.tensorboard_dir)
+    backup_dir = args.backup_dir or env.backup_path(EXAMPLE)
+    if args.plain_keras:
+        callbacks = [keras.callbacks.BackupAndRestore(backup_dir, save_freq=args.save_every, delete_checkpoint=False)]
+    else:
+        callbacks = fit_callbacks(backup_dir, save_every=args.save_every, global_batch_size=plan.global_batch,
+                                  tensorboard_dir=args.tensorboard_dir)
     fields: dict[str, Any] = {"world_size": env.world_size, "target_step": args.epochs * steps_per_epoch,
                               **plan.as_dict()}
     try:
+        started = time.perf_counter()
         history = model.fit(train, epochs=args.epochs, steps_per_epoch=steps_per_epoch,
                             callbacks=[*callbacks, probe], verbose=0)
+        fit_seconds = time.perf_counter() - started
     except Preempted as stop:
         common.emit_summary(args, EXAMPLE, preempted=True, final_step=stop.step, initial_step=probe.initial_step,
                             **fields)
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     exported = export_model(model, args.export_dir, strategy) if args.export_dir else None
     train_loss = (history.history.get("loss") or [None])[-1]  # no epoch ran when resumed at the end
     common.emit_summary(args, EXAMPLE, preempted=False, final_step=int(model.optimizer.iterations.numpy()),
-                        initial_step=probe.initial_step, train_loss=train_loss, loss=float(loss),
+                        initial_step=probe.initial_step, fit_seconds=fit_seconds, train_loss=train_loss, loss=float(loss),
                         accuracy=float(accuracy), exported=exported, weights_digest=common.final_weights(model, args),
                         **fields)
     return 0
