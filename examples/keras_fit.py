@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     exported = export_model(model, args.export_dir, strategy) if args.export_dir else None
     train_loss = (history.history.get("loss") or [None])[-1]  # no epoch ran when resumed at the end
     common.emit_summary(args, EXAMPLE, preempted=False, final_step=int(model.optimizer.iterations.numpy()),
-                        initial_step=probe.initial_step, fit_seconds=fit_seconds, train_loss=train_loss, loss=float(loss),
+                        initial_step=probe.initial_step, fit_seconds=fit_seconds, train_loss=train_loss,
+                        loss=float(loss),
                         accuracy=float(accuracy), exported=exported, weights_digest=common.final_weights(model, args),
                         **fields)
     return 0
