@@ -58,8 +58,8 @@ def test_wrong_token_is_refused_and_changes_nothing(make_cluster: ClusterFactory
     async def raw_join(metadata: tuple[tuple[str, str], ...]) -> grpc.StatusCode:
         async with open_channel(cluster.endpoint) as channel:
             call = pb_grpc.RendezvousStub(channel).Session(metadata=metadata)  # type: ignore[no-untyped-call]
-            await call.write(pb.AgentMessage(join=pb.Join(node_id="raw", spec=pb.JobSpec(job="default"))))
-            try:
+            try:  # the refusal may end the call before the write (then the write raises it) or after
+                await call.write(pb.AgentMessage(join=pb.Join(node_id="raw", spec=pb.JobSpec(job="default"))))
                 async for _ in call:
                     pass
             except grpc.aio.AioRpcError as e:
