@@ -56,7 +56,9 @@ def run_once(variant: str, steps: int, work: Path, sink: ProgressSink) -> tuple[
     flags = ["--epochs", "1", "--steps-per-epoch", str(steps), "--save-every", "100", "--backup-dir", backup]
     if variant != "callbacks":
         flags.append("--plain-keras")
-    env = worker_env({"TFELASTIC_PROGRESS_SOCKET": sink.path, "TFELASTIC_GENERATION": "0"})
+    # Fixed thread pools: with TensorFlow's defaults, runs of the same variant here differ by up to 2x.
+    env = worker_env({"TFELASTIC_PROGRESS_SOCKET": sink.path, "TFELASTIC_GENERATION": "0",
+                      "TF_NUM_INTEROP_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "2"})
     env.update(instrumentation_env(env, instrument=variant == "instrumented"))
     before = sink.received
     result = subprocess.run(example("keras_fit", *flags), env=env, cwd=work, capture_output=True, text=True,
