@@ -55,7 +55,7 @@ def main() -> int:
     sink = ProgressSink(str(work / "progress.sock"))
     os.environ.update(TFELASTIC_PROGRESS_SOCKET=sink.path, TFELASTIC_GENERATION="0")
     sys.path.insert(0, str(ROOT / "examples"))
-    import mnist_like as common
+    import mnist_like as common  # type: ignore[import-not-found]
     import tensorflow as tf
     import tf_keras as keras
     from tfelastic.trainer.callbacks import fit_callbacks
