@@ -20,13 +20,10 @@ from typing import Any
 import mnist_like as common
 import tensorflow as tf
 import tf_keras as keras
-from tfelastic.trainer.batching import plan_batches
 from tfelastic.trainer.data import distribute_epoch, shuffled
-from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.export import export_model
 from tfelastic.trainer.loop import TrainLoop, make_eval_step
 from tfelastic.trainer.preemption import Preempted
-from tfelastic.trainer.strategy import make_strategy
 
 EXAMPLE = "custom_loop"
 
@@ -57,13 +54,7 @@ def evaluate(loop: TrainLoop, data: common.Data, global_batch: int) -> tuple[flo
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    common.seed_everything(args.seed)
-    strategy = make_strategy(args.collective)
-    env = TrainerEnvironment.from_env()
-    plan = plan_batches(strategy.num_replicas_in_sync, args.batch_policy, learning_rate=args.learning_rate,
-                        reference_replicas=args.reference_replicas, **common.batch_arguments(args))
-    common.announce(plan)
-    data = common.load_data(args)
+    strategy, env, plan, data = common.set_up(args)
     train = tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train))
     with strategy.scope():
         model = common.build_cnn()

@@ -18,12 +18,10 @@ from typing import Any
 import mnist_like as common
 import tensorflow as tf
 import tf_keras as keras
-from tfelastic.trainer.batching import BatchPlan, plan_batches
+from tfelastic.trainer.batching import BatchPlan
 from tfelastic.trainer.callbacks import ProgressCallback, fit_callbacks
-from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.export import export_model
 from tfelastic.trainer.preemption import Preempted
-from tfelastic.trainer.strategy import make_strategy
 
 EXAMPLE = "keras_fit"
 
@@ -74,13 +72,7 @@ class StepProbe(keras.callbacks.Callback):  # type: ignore[misc]
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    common.seed_everything(args.seed)
-    strategy = make_strategy(args.collective)
-    env = TrainerEnvironment.from_env()
-    plan = plan_batches(strategy.num_replicas_in_sync, args.batch_policy, learning_rate=args.learning_rate,
-                        reference_replicas=args.reference_replicas, **common.batch_arguments(args))
-    common.announce(plan)
-    data = common.load_data(args)
+    strategy, env, plan, data = common.set_up(args)
     train, test = datasets(data, plan, args.seed)
     steps_per_epoch = args.steps_per_epoch or max(1, len(data.x_train) // plan.global_batch)
     with strategy.scope():

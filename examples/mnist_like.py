@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tfelastic.trainer.batching import BatchPlan
+from tfelastic.trainer.batching import BatchPlan, plan_batches
 from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.tfkeras import ensure_legacy_keras
 
@@ -25,6 +25,7 @@ ensure_legacy_keras()
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402
+from tfelastic.trainer.strategy import make_strategy  # noqa: E402
 
 CLASSES = 10
 SIDE = 28
@@ -180,6 +181,16 @@ def batch_arguments(args: argparse.Namespace) -> dict[str, Any]:
     if args.per_replica_batch is not None:
         return {"per_replica_batch": args.per_replica_batch}
     return {"global_batch": args.global_batch if args.global_batch is not None else 64}
+
+
+def set_up(args: argparse.Namespace) -> tuple[Any, TrainerEnvironment, BatchPlan, Data]:
+    """What every example does first: seeds, the strategy, the batch plan (announced) and the data."""
+    seed_everything(args.seed)
+    strategy = make_strategy(args.collective)
+    plan = plan_batches(strategy.num_replicas_in_sync, args.batch_policy, learning_rate=args.learning_rate,
+                        reference_replicas=args.reference_replicas, **batch_arguments(args))
+    announce(plan)
+    return strategy, TrainerEnvironment.from_env(), plan, load_data(args)
 
 
 def announce(plan: BatchPlan) -> None:
