@@ -157,6 +157,12 @@ class Outcome:
     details: str
     kinds: list[str]  # what the coordinator sent before the end
 
+    @property
+    def waited_as_standby(self) -> bool:
+        """Told to wait, then sent nothing but heartbeats: the coordinator heartbeats every session, so on a
+        loaded machine one may come before it reads the hang-up."""
+        return self.kinds[:1] == ["waiting"] and set(self.kinds[1:]) <= {"heartbeat"}
+
 
 def _identity(data: bytes) -> bytes:
     return data

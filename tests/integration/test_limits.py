@@ -112,7 +112,8 @@ def test_sessions_beyond_the_cap_are_refused() -> None:
         assert job.summary() == before
         # The slots are given back: once the two standbys hung up, a new session gets in.
         wait_for(lambda: sorted(job.nodes()) == ["a", "b"], 10, "the standbys to be gone")
-        assert job.session([join_message("later").SerializeToString()]).kinds == ["waiting"]
+        later = job.session([join_message("later").SerializeToString()])
+        assert later.waited_as_standby, later
         job.assert_healthy()
 
 
