@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import socket
 from typing import Any
@@ -18,7 +19,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     It comes from below the kernel's ephemeral range: a port the kernel hands out for bind(0) or an outgoing
     connection in the meantime can then never be the one we promised to someone else.
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    family = _family(host)
     low = _ephemeral_low()
     for _ in range(64):
         port = random.randint(max(1024, low // 2), low - 1)
@@ -52,6 +53,29 @@ def port_taken(host: str, port: int) -> bool:
     return not all(_binds(family, sockaddr, reuse=True) for family, sockaddr in _addresses(host, port))
 
 
+def bind_addresses(host: str) -> list[str]:
+    """The addresses of this machine that a server for ``host`` listens on, in the one order every contender
+    binds them.
+
+    gRPC binds a name to every address it resolves to, and succeeds when any one of them binds. Two agents that
+    race to host the same endpoint could then each get a part of it (one ``::1``, the other ``127.0.0.1``) and
+    both host a coordinator. Bound one by one in the same order, the first address is a lock: whoever binds it
+    binds the rest, and everyone else fails on it.
+    """
+    try:
+        found = {str(ipaddress.ip_address(host))}
+    except ValueError:
+        found = {str(sockaddr[0]) for _, sockaddr in _addresses(host, 0)}
+    if host == "localhost":
+        found |= {"127.0.0.1", "::1"}  # what gRPC's resolver gives for it, whatever /etc/hosts says
+    ours = [address for address in found if _binds(_family(address), (address, 0), reuse=False)]
+    return sorted(ours, key=lambda address: (":" in address, address))  # IPv4 first
+
+
+def _family(address: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in address else socket.AF_INET
+
+
 def _addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, Any]]:
     try:
         return [(info[0], info[4]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
@@ -76,7 +100,7 @@ def route_address(destination: str) -> str:
         ip = ipaddress_of(destination)
         if ip.startswith("127.") or ip == "::1":
             return "127.0.0.1" if "." in ip else "::1"
-        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        family = _family(ip)
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect((ip, 9))  # UDP connect sends nothing; it only picks the route
             return str(s.getsockname()[0])

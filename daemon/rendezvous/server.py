@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tfelastic.daemon.auth import TokenInterceptor, server_credentials
 from tfelastic.daemon.config import TlsConfig
-from tfelastic.daemon.netutil import port_taken
+from tfelastic.daemon.netutil import bind_addresses, host_port, port_taken
 from tfelastic.daemon.rendezvous import api, convert
 from tfelastic.daemon.rendezvous.limits import GuardInterceptor, LimitExceededError, Limits, server_options
 from tfelastic.daemon.rendezvous.state import Clock, Rendezvous
@@ -392,33 +392,67 @@ async def create_server(
     endpoint, exactly one succeeds and the others connect to it.
     """
     bind_host, _, bind_port = address.rpartition(":")
-    if bind_port.isdigit() and int(bind_port) and port_taken(bind_host.strip("[]"), int(bind_port)):
+    host, port = bind_host.strip("[]"), int(bind_port)
+    if port and port_taken(host, port):  # the common case, without gRPC's error log for a failed bind
         raise BindError(f"cannot listen on {address}: the address is in use")
     limits = limits or Limits()
     rendezvous = Rendezvous(settings, clock, spec)
-    # The guard is outermost, so that it bounds every call, authenticated or not (daemon/rendezvous/limits.py).
-    guard = GuardInterceptor(limits, clock, heartbeat_interval,
-                             lambda: rendezvous.spec.max_nodes if rendezvous.spec else None)
-    server = grpc.aio.server(
-        interceptors=[guard, *([TokenInterceptor(token)] if token else [])],
-        options=[("grpc.so_reuseport", 0), *server_options(limits)],
-        maximum_concurrent_rpcs=limits.max_concurrent_rpcs(),
-    )
+
+    def new_server() -> grpc.aio.Server:
+        # The guard is outermost, so that it bounds every call, authenticated or not (daemon/rendezvous/limits.py).
+        guard = GuardInterceptor(limits, clock, heartbeat_interval,
+                                 lambda: rendezvous.spec.max_nodes if rendezvous.spec else None)
+        return grpc.aio.server(
+            interceptors=[guard, *([TokenInterceptor(token)] if token else [])],
+            options=[("grpc.so_reuseport", 0), *server_options(limits)],
+            maximum_concurrent_rpcs=limits.max_concurrent_rpcs(),
+        )
+
+    server, port = await _listen(new_server, host, port, tls)
     servicer = RendezvousServicer(rendezvous, clock, heartbeat_interval)
     pb_grpc.add_RendezvousServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        if tls is not None and tls.enabled:
-            port = server.add_secure_port(address, server_credentials(tls))
-        else:
-            port = server.add_insecure_port(address)
-    except RuntimeError as e:
-        raise BindError(f"cannot listen on {address}: {e}") from None
-    if port == 0:
-        raise BindError(f"cannot listen on {address}: the address is in use or not local")
     await server.start()
     servicer.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return Coordinator(server, port, servicer, health_servicer)
+
+
+async def _listen(new_server: Callable[[], grpc.aio.Server], host: str, port: int,
+                  tls: TlsConfig | None) -> tuple[grpc.aio.Server, int]:
+    """A server listening on ``port`` of every address of ``host`` (netutil.bind_addresses), or BindError.
+
+    Port 0 takes the port the first address gets for all of them, and tries again with a fresh one when another
+    address has it taken already.
+    """
+    address = host_port(host, port)
+    addresses = bind_addresses(host)
+    if not addresses:
+        raise BindError(f"cannot listen on {address}: {host!r} is not an address of this machine; give the host "
+                        "name or address of this node, or 0.0.0.0")
+    for _ in range(5 if port == 0 else 1):
+        server = new_server()
+        bound = port
+        for each in addresses:
+            bound = _add_port(server, host_port(each, bound), tls)
+            if bound == 0:
+                break
+        if bound:
+            return server, bound
+        # It listens on the addresses it did bind, and a server that never started keeps them until the process
+        # ends, even when stopped or collected: start it to let stop() close them.
+        await server.start()
+        await server.stop(None)
+    raise BindError(f"cannot listen on {address}: the address is in use")
+
+
+def _add_port(server: grpc.aio.Server, address: str, tls: TlsConfig | None) -> int:
+    """The port bound, or 0 when ``address`` is taken (gRPC raises or returns 0, depending on its version)."""
+    try:
+        if tls is not None and tls.enabled:
+            return int(server.add_secure_port(address, server_credentials(tls)))
+        return int(server.add_insecure_port(address))
+    except RuntimeError:
+        return 0
