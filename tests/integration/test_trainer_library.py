@@ -1,6 +1,6 @@
 """The tfelastic.trainer library with real TensorFlow processes: torn checkpoints, the graceful stop (SIGTERM ->
-save at an agreed step -> exit 42) on 1 and 2 workers, TensorBoard on the chief only, the export, and the
-Keras-3 guard. Every TensorFlow run is a subprocess: signal handlers and TF_USE_LEGACY_KERAS stay out of pytest."""
+save at an agreed step -> exit 42) on 1 and 2 workers, TensorBoard on the chief only, the export, the progress
+model.fit reports, and the Keras-3 guard. Every TensorFlow run is a subprocess: signal handlers and TF_USE_LEGACY_KERAS stay out of pytest."""
 
 from __future__ import annotations
 
@@ -253,6 +253,45 @@ def test_fit_callbacks_bundle_order_tensorboard_rank_and_epoch_saves(tmp_path: P
     assert report["worker"] == ["BackupAndRestore", "ProgressCallback", "GracefulStopCallback"]
     assert report["epoch"] == ["BackupAndRestore", "ProgressCallback", "TensorBoard"]
     assert "save_every='epoch' with graceful_stop=True would lose the rest of an epoch" in report["refused"]
+
+
+def test_fit_reports_step_examples_loss_and_each_saved_checkpoint_to_the_agent(tmp_path: Path) -> None:
+    """What the agent reads from a model.fit with the library's callbacks, received on a real progress socket."""
+    result = python(tmp_path, """
+        import json, os, socket
+        from tfelastic.trainer.progress import SOCKET_ENV, decode
+        agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        agent.bind(os.path.abspath("progress.sock"))
+        os.environ[SOCKET_ENV] = os.path.abspath("progress.sock")
+        from tfelastic.trainer.callbacks import fit_callbacks  # first: it sets TF_USE_LEGACY_KERAS
+        import numpy as np
+        import tensorflow as tf
+        model = tf.keras.Sequential([tf.keras.layers.Dense(4, activation="relu"), tf.keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        x, y = np.random.default_rng(0).normal(size=(2, 800, 8)).astype("float32")
+        history = model.fit(x, y[:, :1], batch_size=16, epochs=2, verbose=0,
+                            callbacks=fit_callbacks("backup", save_every=20, global_batch_size=16))
+        agent.setblocking(False)
+        reports = []
+        while True:
+            try:
+                message = decode(agent.recv(4096))
+            except BlockingIOError:
+                break
+            reports.append({"step": message.step, "examples": message.examples, "loss": message.loss,
+                            "ckpt": message.checkpoint_step, "done": message.done})
+        print(json.dumps({"reports": reports, "last_loss": history.history["loss"][-1]}))
+    """)
+    assert result.returncode == 0, result.stdout + result.stderr
+    outcome = json.loads(result.stdout.splitlines()[-1])
+    reports = outcome["reports"]
+    assert reports[0]["step"] == 0 and not reports[0]["done"], reports[0]
+    assert all(r["examples"] == 16 * r["step"] for r in reports if r["examples"] is not None), reports
+    # BackupAndRestore saves every 20 of the 100 steps, and the final state is saved at the end of fit.
+    assert sorted({r["ckpt"] for r in reports if r["ckpt"] is not None}) == [20, 40, 60, 80, 100], reports
+    assert [r["step"] for r in reports if r["ckpt"] is not None and r["ckpt"] != r["step"]] == [], reports
+    assert [r for r in reports if r["done"]] == [{"step": 100, "examples": 1600, "loss": pytest.approx(
+        outcome["last_loss"], rel=1e-5), "ckpt": None, "done": True}], reports
 
 
 # ---------------------------------------------------------------------------------------------- Keras-3 guard
