@@ -1,6 +1,7 @@
 """The tfelastic.trainer library with real TensorFlow processes: torn checkpoints, the graceful stop (SIGTERM ->
 save at an agreed step -> exit 42) on 1 and 2 workers, TensorBoard on the chief only, the export, the progress
-model.fit reports, and the Keras-3 guard. Every TensorFlow run is a subprocess: signal handlers and TF_USE_LEGACY_KERAS stay out of pytest."""
+model.fit reports, and the Keras-3 guard. Every TensorFlow run is a subprocess: signal handlers and
+TF_USE_LEGACY_KERAS stay out of pytest."""
 
 from __future__ import annotations
 
