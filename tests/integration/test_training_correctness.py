@@ -134,13 +134,30 @@ def test_keras_fit_killed_twice_reaches_the_target_step_redoing_at_most_the_save
     assert_redo_bounded(lost)
 
 
+def keep_per_replica(world: int) -> tuple[int, int, float]:
+    """The per-replica batch stays 32, the global batch is 32 x workers, the learning rate scales linearly."""
+    return 32 * world, 32, 0.001 * world
+
+
+def keep_global(world: int) -> tuple[int, int, float]:
+    """The global batch stays 96 (divisible by 2 and 3), split among the workers; the learning rate stays."""
+    return 96, 96 // world, 0.001
+
+
+BATCH_POLICIES = {
+    "keep-per-replica": (keep_per_replica, ["--per-replica-batch", "32", "--reference-replicas", "1"]),
+    "keep-global": (keep_global, ["--global-batch", "96"]),
+}
+
+
+@pytest.mark.parametrize("policy", BATCH_POLICIES)
 def test_world_size_2_3_2_keeps_the_batch_policy_and_loses_nothing_on_the_planned_change(
-        make_cluster: ClusterFactory, tmp_path: Path) -> None:
+        make_cluster: ClusterFactory, tmp_path: Path, policy: str) -> None:
     """2 workers, a third joins (scale-up: a planned stop, so the trainers checkpoint and exit 42), then the third
-    node's agent is SIGKILLed (a failure) and the job goes on with 2. Policy keep-per-replica: the per-replica
-    batch stays 32, the global batch is 32 x workers, and the learning rate scales linearly with the workers."""
-    trainer = custom_loop(tmp_path, "elastic", "--step-seconds", "0.2", "--batch-policy", "keep-per-replica",
-                          "--per-replica-batch", "32", "--learning-rate", "0.001", "--reference-replicas", "1")
+    node's agent is SIGKILLed (a failure) and the job goes on with 2. Every generation follows the batch policy."""
+    expected, batch_args = BATCH_POLICIES[policy]
+    trainer = custom_loop(tmp_path, "elastic", "--step-seconds", "0.2", "--batch-policy", policy,
+                          "--learning-rate", "0.001", *batch_args)
     cluster = make_cluster(trainer, nodes="2:3", extra_args=AGENTS)
     cluster.start_host("a")
     cluster.start("b")
@@ -158,13 +175,15 @@ def test_world_size_2_3_2_keeps_the_batch_policy_and_loses_nothing_on_the_planne
     final = [s for s in chief_summaries(cluster) if s["generation"] == 3]
     assert len(final) == 1 and final[0]["final_step"] == 100, chief_summaries(cluster)
     assert step - SAVE_EVERY <= final[0]["initial_step"] <= step
-    # Every generation's chief logged its plan at start: the per-replica batch holds, the rest follows the world.
+    # Every generation's chief logged its plan at start.
     plans = re.findall(r"\[rank 0\] world size (\d+), (\d+) replicas: global batch (\d+), (\d+) per replica, "
-                       r"learning rate (\S+) \(keep-per-replica\)", cluster.agents[0].log())
+                       rf"learning rate (\S+) \({policy}\)", cluster.agents[0].log())
     assert [int(p[0]) for p in plans] == [2, 3, 2], plans
     for world, replicas, global_batch, per_replica, learning_rate in plans:
-        assert int(replicas) == int(world) and int(per_replica) == 32 and int(global_batch) == 32 * int(world)
-        assert float(learning_rate) == pytest.approx(0.001 * int(world))
+        want_global, want_per_replica, want_learning_rate = expected(int(world))
+        assert int(replicas) == int(world), plans
+        assert (int(global_batch), int(per_replica)) == (want_global, want_per_replica), plans
+        assert float(learning_rate) == pytest.approx(want_learning_rate), plans
 
 
 def test_sigterm_drain_loses_no_step(make_cluster: ClusterFactory, tmp_path: Path) -> None:
