@@ -114,6 +114,7 @@ class Agent:
         self._host = config.advertise_address or route_address(config.rendezvous.host)
         self._incarnation = uuid.uuid4().hex
         self._trainer_done = 0  # the generation whose trainer reported that training completed
+        self._trainer_done_step = 0  # at this step: a later step means it trains again (another fit)
         self._listener: ProgressListener | None = None
         self.on_status: Callable[[str], None] = lambda text: None  # systemd STATUS= lines hook here
         self.on_ready: Callable[[], None] = lambda: None  # systemd READY=1: the coordinator has taken us in
@@ -503,7 +504,9 @@ class Agent:
         if self._assignment is None or message.generation != self._assignment.generation:
             return  # a report from an older generation's worker
         if message.done:
-            self._trainer_done = message.generation
+            self._trainer_done, self._trainer_done_step = message.generation, message.step
+        elif message.generation == self._trainer_done and message.step > self._trainer_done_step:
+            self._trainer_done = 0
         if self.worker_state.state is not WorkerState.RUNNING:
             return
         self._record_progress(message)
@@ -558,6 +561,10 @@ class Agent:
 
     def _check_stall(self) -> None:
         if self.worker_state.state is not WorkerState.RUNNING or self._stall_reported:
+            return
+        # Training is complete: what follows (evaluation, export, teardown) reports nothing, and a restart would
+        # redo it, or, where BackupAndRestore deleted its backup on success (tf_keras' default), all the training.
+        if self._assignment is not None and self._trainer_done == self._assignment.generation:
             return
         if self._stall.stalled():
             self._stall_reported = True

@@ -56,14 +56,27 @@ def test_trainer_environment(make_cluster: ClusterFactory) -> None:
     assert all(e["legacy_keras"] == "1" and e["world_size"] == 2 for e in gen1)
 
 
-def test_stalled_worker_is_caught(make_cluster: ClusterFactory) -> None:
-    cluster = make_cluster(TRAINER, extra_args=FAST, env={"COUNTER_STEPS": "60", "COUNTER_HANG_AT": "15"})
+@pytest.mark.parametrize("done_at", [None, 10], ids=["in-training", "in-a-second-fit"])
+def test_stalled_worker_is_caught(make_cluster: ClusterFactory, done_at: int | None) -> None:
+    """Also when the hang comes in training that follows a completed one (a second fit): it re-arms the check."""
+    done = {"COUNTER_DONE_AT": str(done_at)} if done_at else {}
+    cluster = make_cluster(TRAINER, extra_args=FAST, env={"COUNTER_STEPS": "60", "COUNTER_HANG_AT": "15", **done})
     cluster.start("a")
     cluster.start("b")
     assert cluster.wait_all(60) == [0, 0], cluster.logs()
     assert starts(cluster.events(), 2), "no second generation after the hang"
     assert "trainer stalled: no progress" in cluster.logs()
     assert_no_stale_workers(cluster.events())
+
+
+def test_silence_after_training_completed_is_not_a_stall(make_cluster: ClusterFactory) -> None:
+    """Evaluation or export after fit reports nothing: it must not be restarted as a hang."""
+    cluster = make_cluster(TRAINER, extra_args=FAST, env={"COUNTER_STEPS": "20", "COUNTER_LINGER_AFTER_DONE": "7"})
+    cluster.start("a")
+    cluster.start("b")
+    assert cluster.wait_all(60) == [0, 0], cluster.logs()
+    assert "trainer stalled" not in cluster.logs()
+    assert [e["generation"] for e in cluster.events() if e["event"] == "start"] == [1, 1], cluster.events()
 
 
 def test_sigstopped_worker_is_caught(make_cluster: ClusterFactory) -> None:

@@ -5,7 +5,9 @@ COUNTER_STEPS (target, default 50), COUNTER_STEP_SECONDS (default 0.05), COUNTER
 every rank appends one JSON line when it starts and when it ends), COUNTER_HANG_AT (a step at which the chief
 stops making progress while its process stays alive, once), COUNTER_FAIL_AT (a step at which the chief exits 3,
 once), COUNTER_EXIT_ON_TERM=1 (exit 0 on SIGTERM, like a trainer that checkpoints and stops), COUNTER_RECORD_ENV
-(comma-separated variable names: the start event records their values as "env", null where unset).
+(comma-separated variable names: the start event records their values as "env", null where unset),
+COUNTER_LINGER_AFTER_DONE (seconds: at the target, report that training completed, then stay this long silent),
+COUNTER_DONE_AT (a step at which it reports that training completed, and goes on: a second fit follows).
 
 COUNTER_SAVE_EVERY (the chief saves its step file every N steps, default 1) and COUNTER_CHECKPOINT_ON_TERM=1 (on
 SIGTERM the chief saves the step it reached, each rank records a "checkpointed" event and exits 42,
@@ -86,6 +88,7 @@ def main() -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     hang_at = int(os.environ.get("COUNTER_HANG_AT", "-1"))
     fail_at = int(os.environ.get("COUNTER_FAIL_AT", "-1"))
+    done_at = int(os.environ.get("COUNTER_DONE_AT", "-1"))
     reporter = ProgressReporter.from_env(min_interval=0)
     while step < target:
         time.sleep(pause)
@@ -97,13 +100,18 @@ def main() -> int:
         if terminated:
             event("checkpointed")
             return CHECKPOINTED_AND_STOPPED
-        reporter.report(step, examples=step * 32, loss=1.0 / step, checkpoint_step=step if rank == 0 else None)
+        reporter.report(step, examples=step * 32, loss=1.0 / step, checkpoint_step=step if rank == 0 else None,
+                        done=step == done_at)
         if rank == 0 and step == hang_at and once(backup, "hung"):
             event("hang")
             time.sleep(3600)
         if rank == 0 and step == fail_at and once(backup, "failed"):
             event("fail")
             return 3
+    linger = float(os.environ.get("COUNTER_LINGER_AFTER_DONE", "-1"))
+    if linger >= 0:  # training complete, then silent work such as an evaluation or an export
+        reporter.report(step, done=True)
+        time.sleep(linger)
     event("end")
     return 0
 
