@@ -27,6 +27,9 @@ from tfelastic.daemon.status import status_to_json
 ROOT = Path(__file__).resolve().parent.parent
 COUNTER = str(ROOT / "tests" / "trainers" / "counter.py")
 TF_TRAINER = [sys.executable, "-m", "tfelastic.trainer.demo_trainer"]
+# For a cluster whose agents start together and must form the first generation together: past min_nodes the
+# round waits for the others (max_nodes closes it at once), however slowly a loaded machine starts them.
+FORM_WITH_ALL = ["--last-call", "30"]
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
@@ -110,8 +113,9 @@ class Cluster:
         return agent
 
     def status(self) -> dict[str, Any] | None:
+        # Not up, or gone, fails at once; the deadline is for a coordinator slowed by a loaded machine.
         try:
-            return status_to_json(asyncio.run(fetch_status(self.endpoint, self.token, timeout=1.0)))
+            return status_to_json(asyncio.run(fetch_status(self.endpoint, self.token, timeout=5.0)))
         except grpc.RpcError:
             return None  # not up yet, or gone
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import COUNTER, alive, kill, members, trainer_pids, wait_for
+from tests.cluster import COUNTER, FORM_WITH_ALL, alive, kill, members, trainer_pids, wait_for
 from tests.conftest import ClusterFactory
 
 pytestmark = pytest.mark.integration
@@ -92,7 +92,7 @@ def test_sigstopped_worker_is_caught(make_cluster: ClusterFactory) -> None:
 
 
 def test_killed_agent_takes_its_worker_along_and_the_others_reform(make_cluster: ClusterFactory) -> None:
-    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=FAST, env={"COUNTER_STEPS": "100"})
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=[*FAST, *FORM_WITH_ALL], env={"COUNTER_STEPS": "100"})
     host = cluster.start_host("a")
     cluster.start("b")
     victim_agent = cluster.start("c")
@@ -108,7 +108,7 @@ def test_killed_agent_takes_its_worker_along_and_the_others_reform(make_cluster:
 
 
 def test_sigterm_leaves_cleanly_and_is_not_a_failure(make_cluster: ClusterFactory) -> None:
-    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=FAST, env={"COUNTER_STEPS": "100"})
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=[*FAST, *FORM_WITH_ALL], env={"COUNTER_STEPS": "100"})
     cluster.start_host("a")
     cluster.start("b")
     leaving = cluster.start("c")
@@ -144,7 +144,8 @@ def test_restart_budget_exhausted_fails_the_job(make_cluster: ClusterFactory) ->
 
 
 def test_hosting_agent_dies_and_another_takes_over(make_cluster: ClusterFactory) -> None:
-    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=FAST, env={"COUNTER_STEPS": "150"})
+    # Not FORM_WITH_ALL: the new coordinator knows no survivors, so its first round waits out the last call.
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=[*FAST, "--last-call", "5"], env={"COUNTER_STEPS": "150"})
     host = cluster.start_host("a")
     cluster.start("b")
     cluster.start("c")

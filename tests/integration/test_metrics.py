@@ -27,7 +27,7 @@ def scrape(url: str) -> tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]],
 def test_agents_export_training_control_plane_host_and_cluster_metrics(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster([sys.executable, COUNTER], nodes="2",
                            extra_args=["--failure-stop-grace", "0.25"],
-                           env={"COUNTER_STEPS": "60", "COUNTER_FAIL_AT": "20"})
+                           env={"COUNTER_STEPS": "200", "COUNTER_FAIL_AT": "20"})  # runs on while scraped
     host = cluster.start_host("a")
     other = cluster.start("b")
     urls = {name: f"http://{agent.metrics_address()}/metrics" for name, agent in (("a", host), ("b", other))}

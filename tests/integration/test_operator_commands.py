@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import COUNTER, Cluster, members, wait_for
+from tests.cluster import COUNTER, FORM_WITH_ALL, Cluster, members, wait_for
 from tests.conftest import ClusterFactory
 from tests.integration.test_security import job_summary, write_token
 
@@ -25,7 +25,8 @@ def operator(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_drain_removes_the_node_without_spending_the_budget(make_cluster: ClusterFactory) -> None:
-    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=[*FAST, "--max-restarts", "0"], env=SLOW_COUNTER)
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=[*FAST, *FORM_WITH_ALL, "--max-restarts", "0"],
+                           env=SLOW_COUNTER)
     cluster.start_host("a")
     cluster.start("b")
     drained = cluster.start("c")
@@ -87,7 +88,8 @@ def test_refusals_name_the_problem_and_change_nothing(make_cluster: ClusterFacto
 
 
 def test_drained_node_keeps_hosting_the_coordinator_until_the_job_ends(make_cluster: ClusterFactory) -> None:
-    cluster = make_cluster(TRAINER, nodes="1:2", extra_args=FAST, env={**SLOW_COUNTER, "COUNTER_STEPS": "120"})
+    cluster = make_cluster(TRAINER, nodes="1:2", extra_args=[*FAST, *FORM_WITH_ALL],
+                           env={**SLOW_COUNTER, "COUNTER_STEPS": "120"})
     host = cluster.start_host("a")
     cluster.start("b")
     cluster.wait_running(1, 2, step=5)

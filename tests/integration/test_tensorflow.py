@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import TF_TRAINER, alive, kill, members, wait_for
+from tests.cluster import FORM_WITH_ALL, TF_TRAINER, alive, kill, members, wait_for
 from tests.conftest import ClusterFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
@@ -64,7 +64,7 @@ def test_sigstopped_worker_is_caught_as_a_stall(make_cluster: ClusterFactory) ->
 
 
 def test_killed_agent_takes_its_worker_and_the_others_reform(make_cluster: ClusterFactory) -> None:
-    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=ARGS)
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=[*ARGS, *FORM_WITH_ALL])
     cluster.start_host("a", timeout=30)
     cluster.start("b")
     victim = cluster.start("c")

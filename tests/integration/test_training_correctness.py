@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import Cluster, members, wait_for
+from tests.cluster import FORM_WITH_ALL, Cluster, members, wait_for
 from tests.conftest import ClusterFactory
 from tests.workers import example, summaries
 
@@ -189,7 +189,7 @@ def test_world_size_2_3_2_keeps_the_batch_policy_and_loses_nothing_on_the_planne
 def test_sigterm_drain_loses_no_step(make_cluster: ClusterFactory, tmp_path: Path) -> None:
     trainer = example("keras_fit", "--epochs", "2", "--steps-per-epoch", "40", "--save-every", "25",
                       "--train-examples", "1024", "--step-seconds", "0.2", "--backup-dir", str(tmp_path / "ckpt"))
-    cluster = make_cluster(trainer, nodes="1:2", extra_args=[*AGENTS, "--last-call", "30"])  # form with both
+    cluster = make_cluster(trainer, nodes="1:2", extra_args=[*AGENTS, *FORM_WITH_ALL])
     cluster.start_host("a")
     drained = cluster.start("b")
     cluster.wait_running(1, 2, timeout=120, step=12)  # between two saves (25, 50): a kill would lose steps
