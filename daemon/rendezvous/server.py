@@ -144,7 +144,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             log.warning("refused %s (%s): %s", session.node_id or session.peer, type(e).__name__, e)
             session.outbox.put_nowait(_Close(_ERROR_CODES.get(type(e), grpc.StatusCode.INVALID_ARGUMENT), str(e)))
             return
-        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+        except (asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.AbortError):  # ended, or aborted by us
             return
         except Exception:  # a bug must cost one session, not the coordinator
             log.exception("session of %s failed", session.node_id or session.peer)
