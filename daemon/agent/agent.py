@@ -489,10 +489,12 @@ class Agent:
         self._progress_sent = p
 
     def _steps_per_second(self) -> float:
+        """Over the last 30 s of reports; 0 (unknown) until they span a second. Reports are stamped when the
+        agent reads them, and a busy loop reads a backlog at once: two reports alone could give any rate."""
         if len(self._recent_steps) < 2:
             return 0.0
         (t0, s0), (t1, s1) = self._recent_steps[0], self._recent_steps[-1]
-        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+        return (s1 - s0) / (t1 - t0) if t1 - t0 >= 1.0 else 0.0
 
     async def _watch_gpus(self) -> None:
         """The node's GPU summary for status, read off the loop: NVML calls may block."""

@@ -123,6 +123,6 @@ class HandshakeFailures:
             log.error("TLS problem with the coordinator: %s", problem)
             self._logged_at = now
         if self._other_failure_after != last_contact and now - last_contact >= self._give_up_after:
-            return (f"giving up after {now - last_contact:.0f}s of failed TLS handshakes with the coordinator: "
+            return (f"giving up after {self._give_up_after:g}s of failed TLS handshakes with the coordinator: "
                     f"{problem}")
         return None
