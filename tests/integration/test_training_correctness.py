@@ -174,7 +174,12 @@ def test_world_size_2_3_2_keeps_the_batch_policy_and_loses_nothing_on_the_planne
     assert [agent.wait(300) for agent in cluster.agents[:2]] == [0, 0], cluster.logs()[-4000:]
     final = [s for s in chief_summaries(cluster) if s["generation"] == 3]
     assert len(final) == 1 and final[0]["final_step"] == 100, chief_summaries(cluster)
-    assert step - SAVE_EVERY <= final[0]["initial_step"] <= step
+    # The chief had reached `step` before the kill (it may have gone on a little: status lags it), so at most the
+    # save interval is redone, and generation 3 resumed from a save of the schedule or from the planned stop's.
+    resumed = final[0]["initial_step"]
+    assert step - SAVE_EVERY <= resumed, (step, resumed)
+    assert resumed % SAVE_EVERY == 0 or resumed == stopped[0]["final_step"], (resumed, stopped[0]["final_step"])
+    assert final[0]["restored_from"].endswith(f"/ckpt-{resumed}"), final[0]
     # Every generation's chief logged its plan at start.
     plans = re.findall(r"\[rank 0\] world size (\d+), (\d+) replicas: global batch (\d+), (\d+) per replica, "
                        rf"learning rate (\S+) \({policy}\)", cluster.agents[0].log())
