@@ -68,7 +68,7 @@ def bind_addresses(host: str) -> list[str]:
         found = {str(sockaddr[0]) for _, sockaddr in _addresses(host, 0)}
     if host == "localhost":
         found |= {"127.0.0.1", "::1"}  # what gRPC's resolver gives for it, whatever /etc/hosts says
-    ours = [address for address in found if _binds(_family(address), (address, 0), reuse=False)]
+    ours = [address for address in found if _binds_address(address, 0, reuse=False)]
     return sorted(ours, key=lambda address: (":" in address, address))  # IPv4 first
 
 
@@ -84,14 +84,24 @@ def _addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, Any]]:
 
 
 def _binds(family: socket.AddressFamily, sockaddr: Any, *, reuse: bool) -> bool:
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        if reuse:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
+    try:  # creating the socket fails too, where the kernel has no IPv6
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            if reuse:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(sockaddr)
             return True
-        except OSError:
-            return False
+    except OSError:
+        return False
+
+
+def _binds_address(address: str, port: int, *, reuse: bool) -> bool:
+    """``_binds`` for a numeric address; getaddrinfo keeps an IPv6 scope (``fe80::1%eth0``) that bind needs."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM,
+                                                        flags=socket.AI_NUMERICHOST)[0]
+    except OSError:
+        return False
+    return _binds(family, sockaddr, reuse=reuse)
 
 
 def route_address(destination: str) -> str:

@@ -393,8 +393,13 @@ async def create_server(
     """
     bind_host, _, bind_port = address.rpartition(":")
     host, port = bind_host.strip("[]"), int(bind_port)
-    if port and port_taken(host, port):  # the common case, without gRPC's error log for a failed bind
+    addresses = bind_addresses(host)
+    if not addresses:
+        raise BindError(f"cannot listen on {address}: {host!r} is not an address of this machine; give the host "
+                        "name or address of this node, or 0.0.0.0")
+    if port and _endpoint_taken(addresses, port):  # the common case, without gRPC's error log
         raise BindError(f"cannot listen on {address}: the address is in use")
+    credentials = server_credentials(tls) if tls is not None and tls.enabled else None
     limits = limits or Limits()
     rendezvous = Rendezvous(settings, clock, spec)
 
@@ -408,7 +413,7 @@ async def create_server(
             maximum_concurrent_rpcs=limits.max_concurrent_rpcs(),
         )
 
-    server, port = await _listen(new_server, host, port, tls)
+    server, port = await _listen(new_server, host, addresses, port, credentials)
     servicer = RendezvousServicer(rendezvous, clock, heartbeat_interval)
     pb_grpc.add_RendezvousServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
@@ -420,39 +425,54 @@ async def create_server(
     return Coordinator(server, port, servicer, health_servicer)
 
 
-async def _listen(new_server: Callable[[], grpc.aio.Server], host: str, port: int,
-                  tls: TlsConfig | None) -> tuple[grpc.aio.Server, int]:
-    """A server listening on ``port`` of every address of ``host`` (netutil.bind_addresses), or BindError.
+async def _listen(new_server: Callable[[], grpc.aio.Server], host: str, addresses: list[str], port: int,
+                  credentials: grpc.ServerCredentials | None) -> tuple[grpc.aio.Server, int]:
+    """A server listening on ``port`` of each of ``addresses`` (netutil.bind_addresses), or BindError.
 
     Port 0 takes the port the first address gets for all of them, and tries again with a fresh one when another
     address has it taken already.
     """
-    address = host_port(host, port)
-    addresses = bind_addresses(host)
-    if not addresses:
-        raise BindError(f"cannot listen on {address}: {host!r} is not an address of this machine; give the host "
-                        "name or address of this node, or 0.0.0.0")
     for _ in range(5 if port == 0 else 1):
         server = new_server()
-        bound = port
-        for each in addresses:
-            bound = _add_port(server, host_port(each, bound), tls)
-            if bound == 0:
-                break
-        if bound:
-            return server, bound
-        # It listens on the addresses it did bind, and a server that never started keeps them until the process
-        # ends, even when stopped or collected: start it to let stop() close them.
-        await server.start()
-        await server.stop(None)
-    raise BindError(f"cannot listen on {address}: the address is in use")
+        try:
+            return server, _add_ports(server, addresses, port, credentials)
+        except _InUse:
+            await _release(server)
+        except BaseException:
+            await _release(server)
+            raise
+    raise BindError(f"cannot listen on {host_port(host, port)}: the address is in use")
 
 
-def _add_port(server: grpc.aio.Server, address: str, tls: TlsConfig | None) -> int:
-    """The port bound, or 0 when ``address`` is taken (gRPC raises or returns 0, depending on its version)."""
-    try:
-        if tls is not None and tls.enabled:
-            return int(server.add_secure_port(address, server_credentials(tls)))
-        return int(server.add_insecure_port(address))
-    except RuntimeError:
-        return 0
+class _InUse(Exception):
+    pass
+
+
+def _endpoint_taken(addresses: list[str], port: int) -> bool:
+    return any(port_taken(each, port) for each in addresses)
+
+
+def _add_ports(server: grpc.aio.Server, addresses: list[str], port: int,
+               credentials: grpc.ServerCredentials | None) -> int:
+    """Binds each address in turn, on the port the first one got. Raises _InUse when one is taken."""
+    for each in addresses:
+        address = host_port(each, port)
+        try:
+            bound = int(server.add_secure_port(address, credentials) if credentials
+                        else server.add_insecure_port(address))
+            problem = "gRPC could not bind it"
+        except RuntimeError as e:  # gRPC raises or returns 0, depending on its version
+            bound, problem = 0, str(e)
+        if not bound:
+            if port and port_taken(each, port):
+                raise _InUse(address)
+            raise BindError(f"cannot listen on {address}: {problem}")
+        port = bound
+    return port
+
+
+async def _release(server: grpc.aio.Server) -> None:
+    """Closes what a server that failed to bind all its addresses did bind. One that never started keeps its
+    sockets until the process ends, even when stopped or collected: start it, so that stop() closes them."""
+    await server.start()
+    await server.stop(None)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import re
 import socket
 from collections.abc import Iterator
 
 import pytest
 from tfelastic.daemon.netutil import bind_addresses, free_port
-from tfelastic.daemon.rendezvous import api
+from tfelastic.daemon.rendezvous import api, server
 from tfelastic.daemon.rendezvous.server import BindError, create_server
 
 pytestmark = pytest.mark.integration
@@ -44,7 +45,9 @@ def listens(address: str, port: int) -> bool:
 
 @both_loopbacks
 @pytest.mark.parametrize("taken", ["127.0.0.1", "::1"])
-def test_a_coordinator_does_not_settle_for_part_of_its_endpoint(taken: str) -> None:
+def test_a_coordinator_does_not_settle_for_part_of_its_endpoint(taken: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rival that binds between the pre-check and our bind: the pre-check sees a free port.
+    monkeypatch.setattr(server, "_endpoint_taken", lambda addresses, port: False)
     port = free_port()
 
     async def host() -> None:
@@ -91,12 +94,25 @@ def test_of_agents_racing_for_one_endpoint_exactly_one_hosts_it() -> None:
     contenders = 4
     for _ in range(5):
         port = free_port()
-        start, done, won = spawn.Barrier(contenders), spawn.Event(), spawn.Queue()
-        processes = [spawn.Process(target=_contend, args=(port, start, done, won)) for _ in range(contenders)]
+        start, done, won = spawn.Barrier(contenders, timeout=60), spawn.Event(), spawn.Queue()
+        processes = [spawn.Process(target=_contend, args=(port, start, done, won), daemon=True)
+                     for _ in range(contenders)]
         for process in processes:
             process.start()
-        outcomes = [won.get(timeout=60) for _ in processes]
-        done.set()
-        for process in processes:
-            process.join(30)
+        try:
+            outcomes = [won.get(timeout=60) for _ in processes]
+        finally:
+            done.set()
+            for process in processes:
+                process.join(30)
+                if process.is_alive():
+                    process.kill()
         assert sorted(outcomes) == [False] * (contenders - 1) + [True], outcomes
+
+
+def test_an_address_of_another_machine_is_named_as_such() -> None:
+    async def host() -> None:
+        await create_server("192.0.2.1:29400", api.RendezvousSettings())  # TEST-NET-1
+
+    with pytest.raises(BindError, match=re.escape("'192.0.2.1' is not an address of this machine")):
+        asyncio.run(host())
