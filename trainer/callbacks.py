@@ -120,13 +120,13 @@ class GracefulStopCallback(keras.callbacks.Callback):  # type: ignore[misc]
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if self._final_save:
-            self._save()
+            self._save(training_done=True)  # still done: the agent does not watch the silent work after fit
         self._training.__exit__(None, None, None)  # raises Preempted if a SIGTERM came in the last steps
 
-    def _save(self) -> int:
+    def _save(self, training_done: bool = False) -> int:
         self._state.back_up(epoch=0)  # the epoch and batch saved are those BackupAndRestore tracks
         step = int(self.model.optimizer.iterations.numpy())
-        self._reporter.report(step, checkpoint_step=step)
+        self._reporter.report(step, checkpoint_step=step, done=training_done)
         return step
 
 

@@ -114,7 +114,9 @@ class Agent:
         self._host = config.advertise_address or route_address(config.rendezvous.host)
         self._incarnation = uuid.uuid4().hex
         self._trainer_done = 0  # the generation whose trainer reported that training completed
-        self._trainer_done_step = 0  # at this step: a later step means it trains again (another fit)
+        # Training completed, and nothing reported since: evaluation, export and teardown are not watched for
+        # hangs unless the trainer reports during them (ProgressCallback in evaluate, report_alive, another fit).
+        self._stall_paused = False
         self._listener: ProgressListener | None = None
         self.on_status: Callable[[str], None] = lambda text: None  # systemd STATUS= lines hook here
         self.on_ready: Callable[[], None] = lambda: None  # systemd READY=1: the coordinator has taken us in
@@ -321,7 +323,7 @@ class Agent:
             self._last_generation = assignment.generation
             self._restart_count = assignment.restart_count
             self._stall.reset()
-            self._stall_reported = False
+            self._stall_reported = self._stall_paused = False
             self._recent_steps.clear()
             self._progress = self._progress_sent = None
             spec = WorkerSpec(self.config.command, self._trainer_env(assignment), self.config.workdir or None,
@@ -506,9 +508,8 @@ class Agent:
         if self._assignment is None or message.generation != self._assignment.generation:
             return  # a report from an older generation's worker
         if message.done:
-            self._trainer_done, self._trainer_done_step = message.generation, message.step
-        elif message.generation == self._trainer_done and message.step > self._trainer_done_step:
-            self._trainer_done = 0
+            self._trainer_done = message.generation
+        self._stall_paused = message.done
         if self.worker_state.state is not WorkerState.RUNNING:
             return
         self._record_progress(message)
@@ -564,9 +565,9 @@ class Agent:
     def _check_stall(self) -> None:
         if self.worker_state.state is not WorkerState.RUNNING or self._stall_reported:
             return
-        # Training is complete: what follows (evaluation, export, teardown) reports nothing, and a restart would
-        # redo it, or, where BackupAndRestore deleted its backup on success (tf_keras' default), all the training.
-        if self._assignment is not None and self._trainer_done == self._assignment.generation:
+        # A restart there would redo the silent work after training, or, where BackupAndRestore deleted its
+        # backup on success (tf_keras' default), all the training.
+        if self._stall_paused:
             return
         if self._stall.stalled():
             self._stall_reported = True
