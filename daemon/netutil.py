@@ -44,7 +44,7 @@ def _ephemeral_low() -> int:
 
 def is_local_address(host: str) -> bool:
     """Whether this machine owns ``host`` (a name or address): whether it can bind to it."""
-    return any(_binds(family, (sockaddr[0], 0), reuse=False) for family, sockaddr in _addresses(host, 0))
+    return bool(bind_addresses(host))
 
 
 def port_taken(host: str, port: int) -> bool:

@@ -563,11 +563,9 @@ class Agent:
         log.info("metrics on http://%s/metrics", host_port(cfg.metrics_address, self._metrics_server.port))
 
     def _check_stall(self) -> None:
-        if self.worker_state.state is not WorkerState.RUNNING or self._stall_reported:
-            return
-        # A restart there would redo the silent work after training, or, where BackupAndRestore deleted its
-        # backup on success (tf_keras' default), all the training.
-        if self._stall_paused:
+        # Paused after training completed: a restart would redo the silent work that follows, or, where
+        # BackupAndRestore deleted its backup on success (tf_keras' default), all the training.
+        if self.worker_state.state is not WorkerState.RUNNING or self._stall_reported or self._stall_paused:
             return
         if self._stall.stalled():
             self._stall_reported = True

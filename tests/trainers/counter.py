@@ -89,6 +89,7 @@ def main() -> int:
     hang_at = int(os.environ.get("COUNTER_HANG_AT", "-1"))
     fail_at = int(os.environ.get("COUNTER_FAIL_AT", "-1"))
     done_at = int(os.environ.get("COUNTER_DONE_AT", "-1"))
+    linger = float(os.environ.get("COUNTER_LINGER_AFTER_DONE", "-1"))
     reporter = ProgressReporter.from_env(min_interval=0)
     while step < target:
         time.sleep(pause)
@@ -108,7 +109,6 @@ def main() -> int:
         if rank == 0 and step == fail_at and once(backup, "failed"):
             event("fail")
             return 3
-    linger = float(os.environ.get("COUNTER_LINGER_AFTER_DONE", "-1"))
     if linger >= 0:  # training complete, then silent work such as an evaluation or an export
         reporter.report(step, done=True)
         time.sleep(linger)
