@@ -21,7 +21,7 @@ from functools import partial
 
 import grpc
 import psutil
-from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import free_port
 from tfelastic.daemon.rendezvous.client import fetch_status
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import free_port
 
 from bench.common import read_events

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import psutil
-from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import free_port
 
 from tests.cluster import COUNTER, Cluster, wait_for

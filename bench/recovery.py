@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import free_port
 
 from bench.common import TRIVIAL, summary, wait_generation_started

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from tfelastic.daemon.config import TlsConfig
+from tfelastic.daemon.endpoint import TlsConfig
 
 METADATA_KEY = "authorization"
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)

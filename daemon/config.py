@@ -1,14 +1,16 @@
-"""Agent configuration: one dataclass, filled from a TOML file (``agent``) or from flags (``run``).
+"""Agent configuration: one :class:`AgentConfig` of four sections, the same four as the TOML file's ([job], [node],
+[rendezvous], [metrics]), filled from a file (``tfelastic agent``) or from flags (``tfelastic run``).
 
-Every problem is a :class:`ConfigError` whose message names the option and the fix; the CLI turns it into exit
-code 78 (EX_CONFIG) before anything starts. The defaults are documented in docs/configuration.md.
+:data:`OPTIONS` is the one table that names every setting three ways: the flag, the TOML key and the field it
+fills. The CLI builds its parser from it, the TOML loader reads files with it, and every message names a
+setting the way the user wrote it. Every problem is a :class:`ConfigError` that names the option and the fix; the
+CLI turns it into exit code 78 before anything starts. The defaults are documented in docs/configuration.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import ipaddress
 import os
 import shlex
 import socket
@@ -19,163 +21,263 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tfelastic.daemon.netutil import host_port
-from tfelastic.daemon.rendezvous.api import RendezvousSettings
+from tfelastic.daemon.endpoint import Endpoint, TlsConfig, is_loopback_host
+from tfelastic.daemon.errors import ConfigError
+from tfelastic.daemon.rendezvous import bounds
+from tfelastic.daemon.rendezvous.api import JobSpec, RendezvousSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-EX_CONFIG = 78
-
-
-class ConfigError(Exception):
-    pass
-
 
 @dataclass(frozen=True)
-class Endpoint:
-    host: str
-    port: int
+class JobConfig:
+    """Settings every agent of a job must agree on (the coordinator compares them), and the trainer's launch."""
 
-    @classmethod
-    def parse(cls, text: str, option: str, *, allow_port_zero: bool = False) -> Endpoint:
-        host, sep, port_text = text.rpartition(":")
-        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        if not sep or not host or not (port_text.isascii() and port_text.isdigit()):
-            raise ConfigError(f"{option}: {text!r} is not HOST:PORT; write it like 'head-node:29400'")
-        port = int(port_text)
-        if not (0 if allow_port_zero else 1) <= port <= 65535:
-            raise ConfigError(f"{option}: port {port} in {text!r} is out of range 1-65535")
-        return cls(host, port)
-
-    def __str__(self) -> str:
-        return host_port(self.host, self.port)
-
-    def is_loopback(self) -> bool:
-        return is_loopback_host(self.host)
-
-
-def is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-@dataclass(frozen=True)
-class TlsConfig:
-    cert: str = ""  # this process's certificate chain (PEM)
-    key: str = ""  # its private key (PEM)
-    ca: str = ""  # CA bundle that signs the peers; on a server it also makes client certificates required
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.cert or self.ca)
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    command: tuple[str, ...]
-    rendezvous: Endpoint
-    job: str = "default"
+    command: tuple[str, ...] = ()
+    name: str = "default"
     min_nodes: int = 1
     max_nodes: int = 1
-    node_id: str = field(default_factory=socket.gethostname)
-    worker_port: int = 0  # 0: a free port, chosen anew for every generation
-    advertise_address: str = ""  # "": the address this node uses to reach the rendezvous
-    backup_dir: str = ""  # "": ./tfelastic-backup/<job> in the working directory
-    workdir: str = ""
-    env: tuple[tuple[str, str], ...] = ()
     max_restarts: int = 3
     restart_window: float = 3600.0
     stall_timeout: float = 300.0  # 0 disables hang detection
+    backup_dir: str = ""  # "": ./tfelastic-backup/<job> in the working directory
+    workdir: str = ""
+    env: tuple[tuple[str, str], ...] = ()
+    instrument: bool = True  # trainers' model.fit reports progress by itself (tfelastic.trainer.instrument)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    id: str = field(default_factory=socket.gethostname)
+    worker_port: int = 0  # 0: a free port, chosen anew for every generation
+    advertise_address: str = ""  # "": the address this node uses to reach the rendezvous
     stop_grace: float = 10.0  # planned stops: scale-up, leave, shutdown (time for a trainer to checkpoint)
     failure_stop_grace: float = 0.25  # restarts after a failure: the collective is broken, nothing to save
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    endpoint: Endpoint
     token_file: str = ""
-    tls: TlsConfig = TlsConfig()
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
     last_call: float = 1.0
     settle: float = 3.0
     join_timeout: float = 600.0
     heartbeat_interval: float = 0.5
     node_timeout: float = 2.0
-    log_level: str = "info"
-    metrics_port: int | None = 9464  # None: no /metrics; 0: a free port (logged)
-    metrics_address: str = "127.0.0.1"  # loopback: a listener elsewhere needs metrics_token_file
-    metrics_token_file: str = ""
-    metrics_linger: float = 30.0  # after the job failed, keep /metrics up so Prometheus records the verdict
-    instrument: bool = True  # trainers' model.fit reports progress by itself (tfelastic.trainer.instrument)
+
+    @property
+    def tls(self) -> TlsConfig:
+        return TlsConfig(self.tls_cert, self.tls_key, self.tls_ca)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    port: int | None = 9464  # None: no /metrics; 0: a free port (logged)
+    address: str = "127.0.0.1"  # loopback: a listener elsewhere needs token_file
+    token_file: str = ""
+    linger: float = 30.0  # after the job failed, keep /metrics up so Prometheus records the verdict
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    job: JobConfig
+    rendezvous: RendezvousConfig
+    node: NodeConfig = field(default_factory=NodeConfig)
+    metrics: MetricsConfig = MetricsConfig()
 
     def resolved_backup_dir(self) -> str:
-        base = self.backup_dir or os.path.join("tfelastic-backup", self.job)
-        return str(Path(self.workdir or ".", base).resolve())
+        base = self.job.backup_dir or os.path.join("tfelastic-backup", self.job.name)
+        return str(Path(self.job.workdir or ".", base).resolve())
 
     def command_digest(self) -> bytes:
-        return hashlib.sha256(shlex.join(self.command).encode()).digest()
+        return hashlib.sha256(shlex.join(self.job.command).encode()).digest()
+
+    def job_spec(self) -> JobSpec:
+        """What the coordinator compares across agents (and checks against its bounds)."""
+        job, rdzv = self.job, self.rendezvous
+        return JobSpec(job.name, self.command_digest(), job.min_nodes, job.max_nodes, job.max_restarts,
+                       job.restart_window, job.stall_timeout, self.resolved_backup_dir(), rdzv.heartbeat_interval,
+                       rdzv.node_timeout)
 
     def rendezvous_settings(self) -> RendezvousSettings:
-        return RendezvousSettings(last_call_seconds=self.last_call, settle_seconds=self.settle,
-                                  join_timeout_seconds=self.join_timeout, node_timeout_seconds=self.node_timeout)
+        r = self.rendezvous
+        return RendezvousSettings(last_call_seconds=r.last_call, settle_seconds=r.settle,
+                                  join_timeout_seconds=r.join_timeout, node_timeout_seconds=r.node_timeout)
+
+    def value(self, name: str) -> Any:
+        """An option's value by name (see :data:`OPTIONS`): ``config.value("node_id")`` is ``config.node.id``."""
+        section, key = OPTIONS[name].field
+        return getattr(getattr(self, section), key)
+
+    def replace(self, **changes: Any) -> AgentConfig:
+        """A copy with options changed by name (``stall_timeout=5``, ``node_id="n2"``): see :data:`OPTIONS`."""
+        sections: dict[str, dict[str, Any]] = {}
+        for name, value in changes.items():
+            section, key = OPTIONS[name].field
+            sections.setdefault(section, {})[key] = value
+        return dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **kw)
+                                            for s, kw in sections.items()})
 
 
-_DURATIONS = ("restart_window", "stall_timeout", "stop_grace", "failure_stop_grace", "last_call", "settle",
-              "join_timeout", "heartbeat_interval", "node_timeout", "metrics_linger")
+# ------------------------------------------------------------------------------------------------ options
 
 
-_FLAGS = {"min_nodes": "--nodes", "max_nodes": "--nodes", "job": "--job", "command": "the trainer command (after --)"}
+@dataclass(frozen=True)
+class Option:
+    """One setting: ``name`` (unique; the CLI's dest and SLURM's name for it), its TOML ``key`` (section.key; the
+    section's field of that name holds it, ``tls_*`` aside), and its ``flag`` ("" when only the file sets it)."""
+
+    name: str
+    key: str
+    flag: str
+    help: str
+    metavar: str | None = None
+
+    @property
+    def field(self) -> tuple[str, str]:
+        section, _, key = self.key.partition(".")
+        return section, key
+
+
+_OPTIONS = [
+    Option("command", "job.command", "", "the trainer command (after --)"),
+    Option("job", "job.name", "--job", "job name (default 'default'; under SLURM slurm-JOBID)"),
+    Option("min_nodes", "job.min_nodes", "--nodes", "node count range (default 1; under SLURM the step's task count)",
+           "MIN[:MAX]"),
+    Option("max_nodes", "job.max_nodes", "--nodes", "(the MAX of --nodes)"),
+    Option("max_restarts", "job.max_restarts", "--max-restarts", "failures allowed per restart window", "N"),
+    Option("restart_window", "job.restart_window", "--restart-window", "restart budget window in seconds", "S"),
+    Option("stall_timeout", "job.stall_timeout", "--stall-timeout",
+           "no progress for this long is a hang; 0 disables", "SECONDS"),
+    Option("backup_dir", "job.backup_dir", "--backup-dir",
+           "BackupAndRestore directory on shared storage (default ./tfelastic-backup/JOB)", "DIR"),
+    Option("workdir", "job.workdir", "--workdir", "trainer working directory (default: cwd)", "DIR"),
+    Option("env", "job.env", "", "extra environment of the trainer"),
+    Option("instrument", "job.instrument", "--no-instrument",
+           "do not make the trainer's model.fit report progress by itself (hang detection and status then need the "
+           "trainer's own reports)"),
+    Option("node_id", "node.id", "--node-id", "unique node id (default: hostname; under SLURM its node name)", "ID"),
+    Option("worker_port", "node.worker_port", "--worker-port",
+           "trainer port (0: a free port, new for every generation)", "PORT"),
+    Option("advertise_address", "node.advertise_address", "--advertise-address",
+           "address peers reach this node's trainer at (default: the route to the rendezvous)", "ADDR"),
+    Option("stop_grace", "node.stop_grace", "--stop-grace", "SIGTERM to SIGKILL grace period", "S"),
+    Option("failure_stop_grace", "node.failure_stop_grace", "--failure-stop-grace",
+           "SIGTERM to SIGKILL grace after a failure", "S"),
+    Option("log_level", "node.log_level", "--log-level", "debug, info, warning or error"),
+    Option("rendezvous", "rendezvous.endpoint", "--rendezvous",
+           "the coordinator's endpoint (required; under SLURM the step's first host)", "HOST:PORT"),
+    Option("token_file", "rendezvous.token_file", "--token-file",
+           "file holding the shared secret (mode 600); required for non-loopback addresses", "PATH"),
+    Option("tls_cert", "rendezvous.tls_cert", "--tls-cert", "certificate chain of this process (TLS)", "PEM"),
+    Option("tls_key", "rendezvous.tls_key", "--tls-key", "private key of --tls-cert", "PEM"),
+    Option("tls_ca", "rendezvous.tls_ca", "--tls-ca",
+           "CA bundle of the peers; on a server it makes client certificates required (mTLS)", "PEM"),
+    Option("last_call", "rendezvous.last_call", "--last-call", "after min nodes joined, wait this long for more", "S"),
+    Option("settle", "rendezvous.settle", "--settle",
+           "after a node joins a running job below max, wait this long", "S"),
+    Option("join_timeout", "rendezvous.join_timeout", "--join-timeout",
+           "how long to wait below min nodes (or for an unreachable coordinator) before failing", "S"),
+    Option("heartbeat_interval", "rendezvous.heartbeat_interval", "--heartbeat-interval", "heartbeat period", "S"),
+    Option("node_timeout", "rendezvous.node_timeout", "--node-timeout", "silence after which a node is lost", "S"),
+    Option("metrics_port", "metrics.port", "--metrics-port",
+           "serve Prometheus /metrics; 0 picks a free port, 'off' disables", "PORT"),
+    Option("metrics_address", "metrics.address", "--metrics-address",
+           "address of /metrics (any other than loopback needs --metrics-token-file)", "ADDR"),
+    Option("metrics_token_file", "metrics.token_file", "--metrics-token-file",
+           "bearer token that scrapes of /metrics must present (mode 600)", "PATH"),
+    Option("metrics_linger", "metrics.linger", "--metrics-linger",
+           "after the job failed, keep /metrics up this long so Prometheus records it", "S"),
+]
+OPTIONS = {option.name: option for option in _OPTIONS}
+_SECTIONS = {"job": JobConfig, "node": NodeConfig, "metrics": MetricsConfig, "rendezvous": RendezvousConfig}
 METRICS_OFF = "off"
 
 
-def validate(config: AgentConfig, where: str = "") -> AgentConfig:
-    """Checks values that do not depend on the environment; raises ConfigError naming the option.
+def default_of(name: str) -> Any:
+    """The built-in default of an option (the node id's is this host's name)."""
+    section, key = OPTIONS[name].field
+    f = next(f for f in dataclasses.fields(_SECTIONS[section]) if f.name == key)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
-    ``where`` is "" for flags (messages name ``--flag``) or a TOML file path (messages name ``section.key``).
-    """
+
+def from_values(values: dict[str, Any]) -> AgentConfig:
+    """An AgentConfig from option values by name; the rest take their defaults. ``command`` and ``rendezvous``
+    are required (the caller says which way they were missing)."""
+    sections: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    for name, value in values.items():
+        section, key = OPTIONS[name].field
+        sections[section][key] = value
+    return AgentConfig(**{s: cls(**sections[s]) for s, cls in _SECTIONS.items()})
+
+
+def label(name: str, where: str = "") -> str:
+    """How a message names an option: its flag, or for a file ``PATH: section.key``."""
+    option = OPTIONS[name]
+    if where:
+        return f"{where}: {option.key}"
+    return option.flag or option.help
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+_DURATIONS = ("restart_window", "stall_timeout", "stop_grace", "failure_stop_grace", "last_call", "settle",
+              "join_timeout", "heartbeat_interval", "node_timeout", "metrics_linger")
+_SPEC_OPTIONS = {"job": "job", "min_nodes": "min_nodes", "max_nodes": "max_nodes", "max_restarts": "max_restarts",
+                 "restart_window_seconds": "restart_window", "stall_timeout_seconds": "stall_timeout",
+                 "backup_dir": "backup_dir", "heartbeat_interval_seconds": "heartbeat_interval",
+                 "node_timeout_seconds": "node_timeout"}
+
+
+def validate(config: AgentConfig, where: str = "") -> AgentConfig:
+    """Checks values that do not depend on the environment, and every bound the coordinator enforces; raises
+    ConfigError naming the option. ``where`` is "" for flags, or a TOML file's path."""
 
     def opt(name: str) -> str:
-        if where:
-            return f"{where}: {_TOML_NAMES.get(name, name)}"
-        return _FLAGS.get(name, "--" + name.replace("_", "-"))
+        return label(name, where)
 
-    if not config.command:
+    job, node, rdzv, metrics = config.job, config.node, config.rendezvous, config.metrics
+    if not job.command:
         raise ConfigError(f"{opt('command')}: no trainer command given; add it after '--', "
                           "e.g. tfelastic run ... -- python train.py")
-    if config.min_nodes < 1:
-        raise ConfigError(f"{opt('min_nodes')}: min_nodes is {config.min_nodes}; it must be at least 1")
-    if config.max_nodes < config.min_nodes:
-        raise ConfigError(f"{opt('max_nodes')}: max_nodes {config.max_nodes} is below min_nodes "
-                          f"{config.min_nodes}; write MIN:MAX with MIN <= MAX, e.g. 2:4")
-    if not config.job or not all(c.isalnum() or c in "-_." for c in config.job):
-        raise ConfigError(f"{opt('job')}: {config.job!r} must be non-empty letters, digits, '-', '_' or '.'")
-    if not config.node_id or any(c.isspace() for c in config.node_id):
-        raise ConfigError(f"{opt('node_id')}: {config.node_id!r} must be non-empty without spaces")
-    if not 0 <= config.worker_port <= 65535:
-        raise ConfigError(f"{opt('worker_port')}: {config.worker_port} is out of range 0-65535 "
-                          "(0 picks a free port)")
-    if config.max_restarts < 0:
-        raise ConfigError(f"{opt('max_restarts')}: {config.max_restarts} must be 0 or more")
+    if job.min_nodes < 1:
+        raise ConfigError(f"{opt('min_nodes')}: min_nodes is {job.min_nodes}; it must be at least 1")
+    if job.max_nodes < job.min_nodes:
+        raise ConfigError(f"{opt('max_nodes')}: max_nodes {job.max_nodes} is below min_nodes {job.min_nodes}; "
+                          "write MIN:MAX with MIN <= MAX, e.g. 2:4")
+    if (problem := bounds.node_id_problem(node.id)) is not None:
+        raise ConfigError(f"{opt('node_id')}: {problem.text}")
+    if not 0 <= node.worker_port <= 65535:
+        raise ConfigError(f"{opt('worker_port')}: {node.worker_port} is out of range 0-65535 (0 picks a free port)")
+    if job.max_restarts < 0:
+        raise ConfigError(f"{opt('max_restarts')}: {job.max_restarts} must be 0 or more")
     for name in _DURATIONS:
-        value = getattr(config, name)
+        value = config.value(name)
         if value < 0 or value != value:
             raise ConfigError(f"{opt(name)}: {value} seconds must be 0 or more")
-    if config.heartbeat_interval <= 0:
-        raise ConfigError(f"{opt('heartbeat_interval')}: {config.heartbeat_interval}s must be more than 0")
-    if config.node_timeout <= config.heartbeat_interval:
-        raise ConfigError(f"{opt('node_timeout')}: {config.node_timeout}s must exceed "
-                          f"heartbeat_interval {config.heartbeat_interval}s")
-    if config.log_level not in ("debug", "info", "warning", "error"):
-        raise ConfigError(f"{opt('log_level')}: {config.log_level!r} is not one of debug, info, warning, error")
-    if config.metrics_port is not None and not 0 <= config.metrics_port <= 65535:
-        raise ConfigError(f"{opt('metrics_port')}: {config.metrics_port} is out of range 0-65535")
-    if config.metrics_port is not None and not is_loopback_host(config.metrics_address) \
-            and not config.metrics_token_file:
-        raise ConfigError(f"{opt('metrics_address')}: {config.metrics_address!r} is not loopback, so /metrics needs "
-                          f"a bearer token; pass {opt('metrics_token_file')} (Prometheus: authorization: "
+    if rdzv.heartbeat_interval <= 0:
+        raise ConfigError(f"{opt('heartbeat_interval')}: {rdzv.heartbeat_interval}s must be more than 0")
+    if rdzv.node_timeout <= rdzv.heartbeat_interval:
+        raise ConfigError(f"{opt('node_timeout')}: {rdzv.node_timeout}s must exceed "
+                          f"heartbeat_interval {rdzv.heartbeat_interval}s")
+    for problem in bounds.spec_problems(config.job_spec()):  # what the coordinator would refuse
+        raise ConfigError(f"{opt(_SPEC_OPTIONS[problem.field])}: {problem.text}")
+    if node.log_level not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"{opt('log_level')}: {node.log_level!r} is not one of debug, info, warning, error")
+    if metrics.port is not None and not 0 <= metrics.port <= 65535:
+        raise ConfigError(f"{opt('metrics_port')}: {metrics.port} is out of range 0-65535")
+    if metrics.port is not None and not is_loopback_host(metrics.address) and not metrics.token_file:
+        raise ConfigError(f"{opt('metrics_address')}: {metrics.address!r} is not loopback, so /metrics needs a "
+                          f"bearer token; pass {opt('metrics_token_file')} (Prometheus: authorization: "
                           "credentials_file)")
-    if bool(config.tls.cert) != bool(config.tls.key):
+    if bool(rdzv.tls_cert) != bool(rdzv.tls_key):
         raise ConfigError(f"{opt('tls_cert')}/{opt('tls_key')}: give both the certificate and its key")
     return config
 
@@ -219,27 +321,8 @@ def read_token(path: str, option: str = "--token-file") -> str:
 
 # ------------------------------------------------------------------------------------------------- TOML
 
-_TOML_KEYS: dict[str, dict[str, str]] = {
-    # section -> {toml key: AgentConfig field}
-    "job": {"name": "job", "command": "command", "min_nodes": "min_nodes", "max_nodes": "max_nodes",
-            "max_restarts": "max_restarts", "restart_window": "restart_window",
-            "stall_timeout": "stall_timeout", "backup_dir": "backup_dir", "workdir": "workdir", "env": "env",
-            "instrument": "instrument"},
-    "node": {"id": "node_id", "worker_port": "worker_port", "advertise_address": "advertise_address",
-             "stop_grace": "stop_grace", "failure_stop_grace": "failure_stop_grace", "log_level": "log_level"},
-    "metrics": {"port": "metrics_port", "address": "metrics_address", "token_file": "metrics_token_file",
-                "linger": "metrics_linger"},
-    "rendezvous": {"endpoint": "rendezvous", "token_file": "token_file", "last_call": "last_call",
-                   "settle": "settle", "join_timeout": "join_timeout",
-                   "heartbeat_interval": "heartbeat_interval", "node_timeout": "node_timeout",
-                   "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_ca": "tls_ca"},
-}
-
-
-_TOML_NAMES = {field: f"{section}.{key}" for section, keys in _TOML_KEYS.items() for key, field in keys.items()}
-
-
 Completion = Callable[[dict[str, Any]], dict[str, Any]]  # adds values the file left out (daemon/slurm.py)
+_BY_KEY = {option.key: option for option in _OPTIONS}
 
 
 def load_toml(path: str, complete: Completion | None = None) -> AgentConfig:
@@ -252,60 +335,51 @@ def load_toml(path: str, complete: Completion | None = None) -> AgentConfig:
         raise ConfigError(f"--config: {path!r} is not valid TOML (UTF-8): {e}") from None
     values: dict[str, Any] = {}
     for section, content in raw.items():
-        if section not in _TOML_KEYS or not isinstance(content, dict):
+        if section not in _SECTIONS or not isinstance(content, dict):
             raise ConfigError(f"{path}: unknown section [{section}]; expected one of "
-                              f"{', '.join('[' + s + ']' for s in _TOML_KEYS)}")
+                              f"{', '.join('[' + s + ']' for s in _SECTIONS)}")
         for key, value in content.items():
-            if key not in _TOML_KEYS[section]:
-                raise ConfigError(f"{path}: unknown key {section}.{key}; expected one of "
-                                  f"{', '.join(sorted(_TOML_KEYS[section]))}")
-            values[_TOML_KEYS[section][key]] = (f"{section}.{key}", value)
-    return validate(_from_values(values, path, complete), where=path)
-
-
-def _from_values(values: dict[str, tuple[str, Any]], path: str, complete: Completion | None = None) -> AgentConfig:
-    kwargs: dict[str, Any] = {}
-    tls: dict[str, str] = {}
-    fields = {f.name: f for f in dataclasses.fields(AgentConfig)}
-    for name, (key, value) in values.items():
-        where = f"{path}: {key}"
-        if name == "command":
-            if isinstance(value, str):
-                try:
-                    value = shlex.split(value)
-                except ValueError as e:
-                    raise ConfigError(f"{where}: cannot split {value!r} into words: {e}") from None
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ConfigError(f"{where}: must be a list of strings, e.g. [\"python\", \"train.py\"]")
-            kwargs[name] = tuple(value)
-        elif name == "rendezvous":
-            kwargs[name] = Endpoint.parse(_expect(value, str, where), where)
-        elif name == "env":
-            if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-                raise ConfigError(f"{where}: must be a table of strings, e.g. {{ NCCL_DEBUG = \"WARN\" }}")
-            kwargs[name] = tuple(sorted(value.items()))
-        elif name == "metrics_port":
-            kwargs[name] = None if value == METRICS_OFF else _expect(value, int, where)
-        elif name.startswith("tls_"):
-            tls[name[4:]] = _expect(value, str, where)
-        elif fields[name].type == "bool":
-            if not isinstance(value, bool):
-                raise ConfigError(f"{where}: {value!r} must be true or false")
-            kwargs[name] = value
-        elif fields[name].type in ("float",):
-            kwargs[name] = float(_expect(value, (int, float), where))
-        elif fields[name].type in ("int",):
-            kwargs[name] = _expect(value, int, where)
-        else:
-            kwargs[name] = _expect(value, str, where)
-    if "max_nodes" not in kwargs and "min_nodes" in kwargs:
-        kwargs["max_nodes"] = kwargs["min_nodes"]  # like --nodes N: a fixed size unless a range is given
+            option = _BY_KEY.get(f"{section}.{key}")
+            if option is None:
+                known = sorted(k.partition(".")[2] for k in _BY_KEY if k.startswith(section + "."))
+                raise ConfigError(f"{path}: unknown key {section}.{key}; expected one of {', '.join(known)}")
+            values[option.name] = _toml_value(option, value, f"{path}: {option.key}")
+    if "max_nodes" not in values and "min_nodes" in values:
+        values["max_nodes"] = values["min_nodes"]  # like --nodes N: a fixed size unless a range is given
     if complete is not None:
-        kwargs = complete(kwargs)
-    for required, key in (("command", "job.command"), ("rendezvous", "rendezvous.endpoint")):
-        if required not in kwargs:
-            raise ConfigError(f"{path}: {key} is required")
-    return AgentConfig(tls=TlsConfig(**tls), **kwargs)
+        values = complete(values)
+    for required in ("command", "rendezvous"):
+        if required not in values:
+            raise ConfigError(f"{path}: {OPTIONS[required].key} is required")
+    return validate(from_values(values), where=path)
+
+
+def _toml_value(option: Option, value: Any, where: str) -> Any:
+    if option.name == "command":
+        if isinstance(value, str):
+            try:
+                value = shlex.split(value)
+            except ValueError as e:
+                raise ConfigError(f"{where}: cannot split {value!r} into words: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: must be a list of strings, e.g. [\"python\", \"train.py\"]")
+        return tuple(value)
+    if option.name == "rendezvous":
+        return Endpoint.parse(_expect(value, str, where), where)
+    if option.name == "env":
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise ConfigError(f"{where}: must be a table of strings, e.g. {{ NCCL_DEBUG = \"WARN\" }}")
+        return tuple(sorted(value.items()))
+    if option.name == "metrics_port" and value == METRICS_OFF:
+        return None
+    default = default_of(option.name)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {value!r} must be true or false")
+        return value
+    if isinstance(default, float):
+        return float(_expect(value, (int, float), where))
+    return _expect(value, type(default) if default is not None else int, where)
 
 
 def _expect(value: Any, kind: type | tuple[type, ...], where: str) -> Any:

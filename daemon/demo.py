@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.endpoint import Endpoint
+from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.netutil import free_port
 from tfelastic.daemon.rendezvous.client import fetch_status
 from tfelastic.daemon.status import status_to_json
@@ -51,7 +52,7 @@ def run_demo(nodes: int = 2, faults: int = 1, as_json: bool = False, workdir: st
         print(json.dumps(asdict(result)))
     else:
         _print_summary(result)
-    return 0 if result.ok else 1
+    return ExitCode.SUCCEEDED if result.ok else ExitCode.FAILED
 
 
 class _Demo:

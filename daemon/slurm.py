@@ -18,7 +18,9 @@ from collections.abc import Callable, Mapping
 from itertools import product
 from typing import Any
 
-from tfelastic.daemon.config import AgentConfig, ConfigError, Endpoint
+from tfelastic.daemon.config import default_of
+from tfelastic.daemon.endpoint import Endpoint
+from tfelastic.daemon.errors import ConfigError
 
 DISABLE_ENV = "TFELASTIC_NO_SLURM"  # =1: ignore SLURM, like --no-slurm
 
@@ -29,7 +31,7 @@ PORT_JOBS = 100
 PORT_STEPS = 5
 
 TOKEN_PATH = ".tfelastic/token"  # under $HOME, which SLURM clusters share across nodes
-METRICS_PORT = AgentConfig.metrics_port  # under SLURM, task i of a node serves /metrics on this port + i
+METRICS_PORT = default_of("metrics_port")  # under SLURM, task i of a node serves /metrics on this port + i
 MAX_HOSTS = 65536  # a typo like node[1-99999999] must fail, not fill the memory
 
 # AgentConfig fields this module may fill, in the order the start log line lists them.

@@ -5,47 +5,50 @@ The JSON shape is a stable contract (docs/status-json.md); fields are only ever 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from tfelastic.daemon.netutil import host_port
-from tfelastic.daemon.rendezvous import convert
-from tfelastic.daemon.rpc import rendezvous_pb2 as pb
+from tfelastic.daemon.rendezvous.api import ClusterSnapshot, NodeSnapshot
 
 SCHEMA_VERSION = 1
 
 
-def status_to_json(status: pb.ClusterStatus) -> dict[str, Any]:
+def status_to_json(snap: ClusterSnapshot, now: float | None = None) -> dict[str, Any]:
+    """``now``: a reading of the clock the snapshot's times are on (default: this process's monotonic clock, as
+    :func:`~tfelastic.daemon.rendezvous.client.fetch_status` converts them)."""
+    now = time.monotonic() if now is None else now
     return {
         "schema_version": SCHEMA_VERSION,
-        "job": status.job,
-        "state": convert.JOB_STATE_NAMES[status.state].value if status.state else "unknown",
-        "reason": status.reason,
-        "generation": status.generation,
-        "world_size": status.world_size,
-        "min_nodes": status.min_nodes,
-        "max_nodes": status.max_nodes,
-        "max_restarts": status.max_restarts,
-        "restarts_total": status.restarts_total,
-        "restarts_by_reason": {r.reason: r.count for r in status.restarts_by_reason},
-        "nodes": [_node_json(n) for n in status.nodes],
+        "job": snap.job,
+        "state": snap.state.value if snap.state is not None else "unknown",
+        "reason": snap.reason,
+        "generation": snap.generation,
+        "world_size": snap.world_size,
+        "min_nodes": snap.min_nodes,
+        "max_nodes": snap.max_nodes,
+        "max_restarts": snap.max_restarts,
+        "restarts_total": snap.restarts_total,
+        "restarts_by_reason": dict(snap.restarts_by_reason),
+        "nodes": [_node_json(n, now) for n in snap.nodes],
     }
 
 
-def _node_json(node: pb.NodeStatus) -> dict[str, Any]:
-    progress = node.progress if node.has_progress else None
+def _node_json(node: NodeSnapshot, now: float) -> dict[str, Any]:
+    progress = node.progress
+    checkpoint_at = progress.checkpoint_at if progress else None
     return {
         "node_id": node.node_id,
         "rank": node.rank if node.rank >= 0 else None,
         "address": host_port(node.host, node.worker_port),
-        "state": node.state,
+        "state": node.state.value,
         "worker_pid": node.worker_pid or None,
         "step": progress.step if progress else None,
-        "loss": progress.loss if progress and progress.has_loss else None,
+        "loss": progress.loss if progress else None,
         "last_checkpoint_step": progress.checkpoint_step if progress and progress.checkpoint_step >= 0 else None,
-        "progress_age_seconds": round(progress.age_seconds, 3) if progress else None,
+        "progress_age_seconds": round(max(0.0, now - progress.reported_at), 3) if progress else None,
         "steps_per_second": round(progress.steps_per_second, 3) if progress else None,
-        "last_checkpoint_age_seconds": (round(progress.checkpoint_age_seconds, 3)
-                                        if progress and progress.checkpoint_age_seconds >= 0 else None),
+        "last_checkpoint_age_seconds": round(max(0.0, now - checkpoint_at), 3) if checkpoint_at is not None else None,
         "gpus": node.gpus,
         "gpu_utilization": round(node.gpu_utilization, 3) if node.gpus else None,
     }

@@ -11,7 +11,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from tfelastic.daemon.config import TlsConfig
+from tfelastic.daemon.endpoint import TlsConfig
 
 _CA_CONFIG = """\
 [ca]

@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 import psutil
-from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.rendezvous.client import fetch_status
 from tfelastic.daemon.status import status_to_json
 
@@ -68,7 +68,7 @@ class Cluster:
     trainer: Sequence[str]
     nodes: str = "2"
     extra_args: Sequence[str] = ()
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)  # None unsets a variable
     token: str | None = None
     netns_prefix: str = ""  # "tfe" runs agent i in namespace tfe-h<i+1>
     agents: list[Agent] = field(default_factory=list)
@@ -81,8 +81,9 @@ class Cluster:
         # TMPDIR keeps what a SIGKILLed agent cannot clean up (its progress socket) inside the test's folder.
         # SLURM's variables only where a test sets them: inside a SLURM job, agents would otherwise take its values.
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SLURMD_"))}
-        return dict(inherited, COUNTER_EVENTS=str(self.events_path), TFELASTIC_DEMO_EVENTS=str(self.events_path),
-                    TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp), **self.env, **(extra or {}))
+        env = dict(inherited, COUNTER_EVENTS=str(self.events_path), TFELASTIC_DEMO_EVENTS=str(self.events_path),
+                   TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp), **self.env, **(extra or {}))
+        return {name: value for name, value in env.items() if value is not None}  # None: unset it
 
     def start(self, node_id: str, *, extra: Sequence[str] = (), netns: str = "", env: Mapping[str, str] | None = None,
               placement: bool = True) -> Agent:

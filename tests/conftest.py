@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import free_port
 
 from tests.cluster import Cluster, processes_of

@@ -17,11 +17,11 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.rendezvous import api, convert
 from tfelastic.daemon.rendezvous.client import call_metadata, open_channel
+from tfelastic.daemon.rendezvous.host import CoordinatorHost, create_server
 from tfelastic.daemon.rendezvous.limits import Limits
-from tfelastic.daemon.rendezvous.server import Coordinator, create_server
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
 
@@ -100,7 +100,7 @@ class LegitAgent:
 @dataclass
 class FormedJob:
     loop: LoopThread
-    coordinator: Coordinator
+    coordinator: CoordinatorHost
     endpoint: Endpoint
     agents: list[LegitAgent]
     channel: grpc.Channel  # blocking, for the test thread
@@ -109,7 +109,7 @@ class FormedJob:
         """What bad input must not change: the job's state, generation, restarts and members."""
 
         async def read() -> api.ClusterSnapshot:
-            return self.coordinator.servicer.rendezvous.snapshot()
+            return self.coordinator.snapshot()
 
         snap = self.loop.run(read())
         return {"state": snap.state, "generation": snap.generation, "restarts_total": snap.restarts_total,
@@ -118,7 +118,7 @@ class FormedJob:
 
     def nodes(self) -> list[str]:
         async def read() -> list[str]:
-            return [n.node_id for n in self.coordinator.servicer.rendezvous.snapshot().nodes]
+            return [n.node_id for n in self.coordinator.snapshot().nodes]
 
         return self.loop.run(read())
 
@@ -173,7 +173,7 @@ def formed_job(limits: Limits | None = None) -> Iterator[FormedJob]:
     """A coordinator whose job runs generation 1 with two members, "a" and "b"."""
     loop = LoopThread()
 
-    async def start() -> tuple[Coordinator, list[LegitAgent], list[asyncio.Task[None]]]:
+    async def start() -> tuple[CoordinatorHost, list[LegitAgent], list[asyncio.Task[None]]]:
         coordinator = await create_server("127.0.0.1:0", SETTINGS, token=TOKEN, spec=SPEC, heartbeat_interval=0.2,
                                           limits=limits)
         endpoint = Endpoint("127.0.0.1", coordinator.port)
@@ -182,11 +182,11 @@ def formed_job(limits: Limits | None = None) -> Iterator[FormedJob]:
         await asyncio.wait_for(asyncio.gather(*(agent.assigned.wait() for agent in agents)), 30)
         return coordinator, agents, tasks
 
-    async def stop(coordinator: Coordinator, tasks: list[asyncio.Task[None]]) -> None:
+    async def stop(coordinator: CoordinatorHost, tasks: list[asyncio.Task[None]]) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await coordinator.stop(grace=0.1)
+        await coordinator.close(grace=0.1)
 
     coordinator, agents, tasks = loop.run(start())
     endpoint = Endpoint("127.0.0.1", coordinator.port)

@@ -1,8 +1,10 @@
-"""What the agent tells a trainer, read from the environment. Pure: importing this module imports nothing heavy.
+"""What the agent tells a trainer through its environment: the whole contract, both ways. Pure: importing this
+module imports nothing heavy.
 
-The agent sets ``TF_CONFIG`` and the ``TFELASTIC_*`` variables for every trainer it launches. Without an agent
-(a plain ``python train.py``) none is set and :meth:`TrainerEnvironment.from_env` describes a single worker, so
-the same script runs alone and under the daemon.
+The agent builds ``TF_CONFIG`` and the ``TFELASTIC_*`` variables of every trainer it launches with
+:meth:`TrainerEnvironment.to_env`; the trainer reads them back with :meth:`TrainerEnvironment.from_env`. Without an
+agent (a plain ``python train.py``) none is set and ``from_env`` describes a single worker, so the same script runs
+alone and under the daemon.
 """
 
 from __future__ import annotations
@@ -13,6 +15,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+TF_CONFIG_ENV = "TF_CONFIG"
+JOB_ENV = "TFELASTIC_JOB"
+NODE_ID_ENV = "TFELASTIC_NODE_ID"
+RANK_ENV = "TFELASTIC_RANK"
+WORLD_SIZE_ENV = "TFELASTIC_WORLD_SIZE"
+GENERATION_ENV = "TFELASTIC_GENERATION"
+RESTART_COUNT_ENV = "TFELASTIC_RESTART_COUNT"
+BACKUP_DIR_ENV = "TFELASTIC_BACKUP_DIR"
+PROGRESS_SOCKET_ENV = "TFELASTIC_PROGRESS_SOCKET"
 COLLECTIVE_ENV = "TFELASTIC_COLLECTIVE"
 COLLECTIVES = ("AUTO", "RING", "NCCL")
 
@@ -60,28 +71,43 @@ class TrainerEnvironment:
         root = self.backup_dir or os.path.join(default_root, self.job or "default")
         return os.path.join(root, *parts)
 
+    def to_env(self) -> dict[str, str]:
+        """The variables an agent sets for this trainer; :meth:`from_env` reads them back."""
+        env = {RANK_ENV: str(self.rank), WORLD_SIZE_ENV: str(self.world_size), GENERATION_ENV: str(self.generation),
+               RESTART_COUNT_ENV: str(self.restart_count)}
+        if self.workers:
+            chief, workers = (self.workers[:1], self.workers[1:]) if self.has_chief_job else ((), self.workers)
+            cluster = {"chief": list(chief), "worker": list(workers)} if chief else {"worker": list(workers)}
+            env[TF_CONFIG_ENV] = json.dumps({"cluster": cluster,
+                                             "task": {"type": self.task_type or "worker", "index": self.task_index}})
+        for name, value in ((JOB_ENV, self.job), (NODE_ID_ENV, self.node_id), (BACKUP_DIR_ENV, self.backup_dir),
+                            (PROGRESS_SOCKET_ENV, self.progress_socket)):
+            if value:
+                env[name] = value
+        return env
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TrainerEnvironment:
         env = os.environ if environ is None else environ
-        cluster = _parse_tf_config(env.get("TF_CONFIG"))
+        cluster = _parse_tf_config(env.get(TF_CONFIG_ENV))
         rank = cluster.rank if cluster else 0
         world = len(cluster.workers) if cluster else 1
-        rank = _int(env, "TFELASTIC_RANK", rank, minimum=0)
-        world = _int(env, "TFELASTIC_WORLD_SIZE", world, minimum=1)
+        rank = _int(env, RANK_ENV, rank, minimum=0)
+        world = _int(env, WORLD_SIZE_ENV, world, minimum=1)
         if rank >= world:
-            raise TrainerEnvironmentError(f"TFELASTIC_RANK={rank} is not below TFELASTIC_WORLD_SIZE={world}")
+            raise TrainerEnvironmentError(f"{RANK_ENV}={rank} is not below {WORLD_SIZE_ENV}={world}")
         if cluster and (cluster.rank != rank or len(cluster.workers) != world):
             raise TrainerEnvironmentError(
-                f"TF_CONFIG (task {cluster.rank} of {len(cluster.workers)}) disagrees with TFELASTIC_RANK={rank} "
-                f"and TFELASTIC_WORLD_SIZE={world}: the agent sets both; do not override one of them")
+                f"TF_CONFIG (task {cluster.rank} of {len(cluster.workers)}) disagrees with {RANK_ENV}={rank} "
+                f"and {WORLD_SIZE_ENV}={world}: the agent sets both; do not override one of them")
         return cls(
             rank=rank, world_size=world,
-            generation=_int(env, "TFELASTIC_GENERATION", 0, minimum=0),
-            restart_count=_int(env, "TFELASTIC_RESTART_COUNT", 0, minimum=0),
-            backup_dir=env.get("TFELASTIC_BACKUP_DIR") or None,
-            progress_socket=env.get("TFELASTIC_PROGRESS_SOCKET") or None,
-            job=env.get("TFELASTIC_JOB") or None,
-            node_id=env.get("TFELASTIC_NODE_ID") or None,
+            generation=_int(env, GENERATION_ENV, 0, minimum=0),
+            restart_count=_int(env, RESTART_COUNT_ENV, 0, minimum=0),
+            backup_dir=env.get(BACKUP_DIR_ENV) or None,
+            progress_socket=env.get(PROGRESS_SOCKET_ENV) or None,
+            job=env.get(JOB_ENV) or None,
+            node_id=env.get(NODE_ID_ENV) or None,
             task_type=cluster.task_type if cluster else None,
             task_index=cluster.task_index if cluster else 0,
             workers=cluster.workers if cluster else (),

@@ -1,17 +1,71 @@
-"""What the agent promises the outside world: its exit codes (the trainer's variables: README.md)."""
+"""The agent's contracts: the actions its core decides and the shell carries out, what the shell tells the core
+back about a stopped worker, and the agent's errors.
+
+The core (:mod:`tfelastic.daemon.agent.core`) is pure: each of its inputs returns a list of these actions, and
+the asyncio shell (:mod:`tfelastic.daemon.agent.agent`) performs them in order.
+"""
 
 from __future__ import annotations
 
-import enum
+from dataclasses import dataclass
 
-from tfelastic.daemon.config import EX_CONFIG
+from tfelastic.daemon.exit_codes import ExitCode
+from tfelastic.daemon.rendezvous import api
 
 
-class ExitCode(enum.IntEnum):
-    SUCCEEDED = 0  # the job succeeded, or the agent was stopped on purpose (SIGTERM) and left cleanly
-    FAILED = 1  # the job failed (restart budget, join timeout) or the coordinator stayed unreachable
-    CONFIG = EX_CONFIG  # bad configuration, wrong token, or a job spec the coordinator refused
+@dataclass(frozen=True)
+class Send:
+    """Queue a message on the current session."""
 
+    message: api.AgentMessage
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Start the worker of this assignment. The shell answers with ``worker_started`` or ``launch_failed``, and
+    later ``worker_exited``."""
+
+    assignment: api.Assignment
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop the worker (SIGTERM, ``stop_grace`` if planned else ``failure_stop_grace``, SIGKILL of the tree). The
+    shell answers with ``worker_stopped`` once every process is gone."""
+
+    reason: str
+    planned: bool
+
+
+@dataclass(frozen=True)
+class HangUp:
+    """Close the sending side of the session: nothing more to say (the job ended, or the agent left)."""
+
+
+@dataclass(frozen=True)
+class DropSession:
+    """Give up on the session at once: the coordinator is silent, so this node fences itself."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Announce:
+    """Tell the service manager what the agent does (systemd's STATUS=); ``ready``: READY=1."""
+
+    status: str
+    ready: bool = False
+
+
+Action = Send | Launch | Stop | HangUp | DropSession | Announce
+
+
+@dataclass(frozen=True)
+class StopResult:
+    """How a stop ended."""
+
+    returncode: int | None  # the keeper's, None if no worker had been started
+    exited_before_stop: bool  # it had ended by itself before it was signalled
 
 
 class FatalSessionError(Exception):
@@ -20,3 +74,7 @@ class FatalSessionError(Exception):
     def __init__(self, message: str, exit_code: ExitCode) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class SessionLost(Exception):
+    """The session with the coordinator broke, or the coordinator fell silent: retry (and fence)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -122,10 +121,6 @@ class Assignment:
     members: tuple[Member, ...]
     restart_count: int
 
-    def tf_config(self) -> str:
-        """The ``TF_CONFIG`` of this rank: every worker in rank order, rank 0 being the chief."""
-        cluster = {"worker": [m.address for m in self.members]}
-        return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": self.rank}})
 
 
 @dataclass(frozen=True)
@@ -137,6 +132,57 @@ class WorkerProgress:
     reported_at: float = 0.0  # on the coordinator's clock
     steps_per_second: float = 0.0
     checkpoint_at: float | None = None  # on the coordinator's clock
+
+
+# What an agent sends the coordinator on its session.
+@dataclass(frozen=True)
+class Join:
+    """The first message of a session, and again after each stop: it confirms the old worker is gone."""
+
+    node: NodeInfo
+    spec: JobSpec
+    restart_count: int = 0  # the restart count the agent saw, so that a restarted coordinator continues it
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent both ways every heartbeat_interval when there is nothing else to say."""
+
+
+class WorkerStatus(enum.Enum):
+    RUNNING = "running"  # started (its pid), or progress
+    SUCCEEDED = "succeeded"  # the trainer exited 0
+    FAILED = "failed"  # the trainer exited non-zero, or could not be started
+    STALLED = "stalled"  # no progress for the stall timeout
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    generation: int
+    status: WorkerStatus
+    pid: int = 0
+    exit_code: int = 0
+    detail: str = ""
+    progress: WorkerProgress | None = None
+    gpus: int = 0  # GPUs NVML sees on the node
+    gpu_utilization: float = 0.0  # their mean utilization, 0..1
+
+
+@dataclass(frozen=True)
+class Leave:
+    reason: str
+
+
+AgentMessage = Join | Heartbeat | WorkerReport | Leave
+
+
+@dataclass(frozen=True)
+class DrainRequest:
+    """An operator's ``tfelastic drain``."""
+
+    node_id: str
+    reason: str
+    force: bool = False
 
 
 # Orders from the coordinator to one agent. The servicer pushes each down that agent's stream.
@@ -175,6 +221,7 @@ class Evict:
 
 
 Order = Waiting | Assignment | StopWorkers | Finished | DrainNode | Evict
+CoordinatorMessage = Order | Heartbeat  # what an agent reads off its session (an Evict closes it instead)
 
 
 @dataclass(frozen=True)
@@ -199,7 +246,7 @@ class NodeSnapshot:
 @dataclass(frozen=True)
 class ClusterSnapshot:
     job: str
-    state: JobState
+    state: JobState | None  # None: a status that carried none
     reason: str
     generation: int
     world_size: int

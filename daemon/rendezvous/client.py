@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import logging
-import re
-from collections.abc import Callable
+import time
 
 import grpc
 from tfelastic.daemon.auth import bearer, channel_credentials
-from tfelastic.daemon.config import Endpoint, TlsConfig
+from tfelastic.daemon.endpoint import Endpoint, TlsConfig
+from tfelastic.daemon.rendezvous import api, convert
 from tfelastic.daemon.rendezvous.limits import Limits
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
-
-log = logging.getLogger("tfelastic.agent")
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", Limits().max_response_bytes),
@@ -36,12 +33,13 @@ def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 async def fetch_status(endpoint: Endpoint, token: str | None, tls: TlsConfig | None = None,
-                       timeout: float = 5.0) -> pb.ClusterStatus:
+                       timeout: float = 5.0) -> api.ClusterSnapshot:
+    """The cluster as the coordinator sees it; its times are readings of this process's monotonic clock."""
     async with open_channel(endpoint, tls) as channel:
         stub = pb_grpc.RendezvousStub(channel)  # type: ignore[no-untyped-call]
         status: pb.ClusterStatus = await stub.GetStatus(pb.StatusRequest(), metadata=call_metadata(token),
                                                         timeout=timeout)
-        return status
+        return convert.status_from_proto(status, time.monotonic())
 
 
 async def drain_node(endpoint: Endpoint, token: str | None, tls: TlsConfig | None, node_id: str, reason: str,
@@ -60,69 +58,3 @@ async def restart_job(endpoint: Endpoint, token: str | None, tls: TlsConfig | No
         reply: pb.OperatorReply = await stub.RestartJob(pb.RestartJobRequest(reason=reason),
                                                         metadata=call_metadata(token), timeout=timeout)
         return reply.detail
-
-
-# ----------------------------------------------------------------------------------- TLS handshake failures
-
-_SSL_REASON = re.compile(r"OPENSSL_internal:([A-Z_]+)(?:: ([^:]+))?")
-TLS_GIVE_UP_SECONDS = 30.0
-_TLS_HINT_EVERY = 10.0
-
-
-def handshake_problem(error: str, tls_enabled: bool) -> str | None:
-    """What a failed connection says about TLS, in words an operator can act on; None if it is not about TLS.
-
-    gRPC reports every handshake failure as UNAVAILABLE. When this side refused the coordinator's certificate,
-    its details carry OpenSSL's reason. When the coordinator refused this side (a client certificate it does
-    not accept, none, or plain text where it wants TLS), the client only sees the connection closed while it
-    was being set up ("Socket closed"), so that diagnosis is a likely one, not a certain one.
-    """
-    if "handshake failed" in error.lower():
-        found = _SSL_REASON.search(error)
-        reason = ": ".join(g for g in found.groups() if g) if found else "no reason given"
-        if found and found.group(1) == "WRONG_VERSION_NUMBER":
-            return (f"the coordinator does not speak TLS ({reason}): it runs without --tls-cert, or something "
-                    "else listens on its port")
-        return (f"this node cannot verify the coordinator's certificate ({reason}): check that --tls-ca holds the "
-                "CA that signed it, that it names the rendezvous host, and that it has not expired")
-    if "failed to connect" in error and "socket closed" in error.lower():
-        if tls_enabled:
-            return ("the coordinator closed the connection during the TLS handshake: it probably refused this "
-                    "node's certificate (expired, not signed by the coordinator's --tls-ca, or missing: with mutual "
-                    "TLS pass --tls-cert and --tls-key)")
-        return ("the coordinator closed the connection during set-up: it probably requires TLS; pass --tls-ca "
-                "(and --tls-cert/--tls-key for mutual TLS)")
-    return None
-
-
-class HandshakeFailures:
-    """Decides when an agent stops retrying a coordinator that it cannot complete a TLS handshake with.
-
-    A certificate that cannot be verified does not fix itself, so waiting out join_timeout (10 minutes by
-    default) only hides the problem. After min(TLS_GIVE_UP_SECONDS, join_timeout) with no message from the
-    coordinator and nothing but handshake failures, the agent gives up as on a wrong token (exit 78). Until
-    then it logs the diagnosis at once and every 10 s, and keeps retrying: a certificate may be mid-rotation.
-    Any other kind of failure (the coordinator is down) leaves the decision to join_timeout.
-    """
-
-    def __init__(self, tls_enabled: bool, join_timeout: float, clock: Callable[[], float]) -> None:
-        self._tls = tls_enabled
-        self._give_up_after = min(TLS_GIVE_UP_SECONDS, join_timeout)
-        self._clock = clock
-        self._other_failure_after: float | None = None  # the last contact before a failure not about TLS
-        self._logged_at: float | None = None
-
-    def failed(self, error: str, last_contact: float) -> str | None:
-        """Records one lost session; returns the message to exit with, or None to retry."""
-        problem = handshake_problem(error, self._tls)
-        if problem is None:
-            self._other_failure_after = last_contact
-            return None
-        now = self._clock()
-        if self._logged_at is None or self._logged_at < last_contact or now - self._logged_at >= _TLS_HINT_EVERY:
-            log.error("TLS problem with the coordinator: %s", problem)
-            self._logged_at = now
-        if self._other_failure_after != last_contact and now - last_contact >= self._give_up_after:
-            return (f"giving up after {self._give_up_after:g}s of failed TLS handshakes with the coordinator: "
-                    f"{problem}")
-        return None

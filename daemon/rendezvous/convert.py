@@ -1,4 +1,10 @@
-"""Translation between the rendezvous API types and the ``tfelastic.v1`` messages. No logic lives here."""
+"""The only border between the ``tfelastic.v1`` messages and the rendezvous API types, both ways, for every message:
+joins, heartbeats, reports with their progress, leaves, every order, the operator requests and the cluster status.
+
+No logic lives here. Times travel as ages (``age_seconds``), because the two ends do not share a clock: a side
+that sends turns its own clock readings into ages (``now``), and the side that receives turns them back into
+readings of its own clock.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +21,16 @@ JOB_STATES = {
     api.JobState.FAILED: pb.JOB_STATE_FAILED,
 }
 JOB_STATE_NAMES = {v: k for k, v in JOB_STATES.items()}
-
-
+WORKER_STATUSES = {
+    api.WorkerStatus.RUNNING: pb.WORKER_STATUS_RUNNING,
+    api.WorkerStatus.SUCCEEDED: pb.WORKER_STATUS_SUCCEEDED,
+    api.WorkerStatus.FAILED: pb.WORKER_STATUS_FAILED,
+    api.WorkerStatus.STALLED: pb.WORKER_STATUS_STALLED,
+}
+_WORKER_STATUS_NAMES = {v: k for k, v in WORKER_STATUSES.items()}
+_NODE_STATES = {s.value: s for s in api.NodeState}
 _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(api.JobSpec))  # the same names in the proto
+_HEARTBEAT = pb.Heartbeat()
 
 
 def spec_to_proto(spec: api.JobSpec) -> pb.JobSpec:
@@ -28,8 +41,86 @@ def spec_from_proto(msg: pb.JobSpec) -> api.JobSpec:
     return api.JobSpec(**{name: getattr(msg, name) for name in _SPEC_FIELDS})
 
 
-def order_to_proto(order: api.Order, template: pb.Assignment | None = None) -> pb.CoordinatorMessage:
+# ------------------------------------------------------------------------------------------ agent messages
+
+
+def agent_message_to_proto(message: api.AgentMessage, now: float) -> pb.AgentMessage:
+    if isinstance(message, api.Heartbeat):
+        return pb.AgentMessage(heartbeat=_HEARTBEAT)
+    if isinstance(message, api.WorkerReport):
+        return pb.AgentMessage(report=report_to_proto(message, now))
+    if isinstance(message, api.Leave):
+        return pb.AgentMessage(leave=pb.Leave(reason=message.reason))
+    node = message.node
+    return pb.AgentMessage(join=pb.Join(
+        node_id=node.node_id, spec=spec_to_proto(message.spec), host=node.host, worker_port=node.worker_port,
+        last_generation=node.last_generation, restart_count=message.restart_count, incarnation=node.incarnation,
+        last_rank=node.last_rank))
+
+
+def agent_message_from_proto(message: pb.AgentMessage, now: float) -> api.AgentMessage:
+    """Raises ProtocolError for a message with no kind (the bounds of each field: bounds.check_message)."""
+    kind = message.WhichOneof("kind")
+    if kind == "join":
+        return join_from_proto(message.join)
+    if kind == "heartbeat":
+        return api.Heartbeat()
+    if kind == "report":
+        return report_from_proto(message.report, now)
+    if kind == "leave":
+        return api.Leave(message.leave.reason)
+    raise api.ProtocolError(f"unexpected message {kind!r}")
+
+
+def join_from_proto(join: pb.Join) -> api.Join:
+    node = api.NodeInfo(join.node_id, join.host, join.worker_port, join.incarnation, join.last_generation,
+                        join.last_rank)
+    return api.Join(node, spec_from_proto(join.spec), join.restart_count)
+
+
+def report_to_proto(report: api.WorkerReport, now: float) -> pb.WorkerReport:
+    message = pb.WorkerReport(generation=report.generation, status=WORKER_STATUSES[report.status], pid=report.pid,
+                              exit_code=report.exit_code, detail=report.detail, gpus=report.gpus,
+                              gpu_utilization=report.gpu_utilization)
+    if report.progress is not None:
+        message.has_progress = True
+        message.progress.CopyFrom(progress_to_proto(report.progress, now))
+    return message
+
+
+def report_from_proto(report: pb.WorkerReport, now: float) -> api.WorkerReport:
+    return api.WorkerReport(
+        generation=report.generation, status=_WORKER_STATUS_NAMES.get(report.status, api.WorkerStatus.RUNNING),
+        pid=report.pid, exit_code=report.exit_code, detail=report.detail,
+        progress=progress_from_proto(report.progress, now) if report.has_progress else None,
+        gpus=report.gpus, gpu_utilization=report.gpu_utilization)
+
+
+def progress_to_proto(progress: api.WorkerProgress, now: float) -> pb.Progress:
+    return pb.Progress(
+        step=progress.step, examples=progress.examples, loss=progress.loss or 0.0,
+        has_loss=progress.loss is not None, age_seconds=max(0.0, now - progress.reported_at),
+        checkpoint_step=progress.checkpoint_step, steps_per_second=progress.steps_per_second,
+        checkpoint_age_seconds=-1.0 if progress.checkpoint_at is None else max(0.0, now - progress.checkpoint_at),
+    )
+
+
+def progress_from_proto(progress: pb.Progress, now: float) -> api.WorkerProgress:
+    checkpoint_age = progress.checkpoint_age_seconds
+    return api.WorkerProgress(
+        step=progress.step, examples=progress.examples, loss=progress.loss if progress.has_loss else None,
+        checkpoint_step=progress.checkpoint_step, reported_at=now - progress.age_seconds,
+        steps_per_second=progress.steps_per_second,
+        checkpoint_at=now - checkpoint_age if checkpoint_age >= 0 else None)
+
+
+# ---------------------------------------------------------------------------------------------- orders
+
+
+def order_to_proto(order: api.Order | api.Heartbeat, template: pb.Assignment | None = None) -> pb.CoordinatorMessage:
     """``template``: :func:`assignment_template` of the same generation, to reuse its member list."""
+    if isinstance(order, api.Heartbeat):
+        return pb.CoordinatorMessage(heartbeat=_HEARTBEAT)
     if isinstance(order, api.Assignment):
         message = pb.CoordinatorMessage()
         message.assignment.CopyFrom(template if template is not None else assignment_template(order))
@@ -49,6 +140,30 @@ def order_to_proto(order: api.Order, template: pb.Assignment | None = None) -> p
     raise TypeError(f"{order!r} has no wire form")  # Evict closes the stream instead
 
 
+def coordinator_message_from_proto(message: pb.CoordinatorMessage) -> api.CoordinatorMessage:
+    """What an agent reads off its session. Raises ProtocolError for a message with no kind it knows, or a stop
+    for a reason it does not know (a newer coordinator)."""
+    kind = message.WhichOneof("kind")
+    if kind == "heartbeat":
+        return api.Heartbeat()
+    if kind == "assignment":
+        return assignment_from_proto(message.assignment)
+    if kind == "stop":
+        try:
+            reason = api.RestartReason(message.stop.reason)
+        except ValueError:
+            raise api.ProtocolError(f"a stop order for an unknown reason {message.stop.reason[:64]!r}") from None
+        return api.StopWorkers(message.stop.generation, reason)
+    if kind == "finished":
+        return api.Finished(JOB_STATE_NAMES.get(message.finished.state, api.JobState.FAILED), message.finished.reason)
+    if kind == "waiting":
+        w = message.waiting
+        return api.Waiting(w.joined, w.min_nodes, w.max_nodes, w.detail)
+    if kind == "drain":
+        return api.DrainNode(message.drain.reason)
+    raise api.ProtocolError(f"unexpected message {kind!r} from the coordinator")
+
+
 def assignment_template(order: api.Assignment) -> pb.Assignment:
     """Everything of an Assignment but the rank. Every member gets the whole member list (TF_CONFIG names every
     worker), so building it once per generation instead of once per member saves O(nodes^2) work."""
@@ -63,13 +178,11 @@ def assignment_from_proto(msg: pb.Assignment) -> api.Assignment:
     return api.Assignment(msg.generation, msg.rank, msg.world_size, members, msg.restart_count)
 
 
-def progress_to_proto(progress: api.WorkerProgress, now: float) -> pb.Progress:
-    return pb.Progress(
-        step=progress.step, examples=progress.examples, loss=progress.loss or 0.0,
-        has_loss=progress.loss is not None, age_seconds=max(0.0, now - progress.reported_at),
-        checkpoint_step=progress.checkpoint_step, steps_per_second=progress.steps_per_second,
-        checkpoint_age_seconds=-1.0 if progress.checkpoint_at is None else max(0.0, now - progress.checkpoint_at),
-    )
+# ------------------------------------------------------------------------------------ operators and status
+
+
+def drain_from_proto(request: pb.DrainRequest) -> api.DrainRequest:
+    return api.DrainRequest(request.node_id, request.reason, request.force)
 
 
 def status_to_proto(snap: api.ClusterSnapshot, now: float) -> pb.ClusterStatus:
@@ -83,9 +196,31 @@ def status_to_proto(snap: api.ClusterSnapshot, now: float) -> pb.ClusterStatus:
             node.has_progress = True
         nodes.append(node)
     return pb.ClusterStatus(
-        job=snap.job, state=JOB_STATES[snap.state], reason=snap.reason, generation=snap.generation,
-        world_size=snap.world_size, min_nodes=snap.min_nodes, max_nodes=snap.max_nodes,
+        job=snap.job, state=JOB_STATES[snap.state] if snap.state else pb.JOB_STATE_UNSPECIFIED, reason=snap.reason,
+        generation=snap.generation, world_size=snap.world_size, min_nodes=snap.min_nodes, max_nodes=snap.max_nodes,
         restarts_total=snap.restarts_total, max_restarts=snap.max_restarts, nodes=nodes,
         restarts_by_reason=[pb.RestartCount(reason=r, count=c)
                             for r, c in sorted(snap.restarts_by_reason.items())],
     )
+
+
+def _node_state(node: pb.NodeStatus) -> api.NodeState:
+    try:
+        return _NODE_STATES[node.state]
+    except KeyError:
+        raise api.ProtocolError(f"node {node.node_id[:64]!r} is in state {node.state[:32]!r}, which this version of "
+                                "tfelastic does not know: use the coordinator's version") from None
+
+
+def status_from_proto(status: pb.ClusterStatus, now: float) -> api.ClusterSnapshot:
+    """``state`` is None for a status without one. Raises ProtocolError for a node state this version does not
+    know (a newer coordinator: agents and tools of one job must run one version)."""
+    nodes = tuple(api.NodeSnapshot(
+        n.node_id, n.rank, n.host, n.worker_port, _node_state(n), n.worker_pid,
+        progress_from_proto(n.progress, now) if n.has_progress else None, n.gpus, n.gpu_utilization,
+    ) for n in status.nodes)
+    return api.ClusterSnapshot(
+        job=status.job, state=JOB_STATE_NAMES.get(status.state), reason=status.reason, generation=status.generation,
+        world_size=status.world_size, min_nodes=status.min_nodes, max_nodes=status.max_nodes,
+        max_restarts=status.max_restarts, restarts_total=status.restarts_total,
+        restarts_by_reason={r.reason: r.count for r in status.restarts_by_reason}, nodes=nodes)

@@ -12,8 +12,7 @@ that has the token, or not) cannot exhaust it. Every limit is listed in docs/con
   - a token bucket per Session; a session that floods is ended with RESOURCE_EXHAUSTED, and the coordinator
     treats that like a lost connection;
   - a token bucket per peer address for unary calls (GetStatus, the operator commands, health checks);
-  - every field of WorkerReport and Leave is bounded (:func:`check_message`). Join is range-checked by
-    ``server.validate_join``.
+  - every field of every message is bounded (:func:`tfelastic.daemon.rendezvous.bounds.check_message`).
 
 The buckets run on an injected clock: tests/unit/test_limits.py drives them without sleeping.
 """
@@ -22,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from tfelastic.daemon.rendezvous import api
+from tfelastic.daemon.rendezvous.bounds import check_message
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 
 if TYPE_CHECKING:  # the grpc classes are generic only in their stubs
@@ -47,15 +46,7 @@ Clock = Callable[[], float]
 Behavior = Callable[..., Any]
 SESSION_METHOD = "/tfelastic.v1.Rendezvous/Session"
 
-# Field bounds. The largest legitimate request is a Join: ids and names of at most 128 characters, a host of
-# 255, a backup_dir of 4096 and a 32-byte digest, about 4.7 KiB with the field tags. MAX_REQUEST_BYTES leaves
-# more than 10x room for that and for fields a newer agent may add.
-MAX_DETAIL_CHARS = 4096  # WorkerReport.detail
-MAX_REASON_CHARS = 1024  # Leave.reason
-MAX_GPUS = 4096
-MAX_GENERATION = 1 << 53  # far beyond any job, and exact in every field it reaches
-MAX_SECONDS = 1e9  # about 31 years: any age or duration beyond it is not a clock reading
-MAX_REQUEST_BYTES = 64 * 1024
+MAX_REQUEST_BYTES = 64 * 1024  # more than 10x the largest legitimate request, a Join (rendezvous/bounds.py)
 
 
 class LimitExceededError(api.RendezvousError):
@@ -184,46 +175,6 @@ class SessionGate:
 
     def release(self) -> None:
         self.open -= 1
-
-
-# ------------------------------------------------------------------------------------------- field bounds
-
-
-def check_message(message: pb.AgentMessage) -> None:
-    """Refuses (ProtocolError, naming each field) a WorkerReport or Leave that no agent sends: out-of-range
-    numbers, non-finite clock readings, oversized text. Values that come from the trainer (step, loss, examples)
-    pass as they are: a diverged loss is NaN, and that is news, not an attack."""
-    kind = message.WhichOneof("kind")
-    problems: list[str] = []
-    if kind == "report":
-        problems = _report_problems(message.report)
-    elif kind == "leave" and len(message.leave.reason) > MAX_REASON_CHARS:
-        problems = [f"reason has {len(message.leave.reason)} characters, more than {MAX_REASON_CHARS}"]
-    if problems:
-        raise api.ProtocolError(f"invalid {type(getattr(message, kind)).__name__}: " + "; ".join(problems))
-
-
-def _report_problems(report: pb.WorkerReport) -> list[str]:
-    problems = []
-    if report.generation > MAX_GENERATION:
-        problems.append(f"generation {report.generation} is out of range")
-    if report.pid < 0:
-        problems.append(f"pid {report.pid} is negative")
-    if len(report.detail) > MAX_DETAIL_CHARS:
-        problems.append(f"detail has {len(report.detail)} characters, more than {MAX_DETAIL_CHARS}")
-    if report.gpus > MAX_GPUS:
-        problems.append(f"gpus {report.gpus} is more than {MAX_GPUS}")
-    if not 0.0 <= report.gpu_utilization <= 1.0:  # NaN fails too
-        problems.append(f"gpu_utilization {report.gpu_utilization} is not in 0..1")
-    p = report.progress
-    if not 0.0 <= p.age_seconds <= MAX_SECONDS:
-        problems.append(f"progress.age_seconds {p.age_seconds} is not in 0..{MAX_SECONDS:g}")
-    if not (p.checkpoint_age_seconds == -1.0 or 0.0 <= p.checkpoint_age_seconds <= MAX_SECONDS):
-        problems.append(f"progress.checkpoint_age_seconds {p.checkpoint_age_seconds} is neither -1 nor in "
-                        f"0..{MAX_SECONDS:g}")
-    if not math.isfinite(p.steps_per_second):
-        problems.append(f"progress.steps_per_second {p.steps_per_second} is not finite")
-    return problems
 
 
 # ---------------------------------------------------------------------------------------------- interceptor

@@ -53,6 +53,8 @@ from tfelastic.daemon.rendezvous.api import (
     UnknownNodeError,
     Waiting,
     WorkerProgress,
+    WorkerReport,
+    WorkerStatus,
 )
 
 Clock = Callable[[], float]
@@ -142,6 +144,23 @@ class Rendezvous:
         node = self._nodes.get(node_id)
         if node is not None:
             node.gpus, node.gpu_utilization = gpus, utilization
+
+    def report(self, node_id: str, report: WorkerReport) -> list[Send]:
+        """What a member's agent says about its worker: its pid, GPUs and progress, and how it ended."""
+        generation = report.generation
+        if report.pid:
+            self.worker_started(node_id, generation, report.pid)
+        self.node_gpus(node_id, report.gpus, min(max(report.gpu_utilization, 0.0), 1.0))
+        if report.progress is not None:
+            self.progress(node_id, generation, report.progress)
+        if report.status is WorkerStatus.SUCCEEDED:
+            return self.worker_succeeded(node_id, generation)
+        if report.status is WorkerStatus.FAILED:
+            detail = report.detail or f"trainer exited with code {report.exit_code}"
+            return self.worker_failed(node_id, generation, RestartReason.WORKER_EXIT, detail)
+        if report.status is WorkerStatus.STALLED:
+            return self.worker_failed(node_id, generation, RestartReason.STALLED, report.detail or "stalled")
+        return []
 
     def worker_succeeded(self, node_id: str, generation: int) -> list[Send]:
         is_chief = bool(self._members) and self._members[0] == node_id

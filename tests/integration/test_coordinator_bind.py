@@ -16,8 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 from tfelastic.daemon.netutil import bind_addresses, free_port
-from tfelastic.daemon.rendezvous import api, server
-from tfelastic.daemon.rendezvous.server import BindError, create_server
+from tfelastic.daemon.rendezvous import api, bind
+from tfelastic.daemon.rendezvous.bind import BindError
+from tfelastic.daemon.rendezvous.host import create_server
 
 pytestmark = pytest.mark.integration
 
@@ -47,12 +48,12 @@ def listens(address: str, port: int) -> bool:
 @pytest.mark.parametrize("taken", ["127.0.0.1", "::1"])
 def test_a_coordinator_does_not_settle_for_part_of_its_endpoint(taken: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # A rival that binds between the pre-check and our bind: the pre-check sees a free port.
-    monkeypatch.setattr(server, "_endpoint_taken", lambda addresses, port: False)
+    monkeypatch.setattr(bind, "_endpoint_taken", lambda addresses, port: False)
     port = free_port()
 
     async def host() -> None:
         coordinator = await create_server(f"localhost:{port}", api.RendezvousSettings())
-        await coordinator.stop()
+        await coordinator.close()
 
     with listening(taken, port), pytest.raises(BindError, match=f"cannot listen on localhost:{port}"):
         asyncio.run(host())
@@ -67,7 +68,7 @@ def test_a_coordinator_on_localhost_listens_on_both_loopbacks() -> None:
         try:
             return coordinator.port, listens("127.0.0.1", coordinator.port), listens("::1", coordinator.port)
         finally:
-            await coordinator.stop()
+            await coordinator.close()
 
     port, ipv4, ipv6 = asyncio.run(host())
     assert port > 0 and ipv4 and ipv6
@@ -84,7 +85,7 @@ def _contend(port: int, start: multiprocessing.synchronize.Barrier, done: multip
             return
         won.put(True)
         await asyncio.get_running_loop().run_in_executor(None, done.wait)
-        await coordinator.stop()
+        await coordinator.close()
 
     asyncio.run(contend())
 

@@ -17,8 +17,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tfelastic.daemon.rendezvous import api, convert
-from tfelastic.daemon.rendezvous.limits import MAX_REQUEST_BYTES, Limits, check_message
-from tfelastic.daemon.rendezvous.server import validate_join
+from tfelastic.daemon.rendezvous.bounds import check_message, validate_join
+from tfelastic.daemon.rendezvous.limits import MAX_REQUEST_BYTES, Limits
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 
 from tests.fuzz_strategies import LEAVES, MESSAGES, PAYLOADS, REPORTS

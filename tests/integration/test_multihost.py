@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.endpoint import Endpoint
 
 from tests.cluster import COUNTER, FORM_WITH_ALL, Cluster, alive, members, wait_for
 from tests.conftest import ClusterFactory

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tfelastic.daemon.config import Endpoint
+from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import port_taken
 from tfelastic.daemon.slurm import rendezvous_port
 

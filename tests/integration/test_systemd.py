@@ -32,7 +32,7 @@ from typing import Any
 
 import psutil
 import pytest
-from tfelastic.daemon.config import EX_CONFIG
+from tfelastic.daemon.exit_codes import EX_CONFIG
 from tfelastic.daemon.netutil import free_port
 
 from tests.cluster import COUNTER, ROOT, wait_for

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tfelastic.daemon.config import Endpoint, TlsConfig
+from tfelastic.daemon.endpoint import Endpoint, TlsConfig
 from tfelastic.daemon.netutil import free_port
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.rendezvous.client import call_metadata, fetch_status, open_channel
-from tfelastic.daemon.rendezvous.server import create_server
+from tfelastic.daemon.rendezvous.host import create_server
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
 
@@ -145,17 +145,17 @@ def run_against(certs: Certificates, case: Case) -> tuple[Outcome, Outcome, Outc
                 joined = asyncio.Event()
                 member = asyncio.create_task(hold_session(endpoint, good, "member", joined))
                 await asyncio.wait_for(joined.wait(), 20)
-            before = nodes(coordinator.servicer.rendezvous.snapshot())
+            before = nodes(coordinator.snapshot())
             bad = client_tls(certs, case.client)
             session = await open_session(endpoint, bad, "intruder")
             status = await get_status(endpoint, bad)
-            after = nodes(coordinator.servicer.rendezvous.snapshot())
+            after = nodes(coordinator.snapshot())
             control = await get_status(endpoint, good) if good is not None else Outcome(grpc.StatusCode.OK, "")
             if good is not None:
                 member.cancel()
             return session, status, control, before, after
         finally:
-            await coordinator.stop()
+            await coordinator.close()
 
     return asyncio.run(scenario())
 
@@ -188,7 +188,7 @@ def test_good_peers_get_in(certs: Certificates, server: str, client: str) -> Non
             return (await open_session(endpoint, client_tls(certs, client), "newcomer"),
                     await get_status(endpoint, client_tls(certs, client)))
         finally:
-            await coordinator.stop()
+            await coordinator.close()
 
     session, status = asyncio.run(scenario())
     assert session == Outcome(grpc.StatusCode.OK, "waiting")  # joined: the coordinator answered the Join

@@ -3,7 +3,6 @@ message names the option (a flag, or the file and its key)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import textwrap
@@ -11,19 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tfelastic.daemon.config import (
-    EX_CONFIG,
-    AgentConfig,
-    ConfigError,
-    Endpoint,
-    TlsConfig,
-    load_toml,
-    parse_nodes,
-    read_token,
-    validate,
-)
+from tfelastic.daemon.config import OPTIONS, AgentConfig, from_values, load_toml, parse_nodes, read_token, validate
+from tfelastic.daemon.endpoint import Endpoint
+from tfelastic.daemon.errors import ConfigError
+from tfelastic.daemon.exit_codes import EX_CONFIG
 
-BASE = AgentConfig(command=("python", "train.py"), rendezvous=Endpoint("127.0.0.1", 29400), node_id="node-a")
+BASE = from_values({"command": ("python", "train.py"), "rendezvous": Endpoint("127.0.0.1", 29400),
+                    "node_id": "node-a"})
 
 
 def test_ex_config_is_78() -> None:
@@ -133,8 +126,8 @@ def test_validate_returns_a_valid_config_unchanged() -> None:
     ({"job": ""}, "--job: '' must be non-empty letters, digits, '-', '_' or '.'"),
     ({"job": "my job"}, "--job: 'my job' must be non-empty letters, digits, '-', '_' or '.'"),
     ({"job": "a/b"}, "--job: 'a/b' must be non-empty"),
-    ({"node_id": ""}, "--node-id: '' must be non-empty without spaces"),
-    ({"node_id": "node a"}, "--node-id: 'node a' must be non-empty without spaces"),
+    ({"node_id": ""}, "--node-id: '' must be 1-128 letters, digits, '.', '_', ':', '@' or '-'"),
+    ({"node_id": "node a"}, "--node-id: 'node a' must be 1-128 letters, digits, '.', '_', ':', '@' or '-'"),
     ({"worker_port": 65536}, "--worker-port: 65536 is out of range 0-65535"),
     ({"worker_port": -1}, "--worker-port: -1 is out of range 0-65535"),
     ({"max_restarts": -1}, "--max-restarts: -1 must be 0 or more"),
@@ -151,27 +144,27 @@ def test_validate_returns_a_valid_config_unchanged() -> None:
     ({"node_timeout": 0.4}, "--node-timeout: 0.4s must exceed heartbeat_interval 0.5s"),
     ({"heartbeat_interval": 0.0}, "--heartbeat-interval: 0.0s must be more than 0"),
     ({"log_level": "loud"}, "--log-level: 'loud' is not one of debug, info, warning, error"),
-    ({"tls": TlsConfig(cert="c.pem")}, "--tls-cert/--tls-key: give both the certificate and its key"),
-    ({"tls": TlsConfig(key="k.pem")}, "--tls-cert/--tls-key: give both the certificate and its key"),
+    ({"tls_cert": "c.pem"}, "--tls-cert/--tls-key: give both the certificate and its key"),
+    ({"tls_key": "k.pem"}, "--tls-cert/--tls-key: give both the certificate and its key"),
 ])
 def test_validate_errors_name_the_option(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as excinfo:
-        validate(dataclasses.replace(BASE, **changes))
+        validate(BASE.replace(**changes))
     assert str(excinfo.value).startswith(message), str(excinfo.value)
 
 
 @pytest.mark.parametrize("changes", [
     {"stall_timeout": 0.0}, {"worker_port": 0}, {"max_restarts": 0}, {"job": "mnist-v2_run.1"},
-    {"tls": TlsConfig(cert="c.pem", key="k.pem")}, {"tls": TlsConfig(ca="ca.pem")}, {"log_level": "debug"},
+    {"tls_cert": "c.pem", "tls_key": "k.pem"}, {"tls_ca": "ca.pem"}, {"log_level": "debug"},
 ])
 def test_validate_accepts_boundary_values(changes: dict[str, Any]) -> None:
-    config = dataclasses.replace(BASE, **changes)
+    config = BASE.replace(**changes)
     assert validate(config) is config
 
 
 def test_validate_in_a_file_names_the_file() -> None:
     with pytest.raises(ConfigError) as excinfo:
-        validate(dataclasses.replace(BASE, stall_timeout=-1.0), where="/etc/job.toml")
+        validate(BASE.replace(stall_timeout=-1.0), where="/etc/job.toml")
     assert str(excinfo.value) == "/etc/job.toml: job.stall_timeout: -1.0 seconds must be 0 or more"
 
 
@@ -234,7 +227,7 @@ def toml_error(tmp_path: Path, text: str) -> tuple[str, str]:
 
 def test_load_toml_maps_every_key_to_its_field(tmp_path: Path) -> None:
     config = load_toml(write(tmp_path, FULL))
-    assert config == AgentConfig(
+    assert config == from_values(dict(
         command=("python", "train.py", "--epochs", "3"),
         rendezvous=Endpoint("head-node", 29401),
         job="mnist",
@@ -251,26 +244,31 @@ def test_load_toml_maps_every_key_to_its_field(tmp_path: Path) -> None:
         stall_timeout=120.5,
         stop_grace=15.0,
         token_file="/etc/tfelastic/token",
-        tls=TlsConfig(cert="/etc/tls/cert.pem", key="/etc/tls/key.pem", ca="/etc/tls/ca.pem"),
+        tls_cert="/etc/tls/cert.pem", tls_key="/etc/tls/key.pem", tls_ca="/etc/tls/ca.pem",
         last_call=2.0,
         settle=4.5,
         join_timeout=900.0,
         heartbeat_interval=1.0,
         node_timeout=5.0,
         log_level="debug",
-    )
+    ))
     # integers in the file become floats for durations, and stay integers for counts
     for name in ("restart_window", "stop_grace", "last_call", "join_timeout", "heartbeat_interval", "node_timeout"):
-        assert type(getattr(config, name)) is float, name
+        assert type(value_of(config, name)) is float, name
     for name in ("min_nodes", "max_nodes", "max_restarts", "worker_port"):
-        assert type(getattr(config, name)) is int, name
+        assert type(value_of(config, name)) is int, name
+
+
+def value_of(config: AgentConfig, name: str) -> object:
+    section, key = OPTIONS[name].field
+    return getattr(getattr(config, section), key)
 
 
 def test_load_toml_minimal_file_takes_the_defaults(tmp_path: Path) -> None:
     config = load_toml(write(tmp_path, MINIMAL))
-    assert config == dataclasses.replace(BASE, node_id=config.node_id)
-    assert config.job == "default"
-    assert config.node_id  # the hostname
+    assert config == BASE.replace(node_id=config.node.id)
+    assert config.job.name == "default"
+    assert config.node.id  # the hostname
 
 
 def test_load_toml_splits_a_command_string_like_a_shell(tmp_path: Path) -> None:
@@ -280,7 +278,7 @@ def test_load_toml_splits_a_command_string_like_a_shell(tmp_path: Path) -> None:
         [rendezvous]
         endpoint = "127.0.0.1:29400"
         """))
-    assert config.command == ("python", "my train.py", "--lr=0.1")
+    assert config.job.command == ("python", "my train.py", "--lr=0.1")
 
 
 def test_load_toml_broken_toml(tmp_path: Path) -> None:
@@ -469,32 +467,32 @@ def test_read_token_binary_file_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_resolved_backup_dir_defaults_to_the_workdir(tmp_path: Path) -> None:
-    config = dataclasses.replace(BASE, job="mnist", workdir=str(tmp_path))
+    config = BASE.replace(job="mnist", workdir=str(tmp_path))
     assert config.resolved_backup_dir() == str(tmp_path.resolve() / "tfelastic-backup" / "mnist")
 
 
 def test_resolved_backup_dir_without_workdir_is_under_the_cwd(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert dataclasses.replace(BASE, job="j").resolved_backup_dir() == str(
+    assert BASE.replace(job="j").resolved_backup_dir() == str(
         tmp_path.resolve() / "tfelastic-backup" / "j")
 
 
 def test_resolved_backup_dir_relative_and_absolute(tmp_path: Path) -> None:
-    relative = dataclasses.replace(BASE, workdir=str(tmp_path), backup_dir="ckpt/run1")
+    relative = BASE.replace(workdir=str(tmp_path), backup_dir="ckpt/run1")
     assert relative.resolved_backup_dir() == str(tmp_path.resolve() / "ckpt" / "run1")
-    absolute = dataclasses.replace(BASE, workdir=str(tmp_path), backup_dir="/shared/backup/mnist")
+    absolute = BASE.replace(workdir=str(tmp_path), backup_dir="/shared/backup/mnist")
     assert absolute.resolved_backup_dir() == "/shared/backup/mnist"
 
 
 def test_command_digest() -> None:
     digest = BASE.command_digest()
     assert len(digest) == 32
-    assert dataclasses.replace(BASE, job="other").command_digest() == digest  # only the command counts
-    assert dataclasses.replace(BASE, command=("python", "train.py")).command_digest() == digest
+    assert BASE.replace(job="other").command_digest() == digest  # only the command counts
+    assert BASE.replace(command=("python", "train.py")).command_digest() == digest
     others = [("python", "eval.py"), ("python", "train.py", "--lr", "1"), ("python train.py",),
               ("python", "train.py", "")]
-    digests = {dataclasses.replace(BASE, command=c).command_digest() for c in others}
+    digests = {BASE.replace(command=c).command_digest() for c in others}
     assert len(digests) == len(others)
     assert digest not in digests
 
@@ -503,4 +501,4 @@ def test_load_toml_max_nodes_defaults_to_min_nodes(tmp_path: Path) -> None:
     job = tmp_path / "job.toml"
     job.write_text('[job]\ncommand = ["true"]\nmin_nodes = 3\n[rendezvous]\nendpoint = "127.0.0.1:29400"\n')
     config = load_toml(str(job))
-    assert (config.min_nodes, config.max_nodes) == (3, 3)
+    assert (config.job.min_nodes, config.job.max_nodes) == (3, 3)

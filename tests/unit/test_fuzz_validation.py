@@ -8,8 +8,8 @@ import math
 
 from hypothesis import HealthCheck, given, settings
 from tfelastic.daemon.rendezvous import api, convert
-from tfelastic.daemon.rendezvous.limits import MAX_REQUEST_BYTES, check_message
-from tfelastic.daemon.rendezvous.server import validate_join
+from tfelastic.daemon.rendezvous.bounds import check_message, validate_join
+from tfelastic.daemon.rendezvous.limits import MAX_REQUEST_BYTES
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 
 from tests.fuzz_strategies import JOINS, LEAVES, REPORTS

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from tfelastic.daemon.rendezvous.client import TLS_GIVE_UP_SECONDS, HandshakeFailures, handshake_problem
+from tfelastic.daemon.rendezvous.handshake import TLS_GIVE_UP_SECONDS, HandshakeFailures, handshake_problem
 
 UNTRUSTED = ("UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:41285: Tls "
              "handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:"

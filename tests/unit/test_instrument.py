@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 from tfelastic.daemon.cli import build_parser, config_from_run_args
-from tfelastic.daemon.config import ConfigError, load_toml
+from tfelastic.daemon.config import load_toml
+from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.worker.instrument import instrumentation_env
 from tfelastic.trainer.instrument import ENABLE_ENV, OFF_VALUES, SITE_DIR
 
@@ -230,13 +231,13 @@ def test_on_by_default_and_off_with_the_flag() -> None:
     parser = build_parser()
     base = ["run", "--rendezvous", "127.0.0.1:29400"]
     trainer = ["--", "python", "t.py"]
-    assert config_from_run_args(parser.parse_args([*base, *trainer])).instrument is True
-    assert config_from_run_args(parser.parse_args([*base, "--no-instrument", *trainer])).instrument is False
+    assert config_from_run_args(parser.parse_args([*base, *trainer])).job.instrument is True
+    assert config_from_run_args(parser.parse_args([*base, "--no-instrument", *trainer])).job.instrument is False
 
 
 def test_job_file_key(tmp_path: Path) -> None:
-    assert load_toml(write_job(tmp_path, "")).instrument is True
-    assert load_toml(write_job(tmp_path, "instrument = false")).instrument is False
+    assert load_toml(write_job(tmp_path, "")).job.instrument is True
+    assert load_toml(write_job(tmp_path, "instrument = false")).job.instrument is False
 
 
 def test_job_file_key_must_be_a_boolean(tmp_path: Path) -> None:

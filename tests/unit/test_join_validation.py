@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from tfelastic.daemon.rendezvous.api import ProtocolError
-from tfelastic.daemon.rendezvous.server import validate_join
+from tfelastic.daemon.rendezvous.bounds import validate_join
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 
 

@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 from tfelastic.daemon.rendezvous.api import ProtocolError
+from tfelastic.daemon.rendezvous.bounds import check_message
 from tfelastic.daemon.rendezvous.limits import (
     MAX_REQUEST_BYTES,
     Limits,
     PeerBuckets,
     SessionGate,
     TokenBucket,
-    check_message,
     peer_address,
 )
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb

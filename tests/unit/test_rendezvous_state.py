@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from tfelastic.daemon.agent.runner import trainer_env
 from tfelastic.daemon.rendezvous.api import (
     Assignment,
     ClusterSnapshot,
@@ -209,7 +210,9 @@ def test_tf_config_lists_workers_in_rank_order_with_own_index() -> None:
     for rank, send in enumerate(sends):
         assert isinstance(send.order, Assignment)
         assert (send.order.generation, send.order.rank, send.order.world_size) == (1, rank, 3)
-        config = json.loads(send.order.tf_config())
+        env = trainer_env({}, send.order, job="j", node_id=send.node_id, backup_dir="/b", progress_socket="/p",
+                          instrument=False)  # what the agent makes of the assignment
+        config = json.loads(env["TF_CONFIG"])
         assert config == {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
 
 

@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 from tfelastic.daemon.cli import build_parser, config_from_run_args
-from tfelastic.daemon.config import AgentConfig, ConfigError, Endpoint, load_toml
+from tfelastic.daemon.config import AgentConfig, default_of, from_values, load_toml
+from tfelastic.daemon.endpoint import Endpoint
+from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.metrics.gpu import GpuCollector, visible_gpus
 from tfelastic.daemon.slurm import (
     PORT_BASE,
@@ -324,6 +326,10 @@ def test_gpu_metrics_report_only_the_trainers_gpus() -> None:
 # ------------------------------------------------------------------------------------------------ precedence
 
 
+def values(config: AgentConfig, *names: str) -> tuple[object, ...]:
+    return tuple(config.value(name) for name in names)
+
+
 def run_config(*flags: str, env: dict[str, str] | None = TWO_NODES, token_exists: bool = True) -> AgentConfig:
     args = build_parser().parse_args(["run", *flags, "--", "python", "train.py"])
     return config_from_run_args(args, None if env is None else SlurmStep(env, exists=lambda p: token_exists))
@@ -332,33 +338,33 @@ def run_config(*flags: str, env: dict[str, str] | None = TWO_NODES, token_exists
 def test_flags_win_over_slurm() -> None:
     config = run_config("--job", "mine", "--node-id", "n-7", "--nodes", "1:2", "--rendezvous", "127.0.0.1:4000",
                         "--token-file", "/etc/t", "--metrics-port", "off", token_exists=False)
-    assert (config.job, config.node_id, config.min_nodes, config.max_nodes) == ("mine", "n-7", 1, 2)
-    assert (config.rendezvous, config.token_file, config.metrics_port) == (Endpoint("127.0.0.1", 4000), "/etc/t", None)
+    assert values(config, "job", "node_id", "min_nodes", "max_nodes") == ("mine", "n-7", 1, 2)
+    assert values(config, "rendezvous", "token_file", "metrics_port") == (Endpoint("127.0.0.1", 4000), "/etc/t", None)
 
 
 def test_slurm_wins_over_built_in_defaults() -> None:
     config = run_config("--node-id", "n-7")  # one flag given: only it is kept, SLURM fills the others
-    assert (config.job, config.node_id, config.min_nodes, config.max_nodes) == ("slurm-4242", "n-7", 2, 2)
-    assert (config.rendezvous, config.token_file) == (Endpoint("gpu-01", rendezvous_port(4242, 0)), TOKEN)
-    assert config.metrics_port == AgentConfig.metrics_port
+    assert values(config, "job", "node_id", "min_nodes", "max_nodes") == ("slurm-4242", "n-7", 2, 2)
+    assert values(config, "rendezvous", "token_file") == (Endpoint("gpu-01", rendezvous_port(4242, 0)), TOKEN)
+    assert config.value("metrics_port") == default_of("metrics_port")
 
 
 def test_an_explicit_non_loopback_rendezvous_under_slurm_takes_the_default_token_file() -> None:
     config = run_config("--rendezvous", "head:29400")
-    assert config.token_file == TOKEN
+    assert config.value("token_file") == TOKEN
 
 
 def test_flag_equal_to_the_built_in_default_still_wins() -> None:
     config = run_config("--job", "default", "--nodes", "1")
-    assert (config.job, config.min_nodes, config.max_nodes) == ("default", 1, 1)
+    assert values(config, "job", "min_nodes", "max_nodes") == ("default", 1, 1)
 
 
 def test_without_slurm_the_built_in_defaults_apply() -> None:
     config = run_config("--rendezvous", "127.0.0.1:4000", env=None)
-    defaults = AgentConfig(command=("x",), rendezvous=Endpoint("127.0.0.1", 4000))
-    assert (config.job, config.min_nodes, config.max_nodes, config.token_file, config.metrics_port) == \
-        (defaults.job, 1, 1, "", defaults.metrics_port)
-    assert config.node_id == defaults.node_id
+    defaults = from_values({"command": ("x",), "rendezvous": Endpoint("127.0.0.1", 4000)})
+    names = ("job", "min_nodes", "max_nodes", "token_file", "metrics_port")
+    assert [config.value(n) for n in names] == [defaults.value(n) for n in names] == ["default", 1, 1, "", 9464]
+    assert config.value("node_id") == defaults.node.id
 
 
 def test_without_slurm_the_rendezvous_is_required() -> None:
@@ -376,15 +382,15 @@ def test_toml_keys_win_over_slurm_and_slurm_fills_the_rest(tmp_path: Path) -> No
     path = write_toml(tmp_path, '[job]\ncommand = ["python", "train.py"]\nname = "mnist"\n[node]\nid = "n-a"\n')
     s = step(TWO_NODES)
     config = load_toml(path, complete=s.complete)
-    assert (config.job, config.node_id, config.min_nodes) == ("mnist", "n-a", 2)
-    assert (config.rendezvous, config.token_file) == (Endpoint("gpu-01", rendezvous_port(4242, 0)), TOKEN)
+    assert values(config, "job", "node_id", "min_nodes") == ("mnist", "n-a", 2)
+    assert values(config, "rendezvous", "token_file") == (Endpoint("gpu-01", rendezvous_port(4242, 0)), TOKEN)
     assert s.note.endswith("given explicitly: job, node_id")
 
 
 def test_toml_min_nodes_alone_fixes_max_nodes_before_slurm(tmp_path: Path) -> None:
     path = write_toml(tmp_path, '[job]\ncommand = ["true"]\nmin_nodes = 1\n')
     config = load_toml(path, complete=step(TWO_NODES).complete)
-    assert (config.min_nodes, config.max_nodes) == (1, 1)
+    assert values(config, "min_nodes", "max_nodes") == (1, 1)
 
 
 def test_toml_max_nodes_below_slurms_task_count_names_the_key(tmp_path: Path) -> None:

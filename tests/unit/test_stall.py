@@ -73,3 +73,34 @@ def test_timeout_zero_disables_hang_detection() -> None:
     clock.now += 1_000_000.0
     assert stall.silent_for() == 1_000_000.0
     assert stall.stalled() is False
+
+
+def test_a_stall_is_reported_once_per_worker() -> None:
+    stall, clock = detector(timeout=10.0)
+    stall.progress()
+    clock.now += 10.5
+    assert stall.newly_stalled() == 10.5
+    assert stall.newly_stalled() is None
+    stall.reset()  # the next worker
+    stall.progress()
+    clock.now += 11.0
+    assert stall.newly_stalled() == 11.0
+
+
+def test_training_completed_pauses_the_check_until_the_next_report() -> None:
+    stall, clock = detector(timeout=10.0)
+    stall.progress(training_done=True)
+    clock.now += 1000.0
+    assert stall.stalled() is False and stall.newly_stalled() is None
+    stall.progress()  # another fit, an evaluation that reports: watched again
+    clock.now += 10.5
+    assert stall.stalled() is True
+
+
+def test_a_new_worker_is_not_paused_by_the_last_ones_completion() -> None:
+    stall, clock = detector(timeout=10.0)
+    stall.progress(training_done=True)
+    stall.reset()
+    stall.progress()
+    clock.now += 10.5
+    assert stall.stalled() is True

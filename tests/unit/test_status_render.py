@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+from tfelastic.daemon.rendezvous import convert
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.status import SCHEMA_VERSION, render_table, status_to_json
 
@@ -14,6 +15,11 @@ TOP_KEYS = ["schema_version", "job", "state", "reason", "generation", "world_siz
             "max_restarts", "restarts_total", "restarts_by_reason", "nodes"]
 NODE_KEYS = ["node_id", "rank", "address", "state", "worker_pid", "step", "loss", "last_checkpoint_step",
              "progress_age_seconds", "steps_per_second", "last_checkpoint_age_seconds", "gpus", "gpu_utilization"]
+
+
+def to_json(status: pb.ClusterStatus, now: float = 0.0) -> dict[str, Any]:
+    """What `tfelastic status` prints for what the coordinator sent: through the border, on the client's clock."""
+    return status_to_json(convert.status_from_proto(status, now), now)
 
 
 def cluster_status(**overrides: Any) -> pb.ClusterStatus:
@@ -41,7 +47,7 @@ def cluster_status(**overrides: Any) -> pb.ClusterStatus:
 
 
 def test_status_to_json_has_exactly_the_documented_keys_and_values() -> None:
-    doc = status_to_json(cluster_status())
+    doc = to_json(cluster_status())
     assert list(doc) == TOP_KEYS
     assert [list(n) for n in doc["nodes"]] == [NODE_KEYS] * 3
     assert doc == {
@@ -73,7 +79,7 @@ def test_status_to_json_has_exactly_the_documented_keys_and_values() -> None:
 
 
 def test_rank_zero_and_checkpoint_zero_are_values_not_missing() -> None:
-    doc = status_to_json(cluster_status(nodes=[pb.NodeStatus(
+    doc = to_json(cluster_status(nodes=[pb.NodeStatus(
         node_id="n", rank=0, host="h", worker_port=1, state="running", worker_pid=7, has_progress=True,
         progress=pb.Progress(step=0, loss=0.0, has_loss=True, age_seconds=0.0, checkpoint_step=0))]))
     node = doc["nodes"][0]
@@ -82,7 +88,7 @@ def test_rank_zero_and_checkpoint_zero_are_values_not_missing() -> None:
 
 
 def test_progress_is_ignored_without_has_progress() -> None:
-    doc = status_to_json(cluster_status(nodes=[pb.NodeStatus(
+    doc = to_json(cluster_status(nodes=[pb.NodeStatus(
         node_id="n", rank=1, host="h", worker_port=1, state="stopping", has_progress=False,
         progress=pb.Progress(step=50, loss=1.0, has_loss=True, age_seconds=3.0, checkpoint_step=40))]))
     node = doc["nodes"][0]
@@ -99,18 +105,18 @@ def test_progress_is_ignored_without_has_progress() -> None:
     (pb.JOB_STATE_FAILED, "failed"),
 ])
 def test_job_state_names(state: int, name: str) -> None:
-    assert status_to_json(cluster_status(state=state))["state"] == name
+    assert to_json(cluster_status(state=state))["state"] == name
 
 
 def test_an_empty_status_is_a_complete_document() -> None:
-    doc = status_to_json(pb.ClusterStatus())
+    doc = to_json(pb.ClusterStatus())
     assert doc == {"schema_version": 1, "job": "", "state": "unknown", "reason": "", "generation": 0,
                    "world_size": 0, "min_nodes": 0, "max_nodes": 0, "max_restarts": 0, "restarts_total": 0,
                    "restarts_by_reason": {}, "nodes": []}
 
 
 def test_render_table() -> None:
-    table = render_table(status_to_json(cluster_status()))
+    table = render_table(to_json(cluster_status()))
     assert table.splitlines() == [
         "job mnist: running",
         "generation 3, world size 2 (min 2, max 2)",
@@ -126,7 +132,7 @@ def test_render_table() -> None:
 def test_render_table_has_a_header_and_one_row_per_node() -> None:
     nodes = [pb.NodeStatus(node_id=f"worker-{i}", rank=i, host=f"10.0.1.{i}", worker_port=2000 + i,
                            state="running", worker_pid=100 + i) for i in range(5)]
-    lines = render_table(status_to_json(cluster_status(nodes=nodes))).splitlines()
+    lines = render_table(to_json(cluster_status(nodes=nodes))).splitlines()
     header = lines.index("NODE      RANK  ADDRESS        STATE    PID  STEP  STEPS/S  LAST PROGRESS  LAST CHECKPOINT"
                          "  GPUS")
     rows = lines[header + 1:]
@@ -137,7 +143,7 @@ def test_render_table_has_a_header_and_one_row_per_node() -> None:
 
 
 def test_render_table_with_a_reason_and_no_restarts_or_nodes() -> None:
-    doc = status_to_json(cluster_status(state=pb.JOB_STATE_FAILED, reason="restart budget exhausted",
+    doc = to_json(cluster_status(state=pb.JOB_STATE_FAILED, reason="restart budget exhausted",
                                         restarts_total=0, restarts_by_reason=[], nodes=[]))
     assert render_table(doc).splitlines() == [
         "job mnist: failed (restart budget exhausted)",

@@ -115,3 +115,23 @@ def test_a_keras_3_model_is_refused_by_its_module() -> None:
         check_model(keras3_model)
     tf_keras_model: Any = type("Sequential", (), {"__module__": "tf_keras.src.engine.sequential"})()
     check_model(tf_keras_model)
+
+
+@pytest.mark.parametrize("environment", [
+    TrainerEnvironment(rank=1, world_size=3, generation=4, restart_count=2, backup_dir="/shared/b",
+                       progress_socket="/run/p.sock", job="mnist", node_id="gpu-02", task_type="worker", task_index=1,
+                       workers=("10.0.0.1:2222", "10.0.0.2:2222", "10.0.0.3:2222")),
+    TrainerEnvironment(rank=0, world_size=2, task_type="chief", task_index=0,
+                       workers=("10.0.0.9:1", "10.0.0.1:2"), has_chief_job=True),
+    TrainerEnvironment(),
+], ids=["worker", "chief-job", "alone"])
+def test_what_the_agent_writes_is_what_the_trainer_reads(environment: TrainerEnvironment) -> None:
+    assert TrainerEnvironment.from_env(environment.to_env()) == environment
+
+
+def test_the_agents_tf_config_lists_every_worker_in_rank_order() -> None:
+    env = TrainerEnvironment(rank=1, world_size=2, task_type="worker", task_index=1,
+                             workers=("10.0.0.1:2222", "10.0.0.2:3333")).to_env()
+    assert json.loads(env["TF_CONFIG"]) == {"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:3333"]},
+                                            "task": {"type": "worker", "index": 1}}
+    assert (env["TFELASTIC_RANK"], env["TFELASTIC_WORLD_SIZE"]) == ("1", "2")

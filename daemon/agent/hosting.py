@@ -1,0 +1,55 @@
+"""The coordinator an agent hosts when its node owns the rendezvous address.
+
+Several agents on one host race for the endpoint's exclusive bind, and exactly one wins; when it dies, the others
+find the endpoint free on their next retry and one of them takes over (it continues the generation numbering from
+what the agents report in their Joins).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client import CollectorRegistry
+from tfelastic.daemon.config import AgentConfig
+from tfelastic.daemon.netutil import is_local_address
+from tfelastic.daemon.rendezvous.bind import BindError
+from tfelastic.daemon.rendezvous.host import CoordinatorHost, create_server
+
+log = logging.getLogger("tfelastic.agent")
+
+
+class EmbeddedCoordinator:
+    def __init__(self, config: AgentConfig, token: str | None, registry: CollectorRegistry) -> None:
+        self._config, self._token, self._registry = config, token, registry
+        self.host: CoordinatorHost | None = None
+
+    async def try_hosting(self) -> None:
+        cfg = self._config
+        if self.host is not None or not is_local_address(cfg.rendezvous.endpoint.host):
+            return
+        try:
+            self.host = await create_server(
+                str(cfg.rendezvous.endpoint), cfg.rendezvous_settings(), token=self._token, tls=cfg.rendezvous.tls,
+                heartbeat_interval=cfg.rendezvous.heartbeat_interval)
+        except BindError:
+            return  # another agent on this host hosts it
+        log.info("hosting the coordinator on %s", cfg.rendezvous.endpoint)
+        self.host.register_metrics(self._registry)
+
+    async def serve_after_drain(self, signalled: asyncio.Event) -> None:
+        """A drained node that hosts the coordinator keeps serving it: the other nodes still need it. It stops
+        when the job ends, or on SIGTERM."""
+        if self.host is None or signalled.is_set():
+            return
+        log.info("drained, but this node hosts the coordinator: serving it until the job ends (SIGTERM stops it)")
+        finished = asyncio.create_task(self.host.finished.wait())
+        interrupted = asyncio.create_task(signalled.wait())
+        await asyncio.wait((finished, interrupted), return_when=asyncio.FIRST_COMPLETED)
+        finished.cancel()
+        interrupted.cancel()
+
+    async def close(self) -> None:
+        if self.host is not None:
+            await self.host.close()
+            self.host = None

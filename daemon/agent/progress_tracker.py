@@ -1,0 +1,103 @@
+"""What the agent knows of its trainer's progress, and how long its failures took to detect and to recover.
+
+Pure: the trainer's reports and an injected clock in, the progress to report and metrics out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from tfelastic.daemon.metrics.agent import AgentMetrics
+from tfelastic.daemon.rendezvous.api import WorkerProgress
+from tfelastic.trainer.progress import ProgressMessage
+
+Clock = Callable[[], float]
+STEPS_WINDOW_SECONDS = 30.0
+
+
+class ProgressTracker:
+    """The current generation's progress: the last report, the checkpoint step it carries forward, steps per
+    second over the last 30 s, and whether the coordinator has seen the latest report yet."""
+
+    def __init__(self, clock: Clock, metrics: AgentMetrics, wall_clock: Clock = time.time) -> None:
+        self._clock, self._wall_clock = clock, wall_clock
+        self._metrics = metrics
+        self._recent: deque[tuple[float, int]] = deque()  # (time, step) within the window
+        self._latest: ProgressMessage | None = None
+        self._latest_at = 0.0
+        self._checkpoint_at: float | None = None
+        self._sent: ProgressMessage | None = None
+
+    def new_generation(self) -> None:
+        """A new worker starts: nothing it reports has come in yet."""
+        self._recent.clear()
+        self._latest = self._sent = None
+
+    @property
+    def latest(self) -> ProgressMessage | None:
+        return self._latest
+
+    def record(self, message: ProgressMessage) -> None:
+        now = self._clock()
+        self._metrics.progress(message, self._wall_clock())
+        self._recent.append((now, message.step))
+        while self._recent and now - self._recent[0][0] > STEPS_WINDOW_SECONDS:
+            self._recent.popleft()
+        if message.checkpoint_step is not None:
+            self._metrics.checkpoint(message.checkpoint_step, self._wall_clock())
+            self._checkpoint_at = now
+        elif self._latest is not None:  # a report without a checkpoint keeps the last one it knows
+            message = ProgressMessage(message.generation, message.pid, message.step, message.examples,
+                                      message.loss, self._latest.checkpoint_step, message.done)
+        self._latest, self._latest_at = message, now
+
+    def unsent(self) -> bool:
+        return self._latest is not None and self._latest is not self._sent
+
+    def for_report(self) -> WorkerProgress | None:
+        """The latest progress, on this agent's clock; marks it as sent."""
+        latest = self._latest
+        if latest is None:
+            return None
+        self._sent = latest
+        return WorkerProgress(
+            step=latest.step, examples=latest.examples or 0, loss=latest.loss,
+            checkpoint_step=latest.checkpoint_step if latest.checkpoint_step is not None else -1,
+            reported_at=self._latest_at, steps_per_second=self.steps_per_second(),
+            checkpoint_at=self._checkpoint_at)
+
+    def steps_per_second(self) -> float:
+        """Over the last 30 s of reports; 0 (unknown) until they span a second. Reports are stamped when the
+        agent reads them, and a busy loop reads a backlog at once: two reports alone could give any rate."""
+        if len(self._recent) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self._recent[0], self._recent[-1]
+        return (s1 - s0) / (t1 - t0) if t1 - t0 >= 1.0 else 0.0
+
+
+class FailureTimes:
+    """Feeds the detection and recovery histograms: from this node's worker failing (an exit, a stall) to the
+    coordinator's stop order, and from a stop order after a failure to the first progress after it."""
+
+    def __init__(self, clock: Clock, metrics: AgentMetrics) -> None:
+        self._clock, self._metrics = clock, metrics
+        self._failed_at: float | None = None
+        self._recovering_since: float | None = None
+
+    def worker_failed(self) -> None:
+        self._failed_at = self._clock()
+
+    def stop_ordered(self, after_failure: bool) -> None:
+        now = self._clock()
+        if after_failure:
+            self._recovering_since = now
+        if self._failed_at is not None:
+            self._metrics.detection.observe(now - self._failed_at)
+            self._failed_at = None
+
+    def progressed(self) -> None:
+        if self._recovering_since is not None:
+            self._metrics.recovery.observe(self._clock() - self._recovering_since)
+            self._recovering_since = None

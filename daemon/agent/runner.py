@@ -1,0 +1,133 @@
+"""The agent's hands on its worker: launch it, await its exit, find its trainer's pid, stop it. One at a time, and
+nothing decided here: each outcome goes back to the agent's core through :class:`WorkerEvents`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Coroutine, Iterable, Mapping
+from typing import Any, Protocol
+
+from tfelastic.daemon.agent.api import StopResult
+from tfelastic.daemon.rendezvous.api import Assignment
+from tfelastic.daemon.worker.instrument import instrumentation_env
+from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
+from tfelastic.trainer.environment import TrainerEnvironment
+
+log = logging.getLogger("tfelastic.agent")
+
+
+class WorkerEvents(Protocol):
+    def worker_started(self, generation: int, pid: int) -> None: ...
+    def launch_failed(self, generation: int, error: str) -> None: ...
+    def trainer_pid(self, generation: int, pid: int) -> None: ...
+    def worker_exited(self, generation: int, code: int) -> None: ...
+    def worker_stopped(self, result: StopResult) -> None: ...
+
+
+class WorkerRunner:
+    def __init__(self, events: WorkerEvents, *, stop_grace: float, failure_stop_grace: float) -> None:
+        self._events = events
+        self._stop_grace, self._failure_stop_grace = stop_grace, failure_stop_grace
+        self._worker: WorkerProcess | None = None
+        self._launching: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def live_pid(self) -> int | None:
+        """The keeper of a worker that may still run (for the host metrics), else None."""
+        return self._worker.pid if self._worker is not None else None
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping is not None and not self._stopping.done()
+
+    def launch(self, generation: int, spec: WorkerSpec) -> None:
+        self._launching = self._spawn(self._launch(generation, spec))
+
+    def stop(self, why: str, *, planned: bool) -> None:
+        """Starts a stop, unless one is under way: a stop is never interrupted, so that no worker is left half
+        stopped, and the one under way covers this request."""
+        if not self.stopping:
+            grace = self._stop_grace if planned else self._failure_stop_grace
+            self._stopping = self._spawn(self._stop(why, grace))
+
+    async def idle(self) -> None:
+        """Returns once no stop is under way."""
+        while self.stopping:
+            assert self._stopping is not None
+            await asyncio.shield(self._stopping)
+
+    async def _launch(self, generation: int, spec: WorkerSpec) -> None:
+        try:
+            worker = await WorkerProcess.start(spec)
+        except OSError as e:  # EMFILE, a workdir that disappeared, a full process table
+            self._events.launch_failed(generation, f"{type(e).__name__}: {e}")
+            return
+        self._worker = worker
+        self._events.worker_started(generation, worker.pid)
+        self._spawn(self._report_trainer_pid(worker, generation))
+        self._spawn(self._await_exit(worker, generation))
+
+    async def _stop(self, why: str, grace: float) -> None:
+        if self._launching is not None:
+            await asyncio.shield(self._launching)  # a worker being started is stopped once it has started
+        worker, result = self._worker, StopResult(None, True)
+        if worker is not None:
+            started = time.monotonic()
+            await worker.stop(grace)
+            log.info("worker stopped in %.3fs (%s)", time.monotonic() - started, why)
+            result = StopResult(worker.returncode, worker.exited_before_stop)
+            self._worker = None
+        self._events.worker_stopped(result)
+
+    async def _report_trainer_pid(self, worker: WorkerProcess, generation: int) -> None:
+        """Status shows the trainer's pid, not the keeper's; the keeper forks it within milliseconds."""
+        pid = worker.pid
+        for _ in range(100):
+            pid = worker.trainer_pid()
+            if pid != worker.pid or worker.has_exited():
+                break
+            await asyncio.sleep(0.01)
+        if worker is self._worker:
+            self._events.trainer_pid(generation, pid)
+
+    async def _await_exit(self, worker: WorkerProcess, generation: int) -> None:
+        code = await worker.wait()
+        if worker is self._worker:
+            self._events.worker_exited(generation, code)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("worker task failed", exc_info=task.exception())
+
+
+def trainer_env(base: Mapping[str, str], assignment: Assignment, *, job: str, node_id: str, backup_dir: str,
+                progress_socket: str, instrument: bool) -> dict[str, str]:
+    """The trainer's environment: ``base`` (the agent's, with the job's ``env`` on top), the generation's
+    ``TF_CONFIG`` and ``TFELASTIC_*`` (the contract of :class:`TrainerEnvironment`), tf_keras unless the job
+    says otherwise, and the automatic instrumentation."""
+    env = dict(base)
+    env.setdefault("TF_USE_LEGACY_KERAS", "1")  # Keras 3 cannot run model.fit under MWMS (FACTS 1)
+    env.update(TrainerEnvironment(
+        rank=assignment.rank, world_size=assignment.world_size, generation=assignment.generation,
+        restart_count=assignment.restart_count, backup_dir=backup_dir, progress_socket=progress_socket, job=job,
+        node_id=node_id, task_type="worker", task_index=assignment.rank,
+        workers=tuple(m.address for m in assignment.members)).to_env())
+    env.update(instrumentation_env(env, instrument))  # model.fit reports with no code change
+    return env
+
+
+def agent_environment(extra: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The agent's own environment with the job's ``env`` on top: what the trainer starts from."""
+    return dict(os.environ, **dict(extra))

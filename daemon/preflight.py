@@ -1,0 +1,81 @@
+"""Checks that depend on this machine, run before anything starts: the trainer command exists, the files named
+can be read, the ports are free, the backup directory can be written, the secrets are readable by us alone.
+
+Each failure is a :class:`ConfigError` naming the option, so the process exits 78 with one line and no traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from tfelastic.daemon.config import AgentConfig, read_token
+from tfelastic.daemon.endpoint import Endpoint, TlsConfig
+from tfelastic.daemon.errors import ConfigError
+from tfelastic.daemon.netutil import is_local_address, port_taken
+
+
+def token_for(endpoint: Endpoint, token_file: str, option: str = "--token-file") -> str | None:
+    """Reads the token; a non-loopback endpoint without one is refused."""
+    if token_file:
+        return read_token(token_file, option)
+    if not endpoint.is_loopback():
+        raise ConfigError(f"{option}: {endpoint} is not a loopback address, so a shared token is required; "
+                          "create one with 'openssl rand -hex 32 > token && chmod 600 token' and pass "
+                          f"{option} token")
+    return None
+
+
+def metrics_token(config: AgentConfig) -> str | None:
+    file = config.metrics.token_file
+    return read_token(file, "--metrics-token-file") if file else None
+
+
+def check_agent(config: AgentConfig) -> None:
+    """Everything an agent needs of this machine."""
+    job = config.job
+    workdir = job.workdir or "."
+    if not os.path.isdir(workdir):
+        raise ConfigError(f"--workdir: {workdir!r} is not a directory")
+    program = job.command[0]
+    found = (os.access(os.path.join(workdir, program), os.X_OK) if "/" in program
+             else shutil.which(program, path=dict(job.env).get("PATH", os.environ.get("PATH"))))
+    if not found:
+        raise ConfigError(f"trainer command: {program!r} was not found or is not executable; "
+                          "give a program on PATH or a path to an executable")
+    tls = config.rendezvous.tls
+    check_tls_files(tls)
+    endpoint = config.rendezvous.endpoint
+    if is_local_address(endpoint.host) and tls.enabled and not tls.cert:
+        raise ConfigError(f"--tls-cert/--tls-key: this node owns {endpoint} and may host the coordinator, "
+                          "which needs a certificate and key to serve TLS")
+    address = config.node.advertise_address
+    if address and not is_local_address(address):
+        raise ConfigError(f"--advertise-address: {address!r} is not an address of this machine")
+    check_metrics_listen(config)
+    check_backup_dir(config)
+
+
+def check_backup_dir(config: AgentConfig) -> None:
+    """The trainer must be able to write its checkpoints; under systemd's ProtectSystem=strict a backup_dir
+    outside ReadWritePaths= would otherwise fail only at the first save, as a worker failure."""
+    path = existing = config.resolved_backup_dir()  # absolute
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--backup-dir: {path!r} cannot be written by this user ({existing} is read-only "
+                          "or not writable); fix its permissions, or under systemd add it to ReadWritePaths= "
+                          "(docs/operations.md)")
+
+
+def check_metrics_listen(config: AgentConfig) -> None:
+    metrics = config.metrics
+    if metrics.port and port_taken(metrics.address, metrics.port):
+        raise ConfigError(f"--metrics-port: {metrics.address}:{metrics.port} is in use; give each agent on this "
+                          "host its own port (0 picks a free one)")
+
+
+def check_tls_files(tls: TlsConfig) -> None:
+    for option, path in (("--tls-cert", tls.cert), ("--tls-key", tls.key), ("--tls-ca", tls.ca)):
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"{option}: cannot read {path!r}")

@@ -1,0 +1,122 @@
+"""A coordinator served by this process: by ``tfelastic coordinator`` on a head node, or by the agent whose node
+owns the rendezvous address. :func:`create_server` starts one; :class:`CoordinatorHost` is the one facade for
+the rest of its life: what it serves, the job's verdict, its metrics, and winding it down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+from tfelastic.daemon.auth import TokenInterceptor, server_credentials
+from tfelastic.daemon.endpoint import TlsConfig
+from tfelastic.daemon.metrics.cluster import ClusterCollector, register_cluster_collector
+from tfelastic.daemon.rendezvous import api
+from tfelastic.daemon.rendezvous.bind import listen
+from tfelastic.daemon.rendezvous.limits import GuardInterceptor, Limits, server_options
+from tfelastic.daemon.rendezvous.server import SERVICE_NAME, RendezvousServicer
+from tfelastic.daemon.rendezvous.state import Clock, Rendezvous
+from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
+
+# After the verdict, how long the agents get to read it and hang up before the coordinator goes away.
+AGENTS_GONE_SECONDS = 10.0
+
+
+class CoordinatorHost:
+    def __init__(self, server: grpc.aio.Server, port: int, servicer: RendezvousServicer, health_servicer: Any) -> None:
+        self.port = port
+        self._server, self._servicer, self._health = server, servicer, health_servicer
+        self._collector: tuple[CollectorRegistry, ClusterCollector] | None = None
+
+    @property
+    def verdict(self) -> api.JobState | None:
+        """SUCCEEDED or FAILED once the job has ended, else None."""
+        state = self._servicer.rendezvous.state
+        return state if state.is_terminal else None
+
+    async def wait_finished(self) -> api.JobState:
+        await self._servicer.finished.wait()
+        return self._servicer.rendezvous.state
+
+    @property
+    def finished(self) -> asyncio.Event:
+        return self._servicer.finished
+
+    def snapshot(self) -> api.ClusterSnapshot:
+        """The job now. Call it on the coordinator's event loop; other threads read :attr:`published`."""
+        return self._servicer.rendezvous.snapshot()
+
+    @property
+    def published(self) -> api.ClusterSnapshot:
+        return self._servicer.published
+
+    @property
+    def connected(self) -> int:
+        return self._servicer.connected
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """The job's view in ``registry`` (tfelastic_cluster_*), until :meth:`close`."""
+        self._collector = (registry, register_cluster_collector(registry, lambda: self._servicer.published))
+
+    async def wait_agents_gone(self, timeout: float = AGENTS_GONE_SECONDS) -> None:
+        """After the job ended: give the agents time to read the verdict and hang up."""
+        deadline = time.monotonic() + timeout
+        while self._servicer.connected and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def close(self, grace: float = 0.5) -> None:
+        """Stops serving; after a verdict, once the agents have read it (at most AGENTS_GONE_SECONDS)."""
+        if self.verdict is not None:
+            await self.wait_agents_gone()
+        await self._health.enter_graceful_shutdown()  # NOT_SERVING for every service
+        await self._servicer.stop()
+        self._servicer.close_sessions("the coordinator is shutting down")
+        await self._server.stop(grace)
+        if self._collector is not None:
+            registry, collector = self._collector
+            registry.unregister(collector)
+            self._collector = None
+
+
+async def create_server(
+    address: str,
+    settings: api.RendezvousSettings,
+    *,
+    token: str | None = None,
+    tls: TlsConfig | None = None,
+    spec: api.JobSpec | None = None,
+    heartbeat_interval: float = 0.5,
+    clock: Clock = time.monotonic,
+    limits: Limits | None = None,
+) -> CoordinatorHost:
+    """Start a coordinator on ``address`` (port 0 picks a free one). Raises BindError if it cannot listen there:
+    the port is taken (another agent of this host hosts it), or the address is not this machine's."""
+    bind_host, _, bind_port = address.rpartition(":")
+    credentials = server_credentials(tls) if tls is not None and tls.enabled else None
+    limits = limits or Limits()
+    rendezvous = Rendezvous(settings, clock, spec)
+
+    def new_server() -> grpc.aio.Server:
+        # The guard is outermost, so that it bounds every call, authenticated or not (daemon/rendezvous/limits.py).
+        guard = GuardInterceptor(limits, clock, heartbeat_interval,
+                                 lambda: rendezvous.spec.max_nodes if rendezvous.spec else None)
+        return grpc.aio.server(
+            interceptors=[guard, *([TokenInterceptor(token)] if token else [])],
+            options=[("grpc.so_reuseport", 0), *server_options(limits)],
+            maximum_concurrent_rpcs=limits.max_concurrent_rpcs(),
+        )
+
+    server, port = await listen(new_server, bind_host.strip("[]"), int(bind_port), credentials)
+    servicer = RendezvousServicer(rendezvous, clock, heartbeat_interval)
+    pb_grpc.add_RendezvousServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await server.start()
+    servicer.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return CoordinatorHost(server, port, servicer, health_servicer)

@@ -1,0 +1,399 @@
+"""The agent's decisions (:mod:`tfelastic.daemon.agent.core`), driven input by input on a fake clock: no sockets,
+no processes, no sleeps. Each test names a decision and checks the actions it produces."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from prometheus_client import CollectorRegistry
+from tfelastic.daemon.agent.api import Action, Announce, DropSession, HangUp, Launch, Send, Stop, StopResult
+from tfelastic.daemon.agent.core import AgentCore, Identity, Timing
+from tfelastic.daemon.exit_codes import ExitCode
+from tfelastic.daemon.metrics.agent import AgentMetrics
+from tfelastic.daemon.rendezvous import api
+from tfelastic.daemon.worker.states import WorkerState
+from tfelastic.trainer.progress import ProgressMessage
+
+from tests.fakes import FakeClock
+
+SPEC = api.JobSpec("job", b"\x01" * 32, 1, 2, 3, 3600.0, 10.0, "/backup", 0.5, 2.0)
+HEARTBEAT, NODE_TIMEOUT, STALL = 0.5, 2.0, 10.0
+
+
+class Harness:
+    def __init__(self, join_timeout: float = 600.0) -> None:
+        self.clock = FakeClock(100.0)
+        self.registry = CollectorRegistry()
+        identity = Identity("n1", "10.0.0.1", SPEC, "incarnation-1", coordinator="head:29400")
+        timing = Timing(HEARTBEAT, NODE_TIMEOUT, join_timeout, STALL, stop_grace=10.0)
+        self.core = AgentCore(identity, timing, AgentMetrics(self.registry, "job", "n1"), self.clock,
+                              pick_port=lambda host: 5555)
+
+    def running(self, generation: int = 1, rank: int = 0) -> None:
+        """Session open, assignment received, worker started."""
+        if not self.core._contact.open:
+            self.core.session_opened()
+        actions = self.core.received(assignment(generation, rank))
+        assert Launch(assignment(generation, rank)) in actions
+        self.core.worker_started(generation, 4000 + generation)
+        assert self.worker_state() is WorkerState.RUNNING
+
+    def worker_state(self) -> WorkerState:
+        """Read through a call, so that mypy does not narrow it between two inputs."""
+        return self.core.worker.state
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        return self.registry.get_sample_value(name, labels)
+
+
+def assignment(generation: int = 1, rank: int = 0, world: int = 2) -> api.Assignment:
+    members = tuple(api.Member(f"n{i + 1}", i, f"10.0.0.{i + 1}", 5555) for i in range(world))
+    return api.Assignment(generation, rank, world, members, restart_count=generation - 1)
+
+
+def sent(actions: list[Action]) -> list[api.AgentMessage]:
+    return [a.message for a in actions if isinstance(a, Send)]
+
+
+def reports(actions: list[Action]) -> list[api.WorkerReport]:
+    return [m for m in sent(actions) if isinstance(m, api.WorkerReport)]
+
+
+def stalled(actions: list[Action]) -> list[api.WorkerReport]:
+    return [r for r in reports(actions) if r.status is api.WorkerStatus.STALLED]
+
+
+def stops(actions: list[Action]) -> list[Stop]:
+    return [a for a in actions if isinstance(a, Stop)]
+
+
+def joins(actions: list[Action]) -> list[api.Join]:
+    return [m for m in sent(actions) if isinstance(m, api.Join)]
+
+
+# ------------------------------------------------------------------------------------------ session and join
+
+
+def test_a_session_opens_with_a_join_that_describes_the_node() -> None:
+    h = Harness()
+    [join] = joins(h.core.session_opened())
+    assert join.spec == SPEC
+    assert join.node == api.NodeInfo("n1", "10.0.0.1", 5555, "incarnation-1", last_generation=0, last_rank=-1)
+    assert h.worker_state() is WorkerState.WAITING
+
+
+def test_an_assignment_launches_the_worker_and_says_ready() -> None:
+    h = Harness()
+    h.core.session_opened()
+    actions = h.core.received(assignment(1, rank=1))
+    assert actions[0] == Announce("", ready=True)
+    assert actions[1] == Launch(assignment(1, rank=1))
+    assert h.core.worker_started(1, 4242) == [Announce("running generation 1 as rank 1 of 2")]
+    assert h.metric("tfelastic_rank") == 1.0 and h.metric("tfelastic_generation") == 1.0
+
+
+def test_the_trainer_pid_is_reported_while_it_runs() -> None:
+    h = Harness()
+    h.running()
+    [report] = reports(h.core.trainer_pid(1, 4343))
+    assert (report.status, report.pid, report.generation) == (api.WorkerStatus.RUNNING, 4343, 1)
+    assert h.core.trainer_pid(0, 4343) == []  # an older generation's
+
+
+# ---------------------------------------------------------------------------------- restart on worker exit
+
+
+def test_a_failed_worker_is_reported_and_the_stop_order_restarts_it_after_every_process_is_gone() -> None:
+    h = Harness()
+    h.running()
+    [report] = reports(h.core.worker_exited(1, 3))
+    assert (report.status, report.exit_code, report.detail) == (api.WorkerStatus.FAILED, 3,
+                                                                "trainer exited with code 3")
+    assert h.worker_state() is WorkerState.FAILED
+    h.clock.now += 0.04
+    actions = h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    assert stops(actions) == [Stop("worker_exit", planned=False)]  # a failure: the short grace
+    assert joins(actions) == []  # not before every process of the old worker is gone
+    assert h.worker_state() is WorkerState.STOPPING
+    [join] = joins(h.core.worker_stopped(StopResult(3, exited_before_stop=True)))
+    assert (join.node.last_generation, join.node.last_rank) == (1, 0)
+    assert h.worker_state() is WorkerState.WAITING
+    assert Launch(assignment(2)) in h.core.received(assignment(2))
+    assert h.metric("tfelastic_restarts_total", reason="worker_exit") == 1.0
+    assert h.metric("tfelastic_failure_detection_seconds_count") == 1.0
+    assert h.metric("tfelastic_failure_detection_seconds_sum") == pytest.approx(0.04)
+
+
+def test_a_killed_trainer_names_its_signal() -> None:
+    h = Harness()
+    h.running()
+    [report] = reports(h.core.worker_exited(1, -signal.SIGKILL))
+    assert report.detail == "trainer was killed by SIGKILL"
+
+
+def test_a_trainer_that_exits_0_is_reported_as_succeeded() -> None:
+    h = Harness()
+    h.running()
+    [report] = reports(h.core.worker_exited(1, 0))
+    assert report.status is api.WorkerStatus.SUCCEEDED
+    assert h.worker_state() is WorkerState.SUCCEEDED
+
+
+def test_an_exit_during_a_stop_is_expected_and_not_reported() -> None:
+    h = Harness()
+    h.running()
+    h.core.received(api.StopWorkers(1, api.RestartReason.NODE_LOST))
+    assert h.core.worker_exited(1, -signal.SIGTERM) == []
+
+
+def test_a_stop_order_for_another_generation_is_ignored() -> None:
+    h = Harness()
+    h.running(generation=2)
+    assert stops(h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))) == []
+    assert h.worker_state() is WorkerState.RUNNING
+
+
+def test_a_launch_failure_is_a_failure_of_this_worker_not_a_lost_session() -> None:
+    h = Harness()
+    h.running()
+    actions = h.core.launch_failed(1, "OSError: [Errno 24] Too many open files")
+    [report] = reports(actions)
+    assert report.status is api.WorkerStatus.FAILED
+    assert report.detail == "cannot start the trainer: OSError: [Errno 24] Too many open files"
+    assert not any(isinstance(a, DropSession) for a in actions)
+
+
+def test_a_join_meant_for_a_lost_session_is_not_sent_on_the_next() -> None:
+    h = Harness()
+    h.running()
+    h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    h.core.session_ended("UNAVAILABLE: connection reset")
+    assert joins(h.core.worker_stopped(StopResult(-15, False))) == []  # the session it was for is gone
+    assert len(joins(h.core.session_opened())) == 1  # the new session's own Join
+
+
+# ---------------------------------------------------------------------------------------- hang detection
+
+
+def test_no_progress_for_the_stall_timeout_is_reported_once() -> None:
+    h = Harness()
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=5))
+    h.clock.now += STALL  # exactly the timeout: not yet
+    h.core.received(api.Heartbeat())
+    assert stalled(h.core.tick()) == []
+    h.clock.now += 0.25
+    h.core.received(api.Heartbeat())
+    [report] = stalled(h.core.tick())
+    assert report.detail == "no progress for 10.2s (stall_timeout=10s)"
+    h.clock.now += 0.25
+    h.core.received(api.Heartbeat())
+    assert stalled(h.core.tick()) == []  # the coordinator decides; one report is enough
+
+
+def test_training_completed_pauses_the_stall_check_until_the_next_report() -> None:
+    h = Harness()
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=100, done=True))
+    for _ in range(100):  # 50 s of silent evaluation and export, far past the stall timeout
+        h.clock.now += 0.5
+        h.core.received(api.Heartbeat())
+        assert stalled(h.core.tick()) == []
+    h.core.progress(ProgressMessage(1, 4001, step=0))  # another fit: watched again
+    h.clock.now += STALL + 0.25
+    h.core.received(api.Heartbeat())
+    assert len(stalled(h.core.tick())) == 1
+
+
+def test_a_trainer_that_never_reports_is_not_checked() -> None:
+    h = Harness()
+    h.running()
+    h.clock.now += 10 * STALL
+    h.core.received(api.Heartbeat())
+    assert stalled(h.core.tick()) == []
+
+
+# ------------------------------------------------------------------------------ completion during a stop
+
+
+@pytest.mark.parametrize(("said_done", "exited_before_stop", "completed"), [
+    (True, False, True),  # it said training completed, then exited 0 on SIGTERM
+    (False, True, True),  # it exited 0 by itself just before the stop
+    (False, False, False),  # exit 0 in answer to SIGTERM: it may only have checkpointed and stopped
+])
+def test_a_trainer_that_completes_while_it_is_stopped_completes_the_job(
+        said_done: bool, exited_before_stop: bool, completed: bool) -> None:
+    h = Harness()
+    h.running()
+    if said_done:
+        h.core.progress(ProgressMessage(1, 4001, step=200, done=True))
+    h.core.received(api.StopWorkers(1, api.RestartReason.SCALE_UP))
+    actions = h.core.worker_stopped(StopResult(0, exited_before_stop))
+    succeeded = [r for r in reports(actions) if r.status is api.WorkerStatus.SUCCEEDED]
+    assert len(succeeded) == (1 if completed else 0)
+    assert len(joins(actions)) == 1
+    if completed:  # the report comes first: the coordinator must see the success before the Join
+        assert sent(actions).index(succeeded[0]) < sent(actions).index(joins(actions)[0])
+
+
+# --------------------------------------------------------------------------------- graceful stop (exit 42)
+
+
+@pytest.mark.parametrize(("code", "exited_before_stop", "outcome"), [
+    (42, False, "checkpointed"), (-signal.SIGKILL, False, "killed"), (0, False, "exited"), (1, True, "exited"),
+])
+def test_a_planned_stop_is_counted_by_how_the_trainer_ended(code: int, exited_before_stop: bool,
+                                                             outcome: str) -> None:
+    h = Harness()
+    h.running()
+    assert stops(h.core.received(api.StopWorkers(1, api.RestartReason.OPERATOR_RESTART))) == [
+        Stop("operator_restart", planned=True)]  # planned: stop_grace, time to checkpoint
+    h.core.worker_stopped(StopResult(code, exited_before_stop))
+    assert h.metric("tfelastic_worker_graceful_stops_total", outcome=outcome) == 1.0
+
+
+def test_a_stop_after_a_failure_is_not_a_graceful_stop() -> None:
+    h = Harness()
+    h.running()
+    h.core.received(api.StopWorkers(1, api.RestartReason.NODE_LOST))
+    h.core.worker_stopped(StopResult(42, False))
+    for outcome in ("checkpointed", "killed", "exited"):
+        assert not h.metric("tfelastic_worker_graceful_stops_total", outcome=outcome)
+
+
+# --------------------------------------------------------------------------------------------- fencing
+
+
+def test_fences_one_heartbeat_before_the_coordinators_lease_runs_out() -> None:
+    h = Harness()
+    h.running()
+    h.clock.now += NODE_TIMEOUT - HEARTBEAT  # 1.5 s of silence: not yet
+    assert not any(isinstance(a, DropSession) for a in h.core.tick())
+    h.clock.now += 0.01
+    [drop] = [a for a in h.core.tick() if isinstance(a, DropSession)]
+    assert drop.reason == "no message from the coordinator for 1.5s"
+    # The session is dropped and the worker stopped before the coordinator (node_timeout 2 s) gives up on us.
+    actions = h.core.session_ended(drop.reason)
+    assert stops(actions) == [Stop("fencing: the coordinator is unreachable", planned=False)]
+    assert h.core.verdict() is None  # and it tries the coordinator again
+
+
+def test_any_message_renews_the_lease() -> None:
+    h = Harness()
+    h.running()
+    for _ in range(10):
+        h.clock.now += 1.4
+        h.core.received(api.Heartbeat())
+        assert not any(isinstance(a, DropSession) for a in h.core.tick())
+
+
+def test_gives_up_after_join_timeout_without_the_coordinator() -> None:
+    h = Harness(join_timeout=60.0)
+    h.running()
+    h.core.session_ended("UNAVAILABLE: connection refused")
+    h.core.worker_stopped(StopResult(-15, False))
+    h.clock.now += 59.0
+    assert h.core.verdict() is None
+    h.clock.now += 2.0
+    assert h.core.verdict() is ExitCode.FAILED
+
+
+# ------------------------------------------------------------------------------------------ planned leave
+
+
+def test_sigterm_leaves_the_job_after_the_worker_checkpointed() -> None:
+    h = Harness()
+    h.running()
+    actions = h.core.signal_received(signal.SIGTERM)
+    assert sent(actions) == [api.Leave("agent stopped (SIGTERM)")]
+    assert stops(actions) == [Stop("agent stopping", planned=True)]
+    assert HangUp() not in actions  # not before the worker is gone
+    assert h.core.worker_stopped(StopResult(42, False)) == [HangUp()]
+    assert h.core.session_ended(None) == []
+    assert h.core.verdict() is ExitCode.SUCCEEDED
+
+
+def test_a_drain_is_a_leave_that_says_so() -> None:
+    h = Harness()
+    h.running()
+    actions = h.core.received(api.DrainNode("maintenance"))
+    assert sent(actions) == [api.Leave("drained: maintenance")]
+    assert h.core.leaving is not None and h.core.leaving.drained
+    assert h.core.signalled is False  # a drained node hosting the coordinator keeps serving it
+
+
+def test_a_leave_with_no_worker_hangs_up_at_once() -> None:
+    h = Harness()
+    h.core.session_opened()
+    assert h.core.signal_received(signal.SIGINT)[-2:] == [Send(api.Leave("agent stopped (SIGINT)")), HangUp()]
+
+
+def test_a_leave_between_sessions_ends_the_agent() -> None:
+    h = Harness()
+    assert h.core.signal_received(signal.SIGTERM) == []
+    assert h.core.verdict() is ExitCode.SUCCEEDED
+
+
+def test_the_job_finished_ends_the_agent_with_its_verdict() -> None:
+    h = Harness()
+    h.running()
+    actions = h.core.received(api.Finished(api.JobState.FAILED, "restart budget exhausted"))
+    assert actions[-1] == HangUp()
+    assert h.core.verdict() is ExitCode.FAILED
+
+
+# ------------------------------------------------------------------------------------------- progress
+
+
+def test_heartbeats_carry_the_latest_progress_once() -> None:
+    h = Harness()
+    h.running()
+    h.core.tick()  # the first heartbeat
+    h.core.progress(ProgressMessage(1, 4001, step=7, examples=224, loss=0.5, checkpoint_step=5))
+    h.clock.now += HEARTBEAT
+    h.core.received(api.Heartbeat())
+    [report] = reports(h.core.tick())
+    assert report.progress is not None
+    assert (report.progress.step, report.progress.examples, report.progress.loss,
+            report.progress.checkpoint_step) == (7, 224, 0.5, 5)
+    h.core.progress(ProgressMessage(1, 4001, step=8))  # keeps the checkpoint it knows
+    h.clock.now += HEARTBEAT
+    h.core.received(api.Heartbeat())
+    [report] = reports(h.core.tick())
+    assert report.progress is not None and (report.progress.step, report.progress.checkpoint_step) == (8, 5)
+    h.clock.now += HEARTBEAT
+    h.core.received(api.Heartbeat())
+    assert sent(h.core.tick()) == [api.Heartbeat()]  # nothing new
+
+
+def test_progress_of_an_older_generation_is_ignored() -> None:
+    h = Harness()
+    h.running(generation=2)
+    h.core.progress(ProgressMessage(1, 4001, step=99))
+    assert h.core.tracker.latest is None
+
+
+def test_the_first_progress_after_a_failure_measures_the_recovery() -> None:
+    h = Harness()
+    h.running()
+    h.core.worker_exited(1, 1)
+    h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    h.core.worker_stopped(StopResult(1, True))
+    h.running(generation=2)
+    h.clock.now += 3.0
+    h.core.progress(ProgressMessage(2, 4002, step=10))
+    assert h.metric("tfelastic_recovery_seconds_count") == 1.0
+    assert h.metric("tfelastic_recovery_seconds_sum") == pytest.approx(3.0)
+
+
+def test_progress_after_a_stop_order_is_not_recorded() -> None:
+    """A trainer that reports while it is being stopped does not count as progress of the job: the stop is
+    already decided, and its steps will be redone from the checkpoint."""
+    h = Harness()
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=10))
+    h.core.received(api.StopWorkers(1, api.RestartReason.SCALE_UP))
+    h.core.progress(ProgressMessage(1, 4001, step=11))
+    latest = h.core.tracker.latest
+    assert latest is not None and latest.step == 10
