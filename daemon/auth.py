@@ -1,6 +1,6 @@
 """Authentication of every RPC: a shared token sent as gRPC metadata, compared in constant time, and TLS.
 
-The standard health service stays open (it reveals only whether the server is serving), so load balancers and
+The standard health service's Check stays open (it reveals only whether the server is serving), so load balancers and
 systemd checks need no secret. The token itself is never logged.
 """
 
@@ -15,7 +15,8 @@ import grpc
 from tfelastic.daemon.endpoint import TlsConfig
 
 METADATA_KEY = "authorization"
-_OPEN_METHODS = ("/grpc.health.v1.Health/",)
+# Health Check stays open for load balancers and probes; Watch, a stream that never ends, needs the token.
+_OPEN_METHODS = ("/grpc.health.v1.Health/Check",)
 if TYPE_CHECKING:  # the grpc classes are generic only in their stubs
     Handler = grpc.RpcMethodHandler[Any, Any]
     _Interceptor = grpc.aio.ServerInterceptor[Any, Any]

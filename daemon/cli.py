@@ -29,7 +29,8 @@ from tfelastic.daemon.slurm import SlurmStep
 
 _UNSET: Any = object()  # the default of every option flag: not given (the configuration's default applies)
 _SECURITY = ("token_file", "tls_cert", "tls_key", "tls_ca")
-_TIMING = ("last_call", "settle", "join_timeout", "heartbeat_interval", "node_timeout")
+_TIMING = ("last_call", "settle", "join_timeout", "heartbeat_interval", "node_timeout", "restart_backoff",
+           "restart_backoff_max")
 _METRICS = ("metrics_port", "metrics_address", "metrics_token_file", "metrics_linger")
 _RUN = tuple(name for name, option in OPTIONS.items() if option.flag and name != "max_nodes")
 _COORDINATOR = ("log_level", *_SECURITY, *_TIMING, *_METRICS)

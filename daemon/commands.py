@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -18,7 +19,14 @@ from tfelastic.daemon.endpoint import Endpoint, TlsConfig
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.netutil import host_port
-from tfelastic.daemon.preflight import check_agent, check_metrics_listen, check_tls_files, metrics_token, token_for
+from tfelastic.daemon.preflight import (
+    check_agent,
+    check_metrics_listen,
+    check_tls_files,
+    metrics_token,
+    raise_open_files_limit,
+    token_for,
+)
 from tfelastic.daemon.sdnotify import Notifier, journal_handler, run_notifying
 from tfelastic.daemon.slurm import SlurmStep
 
@@ -32,6 +40,12 @@ def setup_logging(level: str, node: str = "") -> None:
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s.%(msecs)03d %(levelname)s {tag} %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+
+
+def _open_files() -> None:
+    before, after = raise_open_files_limit()
+    if after != before:
+        logging.getLogger("tfelastic").info("open files limit raised from %d to %d (the hard limit)", before, after)
 
 
 def _warn_if_clear_text(endpoint: Endpoint, tls: TlsConfig) -> None:
@@ -49,6 +63,7 @@ def run_agent(config: AgentConfig, slurm: SlurmStep | None = None) -> int:
     check_agent(config)
     notifier = Notifier()  # first: the trainer must not inherit $NOTIFY_SOCKET
     setup_logging(config.node.log_level, f"{config.job.name}/{config.node.id}")  # journald: job and node
+    _open_files()
     _warn_if_clear_text(config.rendezvous.endpoint, config.rendezvous.tls)
     if slurm is not None:
         logging.getLogger("tfelastic").info("%s", slurm.note)
@@ -69,6 +84,7 @@ def run_coordinator(config: AgentConfig) -> int:
     check_metrics_listen(config)
     check_tls_files(rdzv.tls)
     setup_logging(config.node.log_level, "coordinator")
+    _open_files()
     _warn_if_clear_text(rdzv.endpoint, rdzv.tls)
     log = logging.getLogger("tfelastic.coordinator")
 
@@ -109,12 +125,22 @@ def run_status(endpoint: Endpoint, token: str | None, tls: TlsConfig, *, as_json
         except grpc.RpcError as e:
             print(describe_rpc_error("status", endpoint, e, tls=tls.enabled), file=sys.stderr)
             return ExitCode.FAILED
-        if watch is not None:
-            print("\033[2J\033[H", end="")
-        print(json.dumps(doc, indent=2) if as_json else render_table(doc), flush=True)
+        text = json.dumps(doc, indent=2) if as_json else render_table(doc)
+        if not _print(f"\033[2J\033[H{text}" if watch is not None else text):
+            return ExitCode.SUCCEEDED  # whoever read it has had enough (`| head`, `| true`)
         if watch is None:
             return ExitCode.SUCCEEDED
         time.sleep(watch)
+
+
+def _print(text: str) -> bool:
+    """Prints ``text``; False when nobody reads our output any more (a closed pipe)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+        return False
+    return True
 
 
 def run_operator(name: str, endpoint: Endpoint, tls: TlsConfig, call: Callable[[], Coroutine[Any, Any, str]]) -> int:
@@ -125,7 +151,7 @@ def run_operator(name: str, endpoint: Endpoint, tls: TlsConfig, call: Callable[[
     except grpc.RpcError as e:
         print(describe_rpc_error(name, endpoint, e), file=sys.stderr)
         return ExitCode.FAILED
-    print(detail)
+    _print(detail)
     return ExitCode.SUCCEEDED
 
 

@@ -66,11 +66,13 @@ class RendezvousConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
-    last_call: float = 1.0
+    last_call: float = 30.0  # the first round, with a node range: closes at once when max_nodes have joined
     settle: float = 3.0
     join_timeout: float = 600.0
     heartbeat_interval: float = 0.5
     node_timeout: float = 2.0
+    restart_backoff: float = 1.0
+    restart_backoff_max: float = 30.0
 
     @property
     def tls(self) -> TlsConfig:
@@ -109,7 +111,9 @@ class AgentConfig:
     def rendezvous_settings(self) -> RendezvousSettings:
         r = self.rendezvous
         return RendezvousSettings(last_call_seconds=r.last_call, settle_seconds=r.settle,
-                                  join_timeout_seconds=r.join_timeout, node_timeout_seconds=r.node_timeout)
+                                  join_timeout_seconds=r.join_timeout, node_timeout_seconds=r.node_timeout,
+                                  restart_backoff_seconds=r.restart_backoff,
+                                  restart_backoff_max_seconds=r.restart_backoff_max)
 
     def value(self, name: str) -> Any:
         """An option's value by name (see :data:`OPTIONS`): ``config.value("node_id")`` is ``config.node.id``."""
@@ -187,6 +191,10 @@ _OPTIONS = [
            "how long to wait below min nodes (or for an unreachable coordinator) before failing", "S"),
     Option("heartbeat_interval", "rendezvous.heartbeat_interval", "--heartbeat-interval", "heartbeat period", "S"),
     Option("node_timeout", "rendezvous.node_timeout", "--node-timeout", "silence after which a node is lost", "S"),
+    Option("restart_backoff", "rendezvous.restart_backoff", "--restart-backoff",
+           "wait before the generation after a second failed one in a row, doubling each time; 0 never waits", "S"),
+    Option("restart_backoff_max", "rendezvous.restart_backoff_max", "--restart-backoff-max",
+           "the longest wait between failed generations", "S"),
     Option("metrics_port", "metrics.port", "--metrics-port",
            "serve Prometheus /metrics; 0 picks a free port, 'off' disables", "PORT"),
     Option("metrics_address", "metrics.address", "--metrics-address",
@@ -229,7 +237,8 @@ def label(name: str, where: str = "") -> str:
 # ------------------------------------------------------------------------------------------------ validation
 
 _DURATIONS = ("restart_window", "stall_timeout", "stop_grace", "failure_stop_grace", "last_call", "settle",
-              "join_timeout", "heartbeat_interval", "node_timeout", "metrics_linger")
+              "join_timeout", "heartbeat_interval", "node_timeout", "restart_backoff", "restart_backoff_max",
+              "metrics_linger")
 _SPEC_OPTIONS = {"job": "job", "min_nodes": "min_nodes", "max_nodes": "max_nodes", "max_restarts": "max_restarts",
                  "restart_window_seconds": "restart_window", "stall_timeout_seconds": "stall_timeout",
                  "backup_dir": "backup_dir", "heartbeat_interval_seconds": "heartbeat_interval",
@@ -262,6 +271,8 @@ def validate(config: AgentConfig, where: str = "") -> AgentConfig:
         value = config.value(name)
         if value < 0 or value != value:
             raise ConfigError(f"{opt(name)}: {value} seconds must be 0 or more")
+        if (problem := bounds.seconds_problem(name, value)) is not None:  # inf, or a typo's extra digits
+            raise ConfigError(f"{opt(name)}: {problem.text}")
     if rdzv.heartbeat_interval <= 0:
         raise ConfigError(f"{opt('heartbeat_interval')}: {rdzv.heartbeat_interval}s must be more than 0")
     if rdzv.node_timeout <= rdzv.heartbeat_interval:
@@ -297,6 +308,9 @@ def parse_nodes(text: str, option: str = "--nodes") -> tuple[int, int]:
     return min_nodes, max_nodes
 
 
+MAX_TOKEN_CHARS = 1024  # far below gRPC's metadata limit (16 KiB); `openssl rand -hex 32` writes 64
+
+
 def read_token(path: str, option: str = "--token-file") -> str:
     """The shared secret. Refuses a file that other users can read, and an empty one."""
     try:
@@ -312,6 +326,10 @@ def read_token(path: str, option: str = "--token-file") -> str:
                           f"run: chmod 600 {shlex.quote(path)}")
     if not token:
         raise ConfigError(f"{option}: {path!r} is empty; put a random secret in it, e.g. "
+                          f"openssl rand -hex 32 > {shlex.quote(path)}")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise ConfigError(f"{option}: {path!r} holds {len(token)} characters, more than the {MAX_TOKEN_CHARS} a token "
+                          "may have (it travels in the metadata of every call); e.g. "
                           f"openssl rand -hex 32 > {shlex.quote(path)}")
     if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
         raise ConfigError(f"{option}: {path!r} must hold one word of printable ASCII (it travels as gRPC "
@@ -335,9 +353,12 @@ def load_toml(path: str, complete: Completion | None = None) -> AgentConfig:
         raise ConfigError(f"--config: {path!r} is not valid TOML (UTF-8): {e}") from None
     values: dict[str, Any] = {}
     for section, content in raw.items():
-        if section not in _SECTIONS or not isinstance(content, dict):
+        if section not in _SECTIONS:
             raise ConfigError(f"{path}: unknown section [{section}]; expected one of "
                               f"{', '.join('[' + s + ']' for s in _SECTIONS)}")
+        if not isinstance(content, dict):
+            shape = "an array" if isinstance(content, list) else repr(content)
+            raise ConfigError(f"{path}: {section} must be a table ([{section}] with keys under it), not {shape}")
         for key, value in content.items():
             option = _BY_KEY.get(f"{section}.{key}")
             if option is None:

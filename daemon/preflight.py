@@ -6,13 +6,34 @@ Each failure is a :class:`ConfigError` naming the option, so the process exits 7
 
 from __future__ import annotations
 
+import logging
 import os
+import resource
 import shutil
 
 from tfelastic.daemon.config import AgentConfig, read_token
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.netutil import is_local_address, port_taken
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raises the soft limit on open files to the hard one (a shell's `ulimit -n` is often 1024: a coordinator
+    holds an fd per connection, and /metrics and the worker need their own). Returns (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        with open("/proc/sys/fs/nr_open") as f:  # the kernel's own ceiling for the soft limit
+            target = int(f.read())
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as e:
+            logging.getLogger("tfelastic").warning("cannot raise the open files limit from %d to %d: %s", soft,
+                                                   target, e)
+            return soft, soft
+        return soft, target
+    return soft, soft
 
 
 def token_for(endpoint: Endpoint, token_file: str, option: str = "--token-file") -> str | None:

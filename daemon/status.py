@@ -31,6 +31,9 @@ def status_to_json(snap: ClusterSnapshot, now: float | None = None) -> dict[str,
         "restarts_total": snap.restarts_total,
         "restarts_by_reason": dict(snap.restarts_by_reason),
         "nodes": [_node_json(n, now) for n in snap.nodes],
+        "warnings": list(snap.warnings),
+        "steps_redone": snap.steps_redone,
+        "steps_lost": snap.steps_lost,
     }
 
 
@@ -61,6 +64,7 @@ def render_table(doc: dict[str, Any]) -> str:
         f"generation {doc['generation']}, world size {doc['world_size']} "
         f"(min {doc['min_nodes']}, max {doc['max_nodes']})",
         f"restarts: {doc['restarts_total']} ({restarts}); budget {doc['max_restarts']} failures per window",
+        *(f"WARNING: {warning}" for warning in doc.get("warnings", ())),
         "",
     ]
     header = ("NODE", "RANK", "ADDRESS", "STATE", "PID", "STEP", "STEPS/S", "LAST PROGRESS", "LAST CHECKPOINT", "GPUS")

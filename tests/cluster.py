@@ -81,8 +81,11 @@ class Cluster:
         # TMPDIR keeps what a SIGKILLed agent cannot clean up (its progress socket) inside the test's folder.
         # SLURM's variables only where a test sets them: inside a SLURM job, agents would otherwise take its values.
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SLURMD_"))}
-        env = dict(inherited, COUNTER_EVENTS=str(self.events_path), TFELASTIC_DEMO_EVENTS=str(self.events_path),
-                   TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp), **self.env, **(extra or {}))
+        env: dict[str, str | None] = dict(inherited, COUNTER_EVENTS=str(self.events_path),
+                                          TFELASTIC_DEMO_EVENTS=str(self.events_path), TF_CPP_MIN_LOG_LEVEL="2",
+                                          PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp))
+        env.update(self.env)
+        env.update(extra or {})
         return {name: value for name, value in env.items() if value is not None}  # None: unset it
 
     def start(self, node_id: str, *, extra: Sequence[str] = (), netns: str = "", env: Mapping[str, str] | None = None,

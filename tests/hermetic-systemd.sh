@@ -8,12 +8,34 @@
 #   hermetic-systemd.sh exec PID CMD...    run CMD inside (systemctl, journalctl, ...)
 #   hermetic-systemd.sh stop PID           kill the namespace's PID 1: everything inside dies with it
 #
+# HERMETIC_KEEP=PATH[:PATH...]: directories that stay visible inside although a private tmpfs covers where they
+# live (a checkout or a virtual environment under /tmp, /var/tmp or /srv): each is bound back into place.
+#
 # Why: booting systemd without this isolation ran systemd-tmpfiles and emptied the host's /tmp.
 # tfelastic's copy of the team recipe adds: a private /srv and overlays over /etc and /var/lib (tests write job
 # files, create users and state directories without touching the host), and journald's sockets left unmasked
 # (else PID 1 never logs to the journal: no "Watchdog timeout", no unit results).
 # The network namespace is shared with the host on purpose (loopback servers stay reachable).
 set -euo pipefail
+
+# The HERMETIC_KEEP directories, bound to /run/hermetic-keep/N before the tmpfs hides them, then back in place.
+keep_aside() {
+  local path wanted
+  kept=()
+  IFS=: read -ra wanted <<<"${HERMETIC_KEEP:-}"
+  for path in "${wanted[@]}"; do
+    [[ -d $path ]] || continue
+    mkdir -p "/run/hermetic-keep/${#kept[@]}" && mount --bind "$path" "/run/hermetic-keep/${#kept[@]}"
+    kept+=("$path")
+  done
+}
+
+keep_back() {
+  local i
+  for i in "${!kept[@]}"; do
+    mkdir -p "${kept[$i]}" && mount --bind "/run/hermetic-keep/$i" "${kept[$i]}"
+  done
+}
 
 boot() {
   local units=${1:-}
@@ -28,7 +50,9 @@ boot() {
     mount -t overlay overlay \
       -o "lowerdir=/$d,upperdir=/run/hermetic-overlay/$d/upper,workdir=/run/hermetic-overlay/$d/work" "/$d"
   done
+  keep_aside
   for d in /tmp /var/tmp /var/log /var/lib/systemd /srv; do mount -t tmpfs tmpfs "$d"; done
+  keep_back
   for w in /lib/systemd/system/*.target.wants /etc/systemd/system/*.target.wants; do
     for u in "$w"/*; do
       [[ -e $u || -L $u ]] || continue

@@ -35,6 +35,7 @@ class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
         self._reporter = reporter or ProgressReporter.from_env()
         self._global_batch_size = global_batch_size
         self._last_checkpoint: str | None = None
+        self._batch_loss_scale = 1.0
         self._supports_tf_logs = True  # keep Keras from syncing every batch's logs to numpy for us
 
     def _step(self) -> int:
@@ -53,22 +54,34 @@ class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
         self._last_checkpoint = latest
         return True
 
-    def _send(self, logs: dict[str, Any] | None, *, force: bool = False, done: bool = False) -> None:
+    def _per_batch_loss_scale(self) -> float:
+        """tf_keras reduces each batch's logs with the model's ``distribute_reduction_method``; "auto" means "sum"
+        off TPUs, so under MultiWorkerMirroredStrategy a batch's loss is the sum of every replica's. The mean is
+        what Keras reports for the epoch, and what stays comparable when the world size changes."""
+        strategy, method = self.model.distribute_strategy, self.model.distribute_reduction_method
+        if method == "auto":  # tf_keras's own test for a TPU strategy, by class name
+            method = "first" if type(strategy).__name__.startswith("TPUStrategy") else "sum"
+        return 1.0 / strategy.num_replicas_in_sync if method == "sum" else 1.0
+
+    def _send(self, logs: dict[str, Any] | None, *, force: bool = False, done: bool = False,
+              loss_scale: float = 1.0) -> None:
         step = self._step()
         loss = (logs or {}).get("loss")
+        loss = None if loss is None else float(loss) * loss_scale
         examples = step * self._global_batch_size if self._global_batch_size else None
         saved = self._saved_checkpoint()
-        self._reporter.report(step, examples=examples, loss=None if loss is None else float(loss),
+        self._reporter.report(step, examples=examples, loss=loss,
                               checkpoint_step=step if saved else None, force=force, done=done)
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         if self._reporter.enabled:
+            self._batch_loss_scale = self._per_batch_loss_scale()
             self._saved_checkpoint()  # a checkpoint restored at start is not a new save
             self._send(None, force=True)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self._reporter.due() or (self._reporter.enabled and self._latest_checkpoint() != self._last_checkpoint):
-            self._send(logs)
+            self._send(logs, loss_scale=self._batch_loss_scale)
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if self._reporter.enabled:

@@ -16,7 +16,7 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -52,6 +52,9 @@ log = logging.getLogger("tfelastic.agent")
 
 RETRY_SECONDS = 0.2  # between attempts to reach the coordinator
 GPU_POLL_SECONDS = 5.0
+# A terminal closed under `tfelastic run` (SIGHUP) or Ctrl-\ (SIGQUIT) is a request to stop, like SIGTERM and
+# Ctrl-C: the agent leaves the job cleanly. SIGUSR1 logs what the agent is doing; SIGUSR2 is ignored.
+LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 class Agent:
@@ -87,8 +90,10 @@ class Agent:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in LEAVE_SIGNALS:
             loop.add_signal_handler(sig, self._on_signal, sig)
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            loop.add_signal_handler(sig, self._on_user_signal, sig)
         self._listener = ProgressListener(self._on_progress)
         self._listener.start()
         self._serve_metrics()
@@ -185,6 +190,14 @@ class Agent:
             return True
         return self._clock() - self._ticked_at <= max_age
 
+    def _on_user_signal(self, signum: int) -> None:
+        core = self.core
+        a = core.assignment
+        log.info("%s: worker %s, generation %s%s, coordinator %s; %s", signal.Signals(signum).name,
+                 core.worker.state.value, a.generation if a else "-", f" as rank {a.rank}" if a else "",
+                 "connected" if self._session is not None else "not connected",
+                 "nothing else to do on this signal" if signum == signal.SIGUSR2 else "SIGTERM or SIGHUP leaves")
+
     def _on_signal(self, signum: int) -> None:
         self._signalled.set()
         self._apply(self.core.signal_received(signum))
@@ -201,8 +214,8 @@ class Agent:
     def trainer_pid(self, generation: int, pid: int) -> None:
         self._apply(self.core.trainer_pid(generation, pid))
 
-    def worker_exited(self, generation: int, code: int) -> None:
-        self._apply(self.core.worker_exited(generation, code))
+    def worker_exited(self, generation: int, code: int, output: Sequence[str]) -> None:
+        self._apply(self.core.worker_exited(generation, code, output))
 
     def worker_stopped(self, result: StopResult) -> None:
         self._apply(self.core.worker_stopped(result))

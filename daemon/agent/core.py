@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tfelastic.daemon.agent.api import Action, Announce, DropSession, HangUp, Launch, Send, Stop, StopResult
@@ -26,6 +26,7 @@ from tfelastic.daemon.agent.progress_tracker import FailureTimes, ProgressTracke
 from tfelastic.daemon.exit_codes import CHECKPOINTED_AND_STOPPED, ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
+from tfelastic.daemon.worker.output import exception_line
 from tfelastic.daemon.worker.stall import StallDetector
 from tfelastic.daemon.worker.states import WorkerState, WorkerStateMachine
 from tfelastic.trainer.progress import ProgressMessage
@@ -182,7 +183,8 @@ class AgentCore:
         log.error("generation %d: cannot start the trainer: %s", generation, error)
         return [self._report(api.WorkerStatus.FAILED, detail=f"cannot start the trainer: {error}")]
 
-    def worker_exited(self, generation: int, code: int) -> list[Action]:
+    def worker_exited(self, generation: int, code: int, output: Sequence[str] = ()) -> list[Action]:
+        """``output``: the trainer's last lines; the exception it died of goes into the report."""
         if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []  # we stopped it on purpose
         if code == 0:
@@ -192,6 +194,8 @@ class AgentCore:
         self.worker.to(WorkerState.FAILED)  # RUNNING -> FAILED
         self._failures.worker_failed()
         detail = describe_exit(code)
+        if (exception := exception_line(output)) is not None:
+            detail = f"{detail}: {exception}"
         log.warning("generation %d: trainer %s", generation, detail)
         return [self._report(api.WorkerStatus.FAILED, exit_code=code, detail=f"trainer {detail}")]
 
@@ -218,16 +222,20 @@ class AgentCore:
             return []  # a report from an older generation's worker
         if message.done:
             self._trainer_done = message.generation
-        if self.worker.state is WorkerState.RUNNING:
-            self._failures.progressed()
-            self.tracker.record(message)
-            self._stall.progress(training_done=message.done)
-        return []
+        if self.worker.state is not WorkerState.RUNNING:
+            return []
+        first = self.tracker.latest is None
+        self._failures.progressed()
+        self.tracker.record(message)
+        self._stall.progress(training_done=message.done)
+        # The first report of a generation goes out at once: where it resumed tells the coordinator what a
+        # restart cost (steps redone or lost), and status shows the new generation training.
+        return [self._report(api.WorkerStatus.RUNNING, pid=message.pid)] if first else []
 
     # ------------------------------------------------------------------------------------- local requests
 
     def signal_received(self, signum: int) -> list[Action]:
-        """SIGTERM or SIGINT: leave the job cleanly (a planned leave, not a failure)."""
+        """SIGTERM, SIGINT, SIGHUP or SIGQUIT: leave the job cleanly (a planned leave, not a failure)."""
         self.signalled = True
         return self._leave(f"agent stopped ({signal.Signals(signum).name})")
 
@@ -263,7 +271,8 @@ class AgentCore:
                 *self._stop(reason.value, planned=not reason.counts_against_budget)]
 
     def _finished(self, order: api.Finished) -> list[Action]:
-        log.info("job %s: %s", order.state.value, order.reason)
+        level = logging.INFO if order.state is api.JobState.SUCCEEDED else logging.ERROR
+        log.log(level, "job %s: %s", order.state.value, order.reason)
         self.exit_code = ExitCode.SUCCEEDED if order.state is api.JobState.SUCCEEDED else ExitCode.FAILED
         return [Announce(f"job {order.state.value}: {order.reason}"), HangUp()]
 
@@ -273,7 +282,7 @@ class AgentCore:
         self.leaving = Leaving(reason, drained)
         if not self._contact.open:
             return []  # between sessions: nobody to tell; the run loop ends
-        log.info("stopping: leaving the rendezvous and stopping the worker")
+        log.info("%s: leaving the rendezvous and stopping the worker", reason)
         return [Announce("stopping: draining the worker"), Send(api.Leave(reason)),
                 *self._stop("agent stopping", planned=True)]
 

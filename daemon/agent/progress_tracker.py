@@ -34,6 +34,7 @@ class ProgressTracker:
         """A new worker starts: nothing it reports has come in yet."""
         self._recent.clear()
         self._latest = self._sent = None
+        self._checkpoint_at = None  # until it reports one: the last one may have been another generation's
 
     @property
     def latest(self) -> ProgressMessage | None:

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from tfelastic.daemon.agent.api import StopResult
@@ -23,7 +23,7 @@ class WorkerEvents(Protocol):
     def worker_started(self, generation: int, pid: int) -> None: ...
     def launch_failed(self, generation: int, error: str) -> None: ...
     def trainer_pid(self, generation: int, pid: int) -> None: ...
-    def worker_exited(self, generation: int, code: int) -> None: ...
+    def worker_exited(self, generation: int, code: int, output: Sequence[str]) -> None: ...
     def worker_stopped(self, result: StopResult) -> None: ...
 
 
@@ -98,7 +98,7 @@ class WorkerRunner:
     async def _await_exit(self, worker: WorkerProcess, generation: int) -> None:
         code = await worker.wait()
         if worker is self._worker:
-            self._events.worker_exited(generation, code)
+            self._events.worker_exited(generation, code, tuple(worker.tail))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(coro)
@@ -119,6 +119,7 @@ def trainer_env(base: Mapping[str, str], assignment: Assignment, *, job: str, no
     says otherwise, and the automatic instrumentation."""
     env = dict(base)
     env.setdefault("TF_USE_LEGACY_KERAS", "1")  # Keras 3 cannot run model.fit under MWMS (FACTS 1)
+    env.setdefault("PYTHONUNBUFFERED", "1")  # a print reaches the log as it happens, and is not lost to a kill
     env.update(TrainerEnvironment(
         rank=assignment.rank, world_size=assignment.world_size, generation=assignment.generation,
         restart_count=assignment.restart_count, backup_dir=backup_dir, progress_socket=progress_socket, job=job,

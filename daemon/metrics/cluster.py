@@ -52,6 +52,11 @@ class ClusterCollector(Collector):
         yield restarts
         yield GaugeMetricFamily("tfelastic_cluster_max_restarts", "Failures allowed per restart window.",
                                 value=snap.max_restarts)
+        yield CounterMetricFamily("tfelastic_cluster_steps_redone", "Training steps done again after restarts "
+                                  "(below the furthest step the job had reached).", value=snap.steps_redone)
+        yield CounterMetricFamily("tfelastic_cluster_steps_lost", "Steps redone from below a checkpoint the job "
+                                  "had saved: a backup deleted or damaged (logged as a warning).",
+                                  value=snap.steps_lost)
 
 
 def register_cluster_collector(registry: CollectorRegistry,

@@ -256,16 +256,21 @@ class ClusterSnapshot:
     restarts_total: int
     restarts_by_reason: dict[str, int]
     nodes: Sequence[NodeSnapshot] = field(default_factory=tuple)
+    warnings: tuple[str, ...] = ()  # the most recent things an operator should know (steps lost)
+    steps_redone: int = 0  # steps trained again after restarts, below the furthest step reached
+    steps_lost: int = 0  # of those, steps below a checkpoint the job had saved
 
 
 @dataclass(frozen=True)
 class RendezvousSettings:
     """Timing of the coordinator. Defaults favour fast recovery; every one is a documented option."""
 
-    last_call_seconds: float = 1.0  # after min_nodes joined, how long to wait for more (first round only)
+    last_call_seconds: float = 30.0  # after min_nodes joined, how long to wait for more (first round only)
     settle_seconds: float = 3.0  # after a node joins a running job below max_nodes, wait for more
     join_timeout_seconds: float = 600.0  # how long a round may stay below min_nodes before the job fails
     node_timeout_seconds: float = 2.0  # silence after which a node is declared lost
+    restart_backoff_seconds: float = 1.0  # the wait before a generation after two failed ones in a row; doubles
+    restart_backoff_max_seconds: float = 30.0  # the longest such wait
 
 
 class RendezvousError(Exception):

@@ -199,6 +199,7 @@ def status_to_proto(snap: api.ClusterSnapshot, now: float) -> pb.ClusterStatus:
         job=snap.job, state=JOB_STATES[snap.state] if snap.state else pb.JOB_STATE_UNSPECIFIED, reason=snap.reason,
         generation=snap.generation, world_size=snap.world_size, min_nodes=snap.min_nodes, max_nodes=snap.max_nodes,
         restarts_total=snap.restarts_total, max_restarts=snap.max_restarts, nodes=nodes,
+        warnings=snap.warnings, steps_redone=snap.steps_redone, steps_lost=snap.steps_lost,
         restarts_by_reason=[pb.RestartCount(reason=r, count=c)
                             for r, c in sorted(snap.restarts_by_reason.items())],
     )
@@ -223,4 +224,5 @@ def status_from_proto(status: pb.ClusterStatus, now: float) -> api.ClusterSnapsh
         job=status.job, state=JOB_STATE_NAMES.get(status.state), reason=status.reason, generation=status.generation,
         world_size=status.world_size, min_nodes=status.min_nodes, max_nodes=status.max_nodes,
         max_restarts=status.max_restarts, restarts_total=status.restarts_total,
-        restarts_by_reason={r.reason: r.count for r in status.restarts_by_reason}, nodes=nodes)
+        restarts_by_reason={r.reason: r.count for r in status.restarts_by_reason}, nodes=nodes,
+        warnings=tuple(status.warnings), steps_redone=status.steps_redone, steps_lost=status.steps_lost)

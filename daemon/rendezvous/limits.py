@@ -64,6 +64,8 @@ class Limits:
     max_streams_per_connection: int = 100  # an agent uses 1; HTTP/2 asks servers to allow at least 100
     max_metadata_bytes: int = 16 * 1024  # the token is 64 hex characters
     handshake_timeout_ms: int = 10_000  # a TCP connection that does not finish TLS/HTTP2 setup in time is closed
+    # TCP connections at once (each an fd); beyond, a new one is closed at accept. Agents hold one each.
+    max_connections: int = 8192
     max_connection_idle_ms: int = 300_000  # a connection with no call for this long is closed (agents reconnect)
     min_ping_interval_ms: int = 1000  # keepalive pings more often than this are strikes
     max_ping_strikes: int = 2  # then the connection is closed (GOAWAY ENHANCE_YOUR_CALM)
@@ -78,6 +80,10 @@ class Limits:
     peer_calls_per_second: float = 20.0
     peer_burst: float = 40.0
     max_tracked_peers: int = 4096  # the per-peer table is bounded too: least recently seen peers are dropped
+    # Server-streaming calls (the health service's Watch): few at once, and each ends after its lifetime (a
+    # watcher re-watches), so that no caller can pile up streams that never end.
+    max_streams: int = 16
+    stream_lifetime_seconds: float = 300.0
 
     def max_sessions(self, max_nodes: int | None) -> int:
         """Every node of the job, as many standbys, and room for reconnects (a stale session lingers until it
@@ -102,6 +108,7 @@ def server_options(limits: Limits) -> list[tuple[str, int]]:
         ("grpc.max_metadata_size", limits.max_metadata_bytes),
         ("grpc.server_handshake_timeout_ms", limits.handshake_timeout_ms),
         ("grpc.max_connection_idle_ms", limits.max_connection_idle_ms),
+        ("grpc.max_allowed_incoming_connections", limits.max_connections),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", limits.min_ping_interval_ms),
         ("grpc.http2.max_ping_strikes", limits.max_ping_strikes),
@@ -211,6 +218,21 @@ async def _relay(result: Any) -> AsyncIterator[Any]:
         await result
 
 
+async def _until(responses: AsyncIterator[Any], deadline: float, clock: Clock) -> AsyncIterator[Any]:
+    """``responses`` until they end or ``deadline`` passes; then the stream ends as if it were complete."""
+    iterator = responses.__aiter__()
+    try:
+        while (left := deadline - clock()) > 0:
+            try:
+                yield await asyncio.wait_for(iterator.__anext__(), left)
+            except (StopAsyncIteration, asyncio.TimeoutError):
+                return
+    finally:
+        aclose = getattr(iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 class GuardInterceptor(_Interceptor):
     def __init__(self, limits: Limits, clock: Clock, heartbeat_interval: float,
                  max_nodes: Callable[[], int | None]) -> None:
@@ -218,6 +240,7 @@ class GuardInterceptor(_Interceptor):
         self._clock = clock
         self._session_rate = limits.session_rate(heartbeat_interval)
         self.sessions = SessionGate(limits, max_nodes)
+        self.streams = 0  # open server-streaming calls
         self.peers = PeerBuckets(limits.peer_calls_per_second, limits.peer_burst, limits.max_tracked_peers, clock)
 
     async def intercept_service(
@@ -257,8 +280,16 @@ class GuardInterceptor(_Interceptor):
     def _unary_stream(self, behavior: Behavior) -> Callable[[Any, Context], AsyncIterator[Any]]:
         async def call(request: Any, context: Context) -> AsyncIterator[Any]:
             await self._admit_call(request, context)
-            async for response in _relay(behavior(request, context)):
-                yield response
+            if self.streams >= self.limits.max_streams:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{self.streams} streams are open, the coordinator's limit; try again later")
+            self.streams += 1
+            try:
+                async for response in _until(_relay(behavior(request, context)),
+                                             self._clock() + self.limits.stream_lifetime_seconds, self._clock):
+                    yield response
+            finally:
+                self.streams -= 1
 
         return call
 

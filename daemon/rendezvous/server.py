@@ -225,7 +225,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             else:
                 session.outbox.put_nowait(convert.order_to_proto(send.order))
         if self.rendezvous.state.is_terminal and not self.finished.is_set():
-            log.info("job %s: %s", self.rendezvous.state.value, self.rendezvous.reason)
+            succeeded = self.rendezvous.state is api.JobState.SUCCEEDED
+            log.log(logging.INFO if succeeded else logging.ERROR, "job %s: %s", self.rendezvous.state.value,
+                    self.rendezvous.reason)
             self.published = self.rendezvous.snapshot()
             self.finished.set()
         if sends:  # orders mean state changed, and with it maybe a timer; heartbeats only push leases later

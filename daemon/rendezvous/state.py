@@ -24,7 +24,8 @@ scale-up starts, and a chief that completes while the set is being stopped compl
 
 from __future__ import annotations
 
-from collections import Counter, deque
+import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +57,9 @@ from tfelastic.daemon.rendezvous.api import (
     WorkerReport,
     WorkerStatus,
 )
+from tfelastic.daemon.rendezvous.restarts import RestartBook
+
+log = logging.getLogger("tfelastic.coordinator")
 
 Clock = Callable[[], float]
 
@@ -90,11 +94,13 @@ class Rendezvous:
         self._round_opened_at = clock()
         self._min_reached_at: float | None = None
         self._scale_up_at: float | None = None
-        self._failures: deque[float] = deque()  # times of failures inside the restart window
         self._chief_succeeded = False  # the chief of the current generation exited 0
         self._seen_generation = 0  # the newest generation any joining agent took part in
-        self.restarts_total = 0
-        self.restarts_by_reason: Counter[str] = Counter()
+        self.restarts = RestartBook(settings, clock)
+
+    @property
+    def restarts_total(self) -> int:
+        return self.restarts.total
 
     # ----------------------------------------------------------------------------------------------- inputs
 
@@ -120,7 +126,7 @@ class Rendezvous:
             raise ProtocolError(f"node {info.node_id!r} joined again while {existing.state.value}")
         # A coordinator that was restarted continues the numbering; only a new round may change the generation.
         self._seen_generation = max(self._seen_generation, info.last_generation)
-        self.restarts_total = max(self.restarts_total, restart_count)
+        self.restarts.continue_from(restart_count)
         self._add(info.node_id, _Node(info, NodeState.WAITING, now, now))
         self._lease_deadline = min(self._lease_deadline, now + self.settings.node_timeout_seconds)
         return self._after_join(info.node_id, now)
@@ -139,6 +145,7 @@ class Rendezvous:
         node = self._member_of(node_id, generation)
         if node is not None:
             node.progress = progress
+            self.restarts.progress(generation, progress.step, progress.checkpoint_step)
 
     def node_gpus(self, node_id: str, gpus: int, utilization: float) -> None:
         node = self._nodes.get(node_id)
@@ -261,6 +268,8 @@ class Rendezvous:
         deadlines = [self._lease_deadline] if self._nodes else []
         if self._scale_up_at is not None:
             deadlines.append(self._scale_up_at)
+        if self.restarts.not_before is not None:
+            deadlines.append(self.restarts.not_before)
         if self.spec is not None and self.state is JobState.WAITING:
             if self._min_reached_at is not None:
                 deadlines.append(self._min_reached_at + self.settings.last_call_seconds)
@@ -291,8 +300,11 @@ class Rendezvous:
             min_nodes=spec.min_nodes if spec else 0,
             max_nodes=spec.max_nodes if spec else 0,
             max_restarts=spec.max_restarts if spec else 0,
-            restarts_total=self.restarts_total,
-            restarts_by_reason=dict(self.restarts_by_reason),
+            restarts_total=self.restarts.total,
+            restarts_by_reason=dict(self.restarts.by_reason),
+            warnings=tuple(self.restarts.resumes.warnings),
+            steps_redone=self.restarts.resumes.steps_redone,
+            steps_lost=self.restarts.resumes.steps_lost,
             nodes=tuple(nodes),
         )
 
@@ -358,8 +370,15 @@ class Rendezvous:
             return [self._waiting_notice(node_id, detail)]
         sends = self._try_close_round(now)
         if not any(s.node_id == node_id for s in sends):
-            sends.append(self._waiting_notice(node_id, "waiting for the round to close"))
+            sends.append(self._waiting_notice(node_id, self._round_detail(now)))
         return sends
+
+    def _round_detail(self, now: float) -> str:
+        not_before = self.restarts.not_before
+        if not_before is not None and now < not_before:
+            return (f"backing off after {self.restarts.failed_in_a_row} failed generations in a row: the next "
+                    f"forms in {not_before - now:.1f}s")
+        return "waiting for the round to close"
 
     def _waiting_notice(self, node_id: str, detail: str) -> Send:
         spec = self._require_spec()
@@ -393,18 +412,21 @@ class Rendezvous:
                 return []
             return self._finish(JobState.SUCCEEDED, f"training completed on the chief; then {reason.value}: {detail}")
         now = self._clock()
-        if reason.counts_against_budget and self._budget_exhausted(now):
-            spec = self._require_spec()
+        spec = self._require_spec()
+        if self.restarts.budget_exhausted(reason, spec):
             return self._finish(
                 JobState.FAILED,
-                f"restart budget exhausted: {len(self._failures)} failures within "
+                f"restart budget exhausted: {self.restarts.failures_in_window} failures within "
                 f"{spec.restart_window_seconds:g}s exceed max_restarts={spec.max_restarts}; "
                 f"last: {reason.value} ({detail})",
             )
-        self.restarts_by_reason[reason.value] += 1
-        self.restarts_total += 1
+        delay = self.restarts.restarted(reason)
         self.state = JobState.RESTARTING  # RUNNING -> RESTARTING
         self.reason = f"{reason.value}: {detail}"
+        if delay:
+            self.reason += f"; backing off {delay:g}s before generation {self.generation + 1}"
+            log.info("backing off %gs before generation %d: %d failed generations in a row", delay,
+                     self.generation + 1, self.restarts.failed_in_a_row)
         self._scale_up_at = None
         sends = []
         for node_id in self._members:
@@ -414,13 +436,6 @@ class Rendezvous:
                 sends.append(Send(node_id, StopWorkers(self.generation, reason)))
         self._open_round(now)
         return sends + self._try_close_round(now)
-
-    def _budget_exhausted(self, now: float) -> bool:
-        spec = self._require_spec()
-        self._failures.append(now)
-        while self._failures and now - self._failures[0] > spec.restart_window_seconds:
-            self._failures.popleft()
-        return len(self._failures) > spec.max_restarts
 
     def _open_round(self, now: float) -> None:
         self._round_opened_at = now
@@ -446,7 +461,7 @@ class Rendezvous:
         # After a restart no old member is still stopping (checked above): every one still here has rejoined.
         survivors_back = bool(self._members)
         last_call_over = now - self._min_reached_at >= self.settings.last_call_seconds
-        if waiting >= spec.max_nodes or survivors_back or last_call_over:
+        if (waiting >= spec.max_nodes or survivors_back or last_call_over) and self.restarts.may_form(now):
             return self._form_generation(self._waiting())
         return []
 
@@ -458,6 +473,7 @@ class Rendezvous:
         newcomers = sorted((n for n in waiting if n not in survivor_set), key=self._newcomer_order)
         chosen = (survivors + newcomers)[: spec.max_nodes]
         self.generation = max(self.generation, self._seen_generation) + 1
+        self.restarts.formed()
         self._members = chosen
         self._ranks = {node_id: rank for rank, node_id in enumerate(chosen)}
         self.state = JobState.RUNNING  # WAITING -> RUNNING
@@ -473,7 +489,7 @@ class Rendezvous:
             self._set_state(node, NodeState.RUNNING)  # WAITING -> RUNNING
             node.progress = None
             node.worker_pid = 0
-            order: Order = Assignment(self.generation, rank, len(chosen), members, self.restarts_total)
+            order: Order = Assignment(self.generation, rank, len(chosen), members, self.restarts.total)
             sends.append(Send(node_id, order))
         for node_id in self._waiting():
             sends.append(self._waiting_notice(node_id, f"standby: the job is at max_nodes={spec.max_nodes}"))

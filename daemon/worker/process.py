@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from tfelastic.daemon.worker import keeper
 log = logging.getLogger("tfelastic.worker")
 
 KEEPER_PATH = str(Path(keeper.__file__).resolve())
+TAIL_LINES = 40  # the last lines of output kept, to say why a trainer failed (worker/output.py)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class WorkerProcess:
         self._spec = spec
         self.pid = proc.pid  # the keeper: session leader, so also the process group id
         self.exited_before_stop = False  # set by stop(): it had ended by itself before it was signalled
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)  # its last lines of output
         self._output = asyncio.create_task(self._forward_output())
 
     @classmethod
@@ -108,7 +111,9 @@ class WorkerProcess:
                 line = await self._proc.stdout.read(65536)
             if not line:
                 return
-            log.info("%s %s", self._spec.log_prefix, line.decode(errors="replace").rstrip())
+            text = line.decode(errors="replace").rstrip()
+            self.tail.append(text)
+            log.info("%s %s", self._spec.log_prefix, text)
 
 
 def _tree(root: int) -> list[psutil.Process]:

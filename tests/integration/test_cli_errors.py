@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from tfelastic.daemon.netutil import free_port
 
+from tests.cluster import wait_for
+
 pytestmark = pytest.mark.integration
 
 EX_CONFIG = 78
@@ -174,3 +176,79 @@ def test_token_with_whitespace_is_refused(tmp_path: Path) -> None:
                        cwd=tmp_path)
     assert_config_error(result)
     assert config_error_line(result).startswith(f"--token-file: {str(token)!r} must hold one word of printable ASCII")
+
+
+# ------------------------------------------------------------------- values the coordinator would refuse (issue 13)
+
+@pytest.mark.parametrize(("args", "start"), [
+    (["--nodes", "2:4294967296"], "--nodes: node range 2:4294967296 is out of range 1..100000"),
+    (["--nodes", "1:100001"], "--nodes: node range 1:100001 is out of range 1..100000"),
+    (["--max-restarts", "4294967296"], "--max-restarts: 4294967296 is more than 100000"),
+    (["--max-restarts", "200000"], "--max-restarts: 200000 is more than 100000"),
+    (["--stall-timeout", "inf"], "--stall-timeout: timing inf is out of range 0..1e+09 seconds"),
+    (["--stall-timeout", "1e10"], "--stall-timeout: timing 10000000000.0 is out of range 0..1e+09 seconds"),
+    (["--restart-window", "inf"], "--restart-window: timing inf is out of range 0..1e+09 seconds"),
+    (["--join-timeout", "inf"], "--join-timeout: timing inf is out of range 0..1e+09 seconds"),
+    (["--stop-grace", "1e12"], "--stop-grace: timing 1000000000000.0 is out of range 0..1e+09 seconds"),
+    (["--node-id", "a/b"], "--node-id: 'a/b' must be 1-128 letters, digits"),
+    (["--node-id", "n" * 200], "--node-id: 'nnnn"),
+], ids=["nodes-beyond-uint32", "nodes-beyond-the-coordinators-limit", "max-restarts-beyond-uint32",
+        "max-restarts-beyond-the-limit", "stall-timeout-inf", "stall-timeout-1e10", "restart-window-inf",
+        "join-timeout-inf", "stop-grace-huge", "node-id-slash", "node-id-200-characters"])
+def test_a_value_the_coordinator_would_refuse_fails_before_anything_starts(
+        tmp_path: Path, args: list[str], start: str) -> None:
+    """Each of these used to start (and host a coordinator), then fail on every session attempt."""
+    result = tfelastic("run", "--rendezvous", f"127.0.0.1:{free_port()}", *args, "--", "true", cwd=tmp_path)
+    assert_config_error(result)
+    assert config_error_line(result).startswith(start)
+
+
+def test_a_toml_value_that_does_not_fit_names_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(f'[job]\ncommand = ["true"]\nmax_nodes = 99999999999\n'
+                      f'[rendezvous]\nendpoint = "127.0.0.1:{free_port()}"\n')
+    result = tfelastic("agent", "--config", str(config), cwd=tmp_path)
+    assert_config_error(result)
+    assert config_error_line(result).startswith(f"{config}: job.max_nodes: node range 1:99999999999 is out of range")
+
+
+def test_a_token_too_long_for_grpc_metadata_is_refused_at_start(tmp_path: Path) -> None:
+    token = write_token(tmp_path, b"a" * 20_000 + b"\n", 0o600)
+    result = tfelastic("run", "--rendezvous", f"127.0.0.1:{free_port()}", "--token-file", str(token), "--", "true",
+                       cwd=tmp_path)
+    assert_config_error(result)
+    assert config_error_line(result).startswith(
+        f"--token-file: {str(token)!r} holds 20000 characters, more than the 1024 a token may have")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("job = 5\n", "{path}: job must be a table ([job] with keys under it), not 5"),
+    ('[[job]]\ncommand = ["true"]\n', "{path}: job must be a table ([job] with keys under it), not an array"),
+], ids=["a-value", "an-array-of-tables"])
+def test_a_known_section_of_the_wrong_shape_is_named_as_such(tmp_path: Path, text: str, message: str) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(text + '[rendezvous]\nendpoint = "127.0.0.1:29400"\n')
+    result = tfelastic("agent", "--config", str(config), cwd=tmp_path)
+    assert_config_error(result)
+    assert config_error_line(result).startswith(message.format(path=config))
+
+
+def test_status_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    """`tfelastic status --json | head -0`: the reader is gone before the document is written."""
+    port = free_port()
+    coordinator = subprocess.Popen([sys.executable, "-m", "tfelastic.daemon", "coordinator", "--listen",
+                                    f"127.0.0.1:{port}", "--metrics-port", "off"], cwd=tmp_path,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [sys.executable, "-m", "tfelastic.daemon", "status", "--json", "--rendezvous", f"127.0.0.1:{port}"]
+    try:
+        wait_for(lambda: tfelastic(*command[3:], cwd=tmp_path).returncode == 0, 30, "the coordinator to answer")
+        for _ in range(3):
+            status = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            assert status.stdout is not None and status.stderr is not None
+            status.stdout.close()  # nobody reads what it prints
+            stderr = status.stderr.read().decode()
+            assert status.wait(60) == 0, stderr
+            assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+    finally:
+        coordinator.terminate()
+        coordinator.wait(30)

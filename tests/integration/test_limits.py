@@ -7,16 +7,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tfelastic.daemon.rendezvous.client import call_metadata, open_channel
 from tfelastic.daemon.rendezvous.limits import MAX_REQUEST_BYTES, Limits
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
 
 from tests.cluster import wait_for
-from tests.rpc_harness import SPEC, TOKEN, formed_job, join_message
+from tests.rpc_harness import SPEC, TOKEN, FormedJob, formed_job, join_message
 
 pytestmark = pytest.mark.integration
 
@@ -146,3 +148,34 @@ def test_a_peer_that_polls_too_fast_is_slowed_down() -> None:
         # Sessions are not unary calls: the members carry on.
         for agent in job.agents:
             assert agent.ended == ""
+
+
+def _watch(job: FormedJob, token: str | None) -> Any:
+    """A health Watch stream; returns it after its first answer, or the error it ended with."""
+    stub = health_pb2_grpc.HealthStub(job.channel)
+    stream = stub.Watch(health_pb2.HealthCheckRequest(), metadata=call_metadata(token), timeout=60)
+    try:
+        first = next(stream)
+    except grpc.RpcError as e:
+        return e.code()
+    assert first.status == health_pb2.HealthCheckResponse.SERVING
+    return stream
+
+
+def test_health_watch_needs_the_token_and_streams_are_bounded_in_number_and_time() -> None:
+    """A Watch stream never ends by itself: without the token it is refused, with it at most max_streams are open,
+    and each ends after its lifetime. Check stays open to anyone (load balancers, probes)."""
+    limits = Limits(peer_calls_per_second=1e9, peer_burst=1e9, max_streams=4, stream_lifetime_seconds=2.0)
+    with formed_job(limits) as job:
+        before = job.summary()
+        assert {_watch(job, None) for _ in range(50)} == {grpc.StatusCode.UNAUTHENTICATED}
+        check = health_pb2_grpc.HealthStub(job.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        open_streams = [_watch(job, TOKEN) for _ in range(4)]
+        assert not any(isinstance(s, grpc.StatusCode) for s in open_streams)
+        assert _watch(job, TOKEN) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        for stream in open_streams:  # each ends by itself, cleanly, after its lifetime
+            assert list(stream) == []
+        assert not isinstance(_watch(job, TOKEN), grpc.StatusCode)  # room again
+        job.assert_healthy()
+        assert job.summary() == before

@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -38,6 +39,8 @@ from tfelastic.daemon.netutil import free_port
 from tests.cluster import COUNTER, ROOT, wait_for
 
 HERMETIC = ROOT / "tests" / "hermetic-systemd.sh"
+# The checkout and the interpreter's environment stay visible inside, wherever they are (a clone under /tmp).
+KEEP = ":".join(sorted({str(ROOT), os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}))
 UNIT = ROOT / "systemd" / "tfelastic@.service"
 INSTALL = ROOT / "systemd" / "install.sh"
 SYSTEMD = Path("/lib/systemd/systemd")
@@ -110,7 +113,7 @@ def systemd_ns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hermetic]:
     host_paths = {p: p.exists() for p in map(Path, ("/etc/tfelastic", "/var/lib/tfelastic", "/srv/tfe"))}
     cgroups_before = set(_unit_cgroups())
     started = subprocess.run(["bash", str(HERMETIC), "start"], capture_output=True, text=True, timeout=60,
-                             env={**os.environ, "HERMETIC_LOG": str(boot_log)})
+                             env={**os.environ, "HERMETIC_LOG": str(boot_log), "HERMETIC_KEEP": KEEP})
     assert started.returncode == 0, started.stderr + boot_log.read_text()
     ns = Hermetic(int(started.stdout.strip()))
     try:
@@ -396,3 +399,26 @@ def test_stop_drains_the_node_and_the_other_node_reforms_without_lost_steps(
                    and e["generation"] == generation]
         assert chief_stopped == resumed and resumed[0] > 0, (generation, events)
     assert [e["step"] for e in events if e["event"] == "end"] == [300]
+
+
+def test_a_checkout_under_tmp_stays_visible_inside(tmp_path: Path) -> None:
+    """A clone under /tmp: the hermetic systemd's private /tmp would hide it (and `systemd/install.sh` with it)
+    unless the script keeps it (HERMETIC_KEEP)."""
+    if os.geteuid() != 0 or not SYSTEMD.exists() or shutil.which("nsenter") is None:
+        pytest.skip("booting a hermetic systemd needs root, systemd and nsenter")
+    clone = Path(tempfile.mkdtemp(prefix="tfelastic-clone-", dir="/tmp"))
+    try:
+        (clone / "systemd").mkdir()
+        (clone / "systemd" / "install.sh").write_text("echo installed\n")
+        started = subprocess.run(["bash", str(HERMETIC), "start"], capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "HERMETIC_KEEP": f"{clone}:{KEEP}",
+                                      "HERMETIC_LOG": str(tmp_path / "boot.log")})
+        assert started.returncode == 0, started.stderr
+        ns = Hermetic(int(started.stdout.strip()))
+        try:
+            assert ns.run("bash", str(clone / "systemd" / "install.sh")).stdout == "installed\n"
+            assert ns.run("ls", "-A", "/tmp").stdout.split() == [clone.name]  # the rest of /tmp stays private
+        finally:
+            subprocess.run(["bash", str(HERMETIC), "stop", str(ns.pid)], check=False)
+    finally:
+        shutil.rmtree(clone)

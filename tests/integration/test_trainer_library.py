@@ -334,3 +334,45 @@ def test_a_variable_that_selects_keras_3_and_a_keras_3_model_are_refused(tmp_pat
     lines = result.stdout.splitlines()
     assert lines[0].startswith("KerasVersionError: TF_USE_LEGACY_KERAS='0' makes tf.keras Keras 3"), lines
     assert lines[1].startswith("KerasVersionError: the model is a Keras 3 model (keras."), lines
+
+
+LOSS_SCALE = """
+    import json, os, socket, sys
+    from tfelastic.trainer.progress import SOCKET_ENV, decode
+    path = os.path.abspath(f"progress-{os.getpid()}.sock")
+    agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    agent.bind(path)
+    os.environ[SOCKET_ENV] = path
+    from tfelastic.trainer.callbacks import ProgressCallback  # first: it sets TF_USE_LEGACY_KERAS
+    from tfelastic.trainer.strategy import make_strategy
+    import numpy as np
+    import tensorflow as tf
+    strategy = make_strategy()
+    with strategy.scope():  # predicts 0 and never learns: the mean squared error of targets 1 is 1, exactly
+        model = tf.keras.Sequential([tf.keras.layers.Dense(1, kernel_initializer="zeros", use_bias=False)])
+        model.compile(optimizer=tf.keras.optimizers.SGD(learning_rate=0.0), loss="mse")
+    x, y = np.ones((256, 4), "float32"), np.ones((256, 1), "float32")
+    history = model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[ProgressCallback()])
+    agent.setblocking(False)
+    losses = []
+    while True:
+        try:
+            message = decode(agent.recv(4096))
+        except BlockingIOError:
+            break
+        if message.loss is not None:
+            losses.append(message.loss)
+    print(json.dumps({"example": "loss-scale", "losses": losses, "keras": history.history["loss"][-1]}))
+"""
+
+
+def test_the_loss_reported_on_two_workers_is_the_mean_not_the_sum(tmp_path: Path) -> None:
+    """tf_keras sums each replica's per-batch loss across MultiWorkerMirroredStrategy (its "auto" reduction);
+    the agent must see the loss Keras reports for the epoch, whatever the world size."""
+    script = tmp_path / "loss_scale.py"
+    script.write_text(textwrap.dedent(LOSS_SCALE))
+    workers = WorkerSet(tmp_path, [sys.executable, str(script)], size=2).start()
+    assert workers.wait() == [0, 0], workers.logs()
+    for summary in workers.summaries():
+        assert summary["keras"] == pytest.approx(1.0)
+        assert summary["losses"] and all(loss == pytest.approx(1.0) for loss in summary["losses"]), summary

@@ -7,7 +7,11 @@ stops making progress while its process stays alive, once), COUNTER_FAIL_AT (a s
 once), COUNTER_EXIT_ON_TERM=1 (exit 0 on SIGTERM, like a trainer that checkpoints and stops), COUNTER_RECORD_ENV
 (comma-separated variable names: the start event records their values as "env", null where unset),
 COUNTER_LINGER_AFTER_DONE (seconds: at the target, report that training completed, then stay this long silent),
-COUNTER_DONE_AT (a step at which it reports that training completed, and goes on: a second fit follows).
+COUNTER_DONE_AT (a step at which it reports that training completed, and goes on: a second fit follows),
+COUNTER_RAISE_AT (a step at which the chief divides by zero, every time: an uncaught ZeroDivisionError),
+COUNTER_PRINT=1 (print a line per step, without flushing: what a custom loop's print does),
+COUNTER_LOSE_BACKUP_AT (a step at which the chief deletes its step file and exits 3, once: a backup deleted
+after training, as tf_keras' BackupAndRestore does on success, then a failure).
 
 COUNTER_SAVE_EVERY (the chief saves its step file every N steps, default 1) and COUNTER_CHECKPOINT_ON_TERM=1 (on
 SIGTERM the chief saves the step it reached, each rank records a "checkpointed" event and exits 42,
@@ -89,6 +93,9 @@ def main() -> int:
     hang_at = int(os.environ.get("COUNTER_HANG_AT", "-1"))
     fail_at = int(os.environ.get("COUNTER_FAIL_AT", "-1"))
     done_at = int(os.environ.get("COUNTER_DONE_AT", "-1"))
+    raise_at = int(os.environ.get("COUNTER_RAISE_AT", "-1"))
+    lose_at = int(os.environ.get("COUNTER_LOSE_BACKUP_AT", "-1"))
+    prints = bool(os.environ.get("COUNTER_PRINT"))
     linger = float(os.environ.get("COUNTER_LINGER_AFTER_DONE", "-1"))
     reporter = ProgressReporter.from_env(min_interval=0)
     while step < target:
@@ -106,6 +113,13 @@ def main() -> int:
         if rank == 0 and step == hang_at and once(backup, "hung"):
             event("hang")
             time.sleep(3600)
+        if prints:
+            print(f"counter step {step}")
+        if rank == 0 and step == raise_at:
+            print(1.0 / (step - raise_at))
+        if rank == 0 and step == lose_at and once(backup, "lost"):
+            os.remove(state)
+            return 3
         if rank == 0 and step == fail_at and once(backup, "failed"):
             event("fail")
             return 3

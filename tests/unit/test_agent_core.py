@@ -350,6 +350,7 @@ def test_heartbeats_carry_the_latest_progress_once() -> None:
     h = Harness()
     h.running()
     h.core.tick()  # the first heartbeat
+    h.core.progress(ProgressMessage(1, 4001, step=6))  # the first report goes out at once
     h.core.progress(ProgressMessage(1, 4001, step=7, examples=224, loss=0.5, checkpoint_step=5))
     h.clock.now += HEARTBEAT
     h.core.received(api.Heartbeat())
@@ -397,3 +398,40 @@ def test_progress_after_a_stop_order_is_not_recorded() -> None:
     h.core.progress(ProgressMessage(1, 4001, step=11))
     latest = h.core.tracker.latest
     assert latest is not None and latest.step == 10
+
+
+def test_a_new_generation_has_no_checkpoint_age_until_it_reports_one() -> None:
+    h = Harness()
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=10, checkpoint_step=10))
+    h.core.received(api.StopWorkers(1, api.RestartReason.SCALE_UP))
+    h.core.worker_stopped(StopResult(42, False))
+    h.running(generation=2)
+    h.core.progress(ProgressMessage(2, 4002, step=11))
+    [report] = reports(h.core.trainer_pid(2, 4343))
+    assert report.progress is not None
+    assert (report.progress.checkpoint_step, report.progress.checkpoint_at) == (-1, None)
+
+
+def test_job_failed_is_logged_as_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness()
+    h.running()
+    h.core.received(api.Finished(api.JobState.FAILED, "restart budget exhausted"))
+    [record] = [r for r in caplog.records if "job failed" in r.getMessage()]
+    assert record.levelname == "ERROR"
+
+
+def test_the_exception_a_trainer_died_of_is_in_its_report() -> None:
+    h = Harness()
+    h.running()
+    output = ("Traceback (most recent call last):", '  File "train.py", line 3', "ZeroDivisionError: division by zero")
+    [report] = reports(h.core.worker_exited(1, 1, output))
+    assert report.detail == "trainer exited with code 1: ZeroDivisionError: division by zero"
+
+
+def test_the_first_progress_of_a_generation_is_reported_at_once() -> None:
+    h = Harness()
+    h.running()
+    [report] = reports(h.core.progress(ProgressMessage(1, 4001, step=100)))
+    assert report.progress is not None and report.progress.step == 100
+    assert h.core.progress(ProgressMessage(1, 4001, step=101)) == []  # the rest ride on heartbeats

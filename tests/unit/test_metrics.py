@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -12,10 +14,12 @@ from prometheus_client import CollectorRegistry
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.metrics.cluster import register_cluster_collector
 from tfelastic.daemon.metrics.host import register_host_collector
-from tfelastic.daemon.metrics.http import serve_metrics
+from tfelastic.daemon.metrics.http import MAX_CONNECTIONS_PER_ADDRESS, serve_metrics
 from tfelastic.daemon.rendezvous.api import ClusterSnapshot, JobState, NodeSnapshot, NodeState
 from tfelastic.daemon.worker.states import WorkerState
 from tfelastic.trainer.progress import ProgressMessage
+
+from tests.cluster import wait_for
 
 
 def agent_metrics() -> tuple[CollectorRegistry, AgentMetrics]:
@@ -121,4 +125,44 @@ def test_metrics_listener_and_its_bearer_token(token: str | None) -> None:
         with urllib.request.urlopen(request, timeout=10) as response:
             assert 'tfelastic_agent_info{node="gpu-01",tfelastic_job="mnist"} 1.0' in response.read().decode()
     finally:
+        server.close()
+
+
+def scrape(port: int, token: str, source: str) -> str:
+    """One GET /metrics from ``source`` (a loopback address of ours), with the bearer token."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0)) as s:
+        s.sendall(f"GET /metrics HTTP/1.0\r\nAuthorization: Bearer {token}\r\n\r\n".encode())
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks).decode()
+
+
+def test_idle_connections_to_metrics_hold_neither_threads_nor_the_door() -> None:
+    """Connections that never send a request: at most MAX_CONNECTIONS_PER_ADDRESS from one address get a thread,
+    the rest are closed at once, the silent ones are closed after the read timeout, and a scrape from another
+    address is served all the while."""
+    registry, _ = agent_metrics()
+    server = serve_metrics(registry, "127.0.0.1", 0, "scrape-secret", read_timeout=1.0)
+    threads_before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(300)]
+    try:
+        def closed(s: socket.socket) -> bool:
+            s.settimeout(0.001)
+            try:
+                return s.recv(1) == b""
+            except (TimeoutError, BlockingIOError):
+                return False
+            except ConnectionResetError:
+                return True
+
+        wait_for(lambda: sum(closed(s) for s in idle) >= 300 - MAX_CONNECTIONS_PER_ADDRESS, 20,
+                 "the connections beyond the bound to be closed")
+        assert threading.active_count() <= threads_before + MAX_CONNECTIONS_PER_ADDRESS
+        assert "tfelastic_agent_info" in scrape(server.port, "scrape-secret", "127.0.0.2")
+        wait_for(lambda: all(closed(s) for s in idle), 20, "the silent connections to time out")
+        wait_for(lambda: threading.active_count() <= threads_before, 10, "their threads to end")
+    finally:
+        for s in idle:
+            s.close()
         server.close()

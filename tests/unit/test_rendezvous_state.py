@@ -35,6 +35,7 @@ from tfelastic.daemon.rendezvous.api import (
     Waiting,
     WorkerProgress,
 )
+from tfelastic.daemon.rendezvous.restarts import HEALTHY_RUN_SECONDS
 from tfelastic.daemon.rendezvous.state import Rendezvous
 
 from tests.fakes import FakeClock
@@ -43,8 +44,11 @@ WAIT = "waiting for the round to close"
 SCALE_UP = "scale-up pending: the job will re-form to take this node in"
 STANDBY = "standby: the job is at max_nodes=3"
 
+# No backoff between failed generations here: the tests of rounds and the budget restart at once; the backoff
+# has tests of its own (BACKOFF).
 SETTINGS = RendezvousSettings(
-    last_call_seconds=1.0, settle_seconds=3.0, join_timeout_seconds=600.0, node_timeout_seconds=2.0
+    last_call_seconds=1.0, settle_seconds=3.0, join_timeout_seconds=600.0, node_timeout_seconds=2.0,
+    restart_backoff_seconds=0.0
 )
 SPEC = JobSpec(
     job="mnist",
@@ -566,6 +570,111 @@ def test_failures_older_than_the_window_are_forgotten() -> None:
         "last: worker_exit (a: exit 1)"
     )
     assert sends == finished(ids, JobState.FAILED, reason)
+
+
+# ------------------------------------------------------------------------------------ where generations resume
+
+
+def test_steps_redone_after_a_restart_and_steps_lost_below_a_saved_checkpoint(caplog: pytest.LogCaptureFixture
+                                                                             ) -> None:
+    clock = FakeClock()
+    ids = ["a", "b"]
+    rv = running(clock, ids, max_nodes=2)
+    rv.progress("a", 1, WorkerProgress(step=1))
+    rv.progress("a", 1, WorkerProgress(step=130, checkpoint_step=100))
+    _fail_and_recover(rv, clock, 10.0, ids)
+    rv.progress("a", 2, WorkerProgress(step=100))  # resumed from the checkpoint: 30 steps redone, none lost
+    rv.progress("b", 2, WorkerProgress(step=100))
+    snap = rv.snapshot()
+    assert (snap.steps_redone, snap.steps_lost, snap.warnings) == (30, 0, ())
+    rv.progress("a", 2, WorkerProgress(step=150, checkpoint_step=150))
+    _fail_and_recover(rv, clock, 20.0, ids)
+    rv.progress("a", 3, WorkerProgress(step=0))  # the backup was deleted: it starts over
+    snap = rv.snapshot()
+    warning = ("generation 3 resumed at step 0, below the checkpoint of step 150 the job had saved: 150 steps lost "
+               "(was the backup deleted or damaged?)")
+    assert (snap.steps_redone, snap.steps_lost, snap.warnings) == (180, 150, (warning,))
+    assert [r.levelname for r in caplog.records if "steps lost" in r.getMessage()] == ["WARNING"]
+
+
+# ----------------------------------------------------------------------------- backoff between failed generations
+
+BACKOFF = dataclasses.replace(SETTINGS, restart_backoff_seconds=1.0, restart_backoff_max_seconds=4.0)
+
+
+def _fail_and_rejoin(rv: Rendezvous, clock: FakeClock, now: float, ids: Sequence[str]) -> list[Send]:
+    """A failure, then every member back; returns the assignments the last rejoin brought (none: it waits)."""
+    at(clock, rv, now)
+    rv.worker_failed(ids[0], rv.generation, RestartReason.WORKER_EXIT, "exit 1")
+    return [send for send in rejoin_all(rv, *ids) if isinstance(send.order, Assignment)]
+
+
+def test_failed_generations_in_a_row_wait_longer_and_longer() -> None:
+    clock = FakeClock()
+    ids = ["a", "b"]
+    rv = Rendezvous(BACKOFF, clock, spec(max_nodes=2, max_restarts=10))
+    join(rv, *ids)
+    assert rv.generation == 1
+    # The first failure restarts at once: recovery stays fast.
+    assert _fail_and_rejoin(rv, clock, 5.0, ids) == assignments(2, ids, restarts=1)
+    waits = []
+    for n in range(3, 7):  # generations 2..5 fail before making any progress
+        assert _fail_and_rejoin(rv, clock, clock.now + 0.5, ids) == []  # both back, but the round waits
+        failed_at = clock.now
+        deadline = rv.restarts.not_before
+        assert deadline is not None
+        next_deadline = rv.next_deadline()
+        assert next_deadline is not None and next_deadline <= deadline  # the coordinator wakes up for it
+        waits.append(deadline - failed_at)
+        at(clock, rv, deadline - 0.01)
+        assert rv.tick() == []
+        at(clock, rv, deadline)
+        assert rv.tick() == assignments(n, ids, restarts=n - 1)
+    assert waits == [1.0, 2.0, 4.0, 4.0]  # doubles, up to restart_backoff_max
+
+
+def test_a_backoff_is_named_in_the_reason_and_to_the_waiting_nodes() -> None:
+    clock = FakeClock()
+    ids = ["a", "b"]
+    rv = Rendezvous(BACKOFF, clock, spec(max_nodes=2, max_restarts=10))
+    join(rv, *ids)
+    _fail_and_rejoin(rv, clock, 5.0, ids)
+    at(clock, rv, 5.5)
+    rv.worker_failed("a", 2, RestartReason.WORKER_EXIT, "exit 1")
+    assert rv.snapshot().reason == "worker_exit: a: exit 1; backing off 1s before generation 3"
+    rejoin(rv, "a")
+    assert rejoin(rv, "b") == waiting("b", 2, "backing off after 2 failed generations in a row: the next forms in "
+                                             "1.0s", hi=2)
+
+
+def test_a_generation_that_trained_resets_the_backoff() -> None:
+    clock = FakeClock()
+    ids = ["a", "b"]
+    rv = Rendezvous(BACKOFF, clock, spec(max_nodes=2, max_restarts=10))
+    join(rv, *ids)
+    _fail_and_rejoin(rv, clock, 5.0, ids)
+    assert _fail_and_rejoin(rv, clock, 6.0, ids) == []  # second in a row: waits
+    at(clock, rv, 7.0)
+    rv.tick()
+    assert rv.generation == 3
+    rv.progress("a", 3, WorkerProgress(step=100))
+    rv.progress("a", 3, WorkerProgress(step=101))  # training moved on: a healthy generation
+    assert _fail_and_rejoin(rv, clock, 8.0, ids) == assignments(4, ids, restarts=3)
+
+
+def test_a_long_run_resets_the_backoff_and_planned_restarts_never_wait() -> None:
+    clock = FakeClock()
+    ids = ["a", "b"]
+    rv = Rendezvous(BACKOFF, clock, spec(max_nodes=2, max_restarts=10))
+    join(rv, *ids)
+    _fail_and_rejoin(rv, clock, 5.0, ids)
+    at(clock, rv, 5.0 + HEALTHY_RUN_SECONDS)  # no progress reports, but it ran a minute
+    assert _fail_and_rejoin(rv, clock, clock.now, ids) == assignments(3, ids, restarts=2)
+    assert _fail_and_rejoin(rv, clock, clock.now + 1, ids) == []  # in a row again
+    at(clock, rv, clock.now + 1.0)
+    rv.tick()
+    rv.restart_job("maintenance")
+    assert rejoin_all(rv, *ids) == assignments(5, ids, restarts=4)  # planned: at once
 
 
 def test_job_waits_below_min_nodes_and_fails_after_join_timeout() -> None:

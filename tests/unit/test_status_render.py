@@ -12,7 +12,7 @@ from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.status import SCHEMA_VERSION, render_table, status_to_json
 
 TOP_KEYS = ["schema_version", "job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes",
-            "max_restarts", "restarts_total", "restarts_by_reason", "nodes"]
+            "max_restarts", "restarts_total", "restarts_by_reason", "nodes", "warnings", "steps_redone", "steps_lost"]
 NODE_KEYS = ["node_id", "rank", "address", "state", "worker_pid", "step", "loss", "last_checkpoint_step",
              "progress_age_seconds", "steps_per_second", "last_checkpoint_age_seconds", "gpus", "gpu_utilization"]
 
@@ -73,6 +73,9 @@ def test_status_to_json_has_exactly_the_documented_keys_and_values() -> None:
              "step": None, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": None,
              "steps_per_second": None, "last_checkpoint_age_seconds": None, "gpus": 0, "gpu_utilization": None},
         ],
+        "warnings": [],
+        "steps_redone": 0,
+        "steps_lost": 0,
     }
     assert SCHEMA_VERSION == 1
     json.dumps(doc)  # serialisable as it is
@@ -112,7 +115,7 @@ def test_an_empty_status_is_a_complete_document() -> None:
     doc = to_json(pb.ClusterStatus())
     assert doc == {"schema_version": 1, "job": "", "state": "unknown", "reason": "", "generation": 0,
                    "world_size": 0, "min_nodes": 0, "max_nodes": 0, "max_restarts": 0, "restarts_total": 0,
-                   "restarts_by_reason": {}, "nodes": []}
+                   "restarts_by_reason": {}, "nodes": [], "warnings": [], "steps_redone": 0, "steps_lost": 0}
 
 
 def test_render_table() -> None:
@@ -152,3 +155,10 @@ def test_render_table_with_a_reason_and_no_restarts_or_nodes() -> None:
         "",
         "NODE  RANK  ADDRESS  STATE  PID  STEP  STEPS/S  LAST PROGRESS  LAST CHECKPOINT  GPUS",
     ]
+
+
+def test_warnings_and_steps_lost_are_shown() -> None:
+    warning = "generation 4 resumed at step 0, below the checkpoint of step 100 the job had saved: 100 steps lost"
+    doc = to_json(cluster_status(warnings=[warning], steps_redone=130, steps_lost=100))
+    assert (doc["warnings"], doc["steps_redone"], doc["steps_lost"]) == ([warning], 130, 100)
+    assert render_table(doc).splitlines()[3] == f"WARNING: {warning}"
