@@ -42,7 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--step-seconds", type=float, default=0.0,
                         help="extra time per step, to stand in for a heavier model (tests use it)")
+    parser.add_argument("--wedge-at-step", type=int, default=0,
+                        help="in the first generation, the last rank stops making progress at this step while "
+                             "its process stays alive, as a deadlocked input pipeline would: TensorFlow's "
+                             "heartbeats go on, only hang detection can catch it (tests use it)")
     args = parser.parse_args(argv)
+    wedged_rank = os.environ.get("TFELASTIC_GENERATION") == "1" and (
+        os.environ.get("TFELASTIC_RANK") == str(int(os.environ.get("TFELASTIC_WORLD_SIZE", 1)) - 1))
 
     import tensorflow as tf
     import tf_keras as keras
@@ -86,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                             checkpoint_step=step if step % args.save_every == 0 else None)
             if args.step_seconds:
                 time.sleep(args.step_seconds)
+            while wedged_rank and step >= args.wedge_at_step > 0:
+                time.sleep(3600)
 
         def on_train_end(self, logs: dict[str, float] | None = None) -> None:
             step = int(self.model.optimizer.iterations.numpy())
