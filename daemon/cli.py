@@ -19,11 +19,13 @@ from tfelastic.daemon.config import (
     from_values,
     load_toml,
     parse_nodes,
+    parse_rendezvous,
     read_token,
     validate,
 )
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
 from tfelastic.daemon.errors import ConfigError
+from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.slurm import SlurmStep
 
@@ -33,7 +35,9 @@ _TIMING = ("last_call", "settle", "join_timeout", "heartbeat_interval", "node_ti
            "restart_backoff_max")
 _METRICS = ("metrics_port", "metrics_address", "metrics_token_file", "metrics_linger")
 _RUN = tuple(name for name, option in OPTIONS.items() if option.flag and name != "max_nodes")
-_COORDINATOR = ("log_level", *_SECURITY, *_TIMING, *_METRICS)
+_ETCD = ("etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file")
+_COORDINATOR = ("rendezvous", "job", "node_id", "lease_ttl", "log_level", *_SECURITY, *_ETCD, *_TIMING, *_METRICS)
+_OPERATOR = ("job", *_SECURITY, *_ETCD)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -138,8 +142,9 @@ def _add_no_slurm(p: argparse.ArgumentParser) -> None:
 
 
 def _add_operator_connection(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rendezvous", required=True, metavar="HOST:PORT", help="the coordinator's endpoint")
-    _add_options(p, _SECURITY)
+    p.add_argument("--rendezvous", required=True, metavar="HOST:PORT|etcd://...",
+                   help="the coordinator's endpoint, or the job's etcd (then --job names the job)")
+    _add_options(p, _OPERATOR)
 
 
 def _given(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
@@ -148,7 +153,7 @@ def _given(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
     if getattr(args, "nodes", _UNSET) is not _UNSET:
         values["min_nodes"], values["max_nodes"] = parse_nodes(args.nodes)
     if isinstance(values.get("rendezvous"), str):
-        values["rendezvous"] = Endpoint.parse(values["rendezvous"], "--rendezvous")
+        values["rendezvous"] = parse_rendezvous(values["rendezvous"], "--rendezvous")
     return values
 
 
@@ -164,16 +169,26 @@ def config_from_run_args(args: argparse.Namespace, slurm: SlurmStep | None = Non
     return validate(from_values(values))
 
 
-def config_from_coordinator_args(args: argparse.Namespace) -> AgentConfig:
+def config_from_coordinator_args(args: argparse.Namespace) -> tuple[AgentConfig, Endpoint]:
+    """The coordinator's configuration, and where it listens. ``--rendezvous etcd://...`` makes it a head-node
+    candidate of that job; without it, the job's one coordinator on ``--listen``."""
     listen = Endpoint.parse(args.listen, "--listen", allow_port_zero=True)
-    return validate(from_values({**_given(args, _COORDINATOR), "command": ("coordinator",), "rendezvous": listen}))
+    given = _given(args, _COORDINATOR)
+    if not isinstance(given.setdefault("rendezvous", listen), EtcdTarget) and given["rendezvous"] != listen:
+        raise ConfigError("--rendezvous: a standalone coordinator takes only an etcd URL there (etcd://HOST:PORT,...); "
+                          "it listens on --listen")
+    return validate(from_values({**given, "command": ("coordinator",)})), listen
 
 
 def _operator_target(args: argparse.Namespace) -> tuple[Endpoint, str | None, TlsConfig]:
-    values = _given(args, _SECURITY)
-    tls = TlsConfig(values.get("tls_cert", ""), values.get("tls_key", ""), values.get("tls_ca", ""))
-    token = read_token(values["token_file"]) if values.get("token_file") else None
-    return Endpoint.parse(args.rendezvous, "--rendezvous"), token, tls
+    """The coordinator to ask, its token and TLS; with an etcd rendezvous, the one etcd says leads the job."""
+    values = {**_given(args, _OPERATOR), "command": ("operator",),
+              "rendezvous": parse_rendezvous(args.rendezvous, "--rendezvous")}
+    config = validate(from_values(values))
+    rdzv = config.rendezvous
+    token = read_token(rdzv.token_file) if rdzv.token_file else None
+    endpoint = rdzv.endpoint if isinstance(rdzv.endpoint, Endpoint) else commands.find_coordinator(config)
+    return endpoint, token, rdzv.tls
 
 
 def _dispatch(args: argparse.Namespace, slurm: SlurmStep | None) -> int:
@@ -183,7 +198,7 @@ def _dispatch(args: argparse.Namespace, slurm: SlurmStep | None) -> int:
     if name == "run":
         return commands.run_agent(config_from_run_args(args, slurm), slurm)
     if name == "coordinator":
-        return commands.run_coordinator(config_from_coordinator_args(args))
+        return commands.run_coordinator(*config_from_coordinator_args(args))
     if name == "demo":
         from tfelastic.daemon.demo import run_demo
 
@@ -212,6 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tfelastic: configuration error: {e}", file=sys.stderr)
         return ExitCode.CONFIG
+    except commands.OperatorError as e:
+        print(f"tfelastic {args.command_name}: {e}", file=sys.stderr)
+        return ExitCode.FAILED
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -17,16 +18,22 @@ from prometheus_client import CollectorRegistry
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
 from tfelastic.daemon.errors import ConfigError
+from tfelastic.daemon.etcd.client import EtcdCredentials
+from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.netutil import host_port
 from tfelastic.daemon.preflight import (
     check_agent,
+    check_etcd_files,
     check_metrics_listen,
     check_tls_files,
+    coordinator_listen,
+    etcd_credentials,
     metrics_token,
     raise_open_files_limit,
     token_for,
 )
+from tfelastic.daemon.rendezvous.api import CoordinatorInfo, JobState
 from tfelastic.daemon.sdnotify import Notifier, journal_handler, run_notifying
 from tfelastic.daemon.slurm import SlurmStep
 
@@ -58,60 +65,135 @@ def _warn_if_clear_text(endpoint: Endpoint, tls: TlsConfig) -> None:
 def run_agent(config: AgentConfig, slurm: SlurmStep | None = None) -> int:
     from tfelastic.daemon.agent.agent import Agent
 
-    token = token_for(config.rendezvous.endpoint, config.rendezvous.token_file)
+    listen = coordinator_listen(config)
+    token = token_for(listen, config.rendezvous.token_file)
+    etcd = etcd_credentials(config)
     scrape_token = metrics_token(config)
     check_agent(config)
     notifier = Notifier()  # first: the trainer must not inherit $NOTIFY_SOCKET
     setup_logging(config.node.log_level, f"{config.job.name}/{config.node.id}")  # journald: job and node
     _open_files()
-    _warn_if_clear_text(config.rendezvous.endpoint, config.rendezvous.tls)
+    _warn_if_clear_text(listen, config.rendezvous.tls)
     if slurm is not None:
         logging.getLogger("tfelastic").info("%s", slurm.note)
-    agent = Agent(config, token, metrics_token=scrape_token)
+    agent = Agent(config, token, metrics_token=scrape_token, etcd=etcd)
     return asyncio.run(run_notifying(agent, notifier, f"joining the rendezvous at {config.rendezvous.endpoint}"))
 
 
-def run_coordinator(config: AgentConfig) -> int:
-    """A standalone coordinator on ``config.rendezvous.endpoint`` (``--listen``), with the timing, security and
-    metrics settings of ``config``."""
+def run_coordinator(config: AgentConfig, listen: Endpoint) -> int:
+    """A standalone coordinator on ``listen`` with the timing, security and metrics settings of ``config``: the
+    job's only one, or with an etcd rendezvous a head-node candidate that wins over the agents."""
     from tfelastic.daemon.metrics.http import serve_metrics
-    from tfelastic.daemon.rendezvous.bind import BindError
-    from tfelastic.daemon.rendezvous.host import create_server
 
     rdzv, metrics = config.rendezvous, config.metrics
-    token = token_for(rdzv.endpoint, rdzv.token_file)
+    token = token_for(listen, rdzv.token_file)
+    etcd = etcd_credentials(config)
     scrape_token = metrics_token(config)
     check_metrics_listen(config)
     check_tls_files(rdzv.tls)
+    check_etcd_files(config)
     setup_logging(config.node.log_level, "coordinator")
     _open_files()
-    _warn_if_clear_text(rdzv.endpoint, rdzv.tls)
-    log = logging.getLogger("tfelastic.coordinator")
-
-    async def serve() -> int:
-        try:
-            host = await create_server(str(rdzv.endpoint), config.rendezvous_settings(), token=token, tls=rdzv.tls,
-                                       heartbeat_interval=rdzv.heartbeat_interval)
-        except BindError as e:
-            raise ConfigError(f"--listen: {e}") from None
-        log.info("listening on %s", host_port(rdzv.endpoint.host, host.port))
-        server = None
-        if metrics.port is not None:
-            registry = CollectorRegistry()
-            host.register_metrics(registry)
-            server = serve_metrics(registry, metrics.address, metrics.port, scrape_token)
-            log.info("metrics on http://%s/metrics", host_port(metrics.address, server.port))
-        verdict = await host.wait_finished()
-        failed = verdict is not None and verdict.value == "failed"
-        if server is not None and failed:  # let Prometheus scrape the verdict
-            await host.wait_agents_gone()
-            await asyncio.sleep(metrics.linger)
-        await host.close()
+    _warn_if_clear_text(listen, rdzv.tls)
+    registry = CollectorRegistry()
+    server = None
+    if metrics.port is not None:
+        server = serve_metrics(registry, metrics.address, metrics.port, scrape_token)
+        logging.getLogger("tfelastic.coordinator").info("metrics on http://%s/metrics",
+                                                        host_port(metrics.address, server.port))
+    try:
+        if rdzv.etcd is not None:
+            return asyncio.run(_serve_elected(config, rdzv.etcd, etcd or EtcdCredentials(), listen, token, registry))
+        return asyncio.run(_serve_alone(config, listen, token, registry, lingers=server is not None))
+    finally:
         if server is not None:
             server.close()
-        return ExitCode.FAILED if failed else ExitCode.SUCCEEDED
 
-    return asyncio.run(serve())
+
+async def _serve_alone(config: AgentConfig, listen: Endpoint, token: str | None, registry: CollectorRegistry,
+                       lingers: bool) -> int:
+    from tfelastic.daemon.rendezvous.bind import BindError
+    from tfelastic.daemon.rendezvous.host import create_server
+
+    rdzv = config.rendezvous
+    try:
+        host = await create_server(str(listen), config.rendezvous_settings(), token=token, tls=rdzv.tls,
+                                   heartbeat_interval=rdzv.heartbeat_interval,
+                                   info=CoordinatorInfo(config.node.id, str(listen), time.time()))
+    except BindError as e:
+        raise ConfigError(f"--listen: {e}") from None
+    logging.getLogger("tfelastic.coordinator").info("listening on %s", host_port(listen.host, host.port))
+    host.register_metrics(registry)
+    failed = await host.wait_finished() is JobState.FAILED
+    if lingers and failed:  # let Prometheus scrape the verdict
+        await host.wait_agents_gone()
+        await asyncio.sleep(config.metrics.linger)
+    await host.close()
+    return ExitCode.FAILED if failed else ExitCode.SUCCEEDED
+
+
+async def _serve_elected(config: AgentConfig, target: EtcdTarget, credentials: EtcdCredentials, listen: Endpoint,
+                         token: str | None, registry: CollectorRegistry) -> int:
+    """Campaigns until the job ends (it then exits 0 or 1 as the job did) or SIGTERM (0)."""
+    from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient
+    from tfelastic.daemon.etcd.coordinator import Candidate, ElectedCoordinator
+    from tfelastic.daemon.etcd.election import Election
+    from tfelastic.daemon.etcd.metrics import EtcdMetrics
+
+    rdzv = config.rendezvous
+    metrics = EtcdMetrics(registry)
+    client = EtcdClient(target, credentials, metrics)
+    election = Election(client, config.job.name, rdzv.lease_ttl, metrics)
+    try:
+        await election.leader()  # wrong credentials: exit 78 now, not after join_timeout
+    except EtcdAuthError as e:
+        raise ConfigError(f"--etcd-password-file: {e}") from None
+    candidate = ElectedCoordinator(election, Candidate(config.node.id, listen, True, config.rendezvous_settings(),
+                                                       rdzv.heartbeat_interval, token, rdzv.tls), registry, metrics)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(sig, stop.set)
+    logging.getLogger("tfelastic.coordinator").info("a candidate for job %s's coordinator on %s (etcd %s)",
+                                                    config.job.name, listen, target)
+    try:
+        await candidate.run(stop)
+        recorded = await election.recorded_state() if candidate.finished.is_set() else None
+    finally:
+        await client.close()
+    return ExitCode.FAILED if recorded is not None and recorded.state is JobState.FAILED else ExitCode.SUCCEEDED
+
+
+def find_coordinator(config: AgentConfig) -> Endpoint:
+    """The address etcd publishes for the job's coordinator (``tfelastic status``, ``drain`` and ``restart`` with an
+    etcd rendezvous)."""
+    from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdError
+    from tfelastic.daemon.etcd.election import Election
+
+    target = config.rendezvous.etcd
+    assert target is not None
+
+    async def read() -> Endpoint:
+        client = EtcdClient(target, etcd_credentials(config))
+        try:
+            # Any member's view: `status` must also work, and say why, while etcd has no quorum.
+            leader = await Election(client, config.job.name, config.rendezvous.lease_ttl).leader(serializable=True)
+        except EtcdAuthError as e:
+            raise ConfigError(f"--etcd-password-file: {e}") from None
+        except EtcdError as e:
+            raise OperatorError(f"etcd at {target} does not answer: {e}") from None
+        finally:
+            await client.close()
+        if leader is None:
+            raise OperatorError(f"no coordinator leads job {config.job.name!r} in etcd at {target} (is the job "
+                                "running? --job names it)")
+        return Endpoint.parse(leader.address, "the coordinator's address in etcd")
+
+    return asyncio.run(read())
+
+
+class OperatorError(Exception):
+    """An operator command cannot reach its job: exit 1 with the message."""
 
 
 def run_status(endpoint: Endpoint, token: str | None, tls: TlsConfig, *, as_json: bool, watch: float | None) -> int:

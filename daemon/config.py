@@ -23,6 +23,7 @@ from typing import Any
 
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig, is_loopback_host
 from tfelastic.daemon.errors import ConfigError
+from tfelastic.daemon.etcd.url import EtcdTarget, is_etcd_url, parse_etcd_url
 from tfelastic.daemon.rendezvous import bounds
 from tfelastic.daemon.rendezvous.api import JobSpec, RendezvousSettings
 
@@ -61,7 +62,7 @@ class NodeConfig:
 
 @dataclass(frozen=True)
 class RendezvousConfig:
-    endpoint: Endpoint
+    endpoint: Endpoint | EtcdTarget  # HOST:PORT of an embedded or standalone coordinator, or the job's etcd
     token_file: str = ""
     tls_cert: str = ""
     tls_key: str = ""
@@ -73,10 +74,25 @@ class RendezvousConfig:
     node_timeout: float = 2.0
     restart_backoff: float = 1.0
     restart_backoff_max: float = 30.0
+    coordinator_port: int = 0  # etcd: where this agent serves the job when it is elected (0: a free port)
+    lease_ttl: int = 2  # etcd: the coordinator's lease; a dead one is replaced after about this long
+    etcd_ca: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    etcd_password_file: str = ""  # USER:PASSWORD of etcd's own authentication
 
     @property
     def tls(self) -> TlsConfig:
         return TlsConfig(self.tls_cert, self.tls_key, self.tls_ca)
+
+    @property
+    def etcd(self) -> EtcdTarget | None:
+        return self.endpoint if isinstance(self.endpoint, EtcdTarget) else None
+
+    @property
+    def route_host(self) -> str:
+        """A host this node reaches the job through: the coordinator's, or etcd's first member."""
+        return self.endpoint.endpoints[0].host if isinstance(self.endpoint, EtcdTarget) else self.endpoint.host
 
 
 @dataclass(frozen=True)
@@ -177,7 +193,8 @@ _OPTIONS = [
            "SIGTERM to SIGKILL grace after a failure", "S"),
     Option("log_level", "node.log_level", "--log-level", "debug, info, warning or error"),
     Option("rendezvous", "rendezvous.endpoint", "--rendezvous",
-           "the coordinator's endpoint (required; under SLURM the step's first host)", "HOST:PORT"),
+           "the coordinator's endpoint, or the job's etcd: etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS) "
+           "(required; under SLURM the step's first host)", "HOST:PORT|etcd://..."),
     Option("token_file", "rendezvous.token_file", "--token-file",
            "file holding the shared secret (mode 600); required for non-loopback addresses", "PATH"),
     Option("tls_cert", "rendezvous.tls_cert", "--tls-cert", "certificate chain of this process (TLS)", "PEM"),
@@ -195,6 +212,19 @@ _OPTIONS = [
            "wait before the generation after a second failed one in a row, doubling each time; 0 never waits", "S"),
     Option("restart_backoff_max", "rendezvous.restart_backoff_max", "--restart-backoff-max",
            "the longest wait between failed generations", "S"),
+    Option("coordinator_port", "rendezvous.coordinator_port", "--coordinator-port",
+           "with etcd: the port this agent serves the job on when it is elected coordinator (0: a free port)",
+           "PORT"),
+    Option("lease_ttl", "rendezvous.lease_ttl", "--lease-ttl",
+           "with etcd: the coordinator's lease in seconds; a dead coordinator is replaced about this long after",
+           "S"),
+    Option("etcd_ca", "rendezvous.etcd_ca", "--etcd-ca", "with etcds://: the CA bundle of etcd's certificates",
+           "PEM"),
+    Option("etcd_cert", "rendezvous.etcd_cert", "--etcd-cert", "with etcds://: this node's client certificate",
+           "PEM"),
+    Option("etcd_key", "rendezvous.etcd_key", "--etcd-key", "with etcds://: the key of --etcd-cert", "PEM"),
+    Option("etcd_password_file", "rendezvous.etcd_password_file", "--etcd-password-file",
+           "with etcd authentication: a file holding USER:PASSWORD (mode 600)", "PATH"),
     Option("metrics_port", "metrics.port", "--metrics-port",
            "serve Prometheus /metrics; 0 picks a free port, 'off' disables", "PORT"),
     Option("metrics_address", "metrics.address", "--metrics-address",
@@ -290,7 +320,32 @@ def validate(config: AgentConfig, where: str = "") -> AgentConfig:
                           "credentials_file)")
     if bool(rdzv.tls_cert) != bool(rdzv.tls_key):
         raise ConfigError(f"{opt('tls_cert')}/{opt('tls_key')}: give both the certificate and its key")
+    _validate_etcd(rdzv, opt)
     return config
+
+
+def _validate_etcd(rdzv: RendezvousConfig, opt: Callable[[str], str]) -> None:
+    etcd_options = [name for name in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file", "coordinator_port")
+                    if getattr(rdzv, name)]
+    if rdzv.etcd is None:
+        if etcd_options:
+            raise ConfigError(f"{opt(etcd_options[0])}: only with an etcd rendezvous ({opt('rendezvous')} "
+                              "etcd://HOST:PORT,...)")
+        return
+    if not rdzv.etcd.tls and (rdzv.etcd_ca or rdzv.etcd_cert or rdzv.etcd_key):
+        raise ConfigError(f"{opt('etcd_ca')}/{opt('etcd_cert')}/{opt('etcd_key')}: TLS to etcd needs an etcds:// "
+                          f"URL, not {rdzv.etcd}")
+    if bool(rdzv.etcd_cert) != bool(rdzv.etcd_key):
+        raise ConfigError(f"{opt('etcd_cert')}/{opt('etcd_key')}: give both the certificate and its key")
+    if not 0 <= rdzv.coordinator_port <= 65535:
+        raise ConfigError(f"{opt('coordinator_port')}: {rdzv.coordinator_port} is out of range 0-65535")
+    if not 1 <= rdzv.lease_ttl <= 60:
+        raise ConfigError(f"{opt('lease_ttl')}: {rdzv.lease_ttl} seconds is out of range 1-60 (etcd raises a short "
+                          "lease to its own minimum, about 2 s with its default election timeout)")
+
+
+def parse_rendezvous(text: str, option: str = "--rendezvous") -> Endpoint | EtcdTarget:
+    return parse_etcd_url(text, option) if is_etcd_url(text) else Endpoint.parse(text, option)
 
 
 def parse_nodes(text: str, option: str = "--nodes") -> tuple[int, int]:
@@ -312,10 +367,16 @@ MAX_TOKEN_CHARS = 1024  # far below gRPC's metadata limit (16 KiB); `openssl ran
 
 
 def read_token(path: str, option: str = "--token-file") -> str:
-    """The shared secret. Refuses a file that other users can read, and an empty one."""
+    """The shared secret: one word of printable ASCII, in a file that only its owner can read."""
+    return read_secret(path, option, words=True)
+
+
+def read_secret(path: str, option: str, *, words: bool) -> str:
+    """A secret from a file. Refuses a file that other users can read, an empty one and an oversized one; with
+    ``words``, anything but one word of printable ASCII (what travels as gRPC metadata)."""
     try:
         info = os.stat(path)
-        token = Path(path).read_text().strip()
+        secret = Path(path).read_text().strip()
     except OSError as e:
         raise ConfigError(f"{option}: cannot read {path!r}: {e.strerror}") from None
     except UnicodeDecodeError:
@@ -324,17 +385,17 @@ def read_token(path: str, option: str = "--token-file") -> str:
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(f"{option}: {path!r} is readable by other users (mode {stat.S_IMODE(info.st_mode):o}); "
                           f"run: chmod 600 {shlex.quote(path)}")
-    if not token:
+    if not secret:
         raise ConfigError(f"{option}: {path!r} is empty; put a random secret in it, e.g. "
                           f"openssl rand -hex 32 > {shlex.quote(path)}")
-    if len(token) > MAX_TOKEN_CHARS:
-        raise ConfigError(f"{option}: {path!r} holds {len(token)} characters, more than the {MAX_TOKEN_CHARS} a token "
-                          "may have (it travels in the metadata of every call); e.g. "
+    if len(secret) > MAX_TOKEN_CHARS:
+        raise ConfigError(f"{option}: {path!r} holds {len(secret)} characters, more than the {MAX_TOKEN_CHARS} a "
+                          "token may have (it travels in the metadata of every call); e.g. "
                           f"openssl rand -hex 32 > {shlex.quote(path)}")
-    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
+    if words and (not (secret.isascii() and secret.isprintable()) or any(c.isspace() for c in secret)):
         raise ConfigError(f"{option}: {path!r} must hold one word of printable ASCII (it travels as gRPC "
                           f"metadata), e.g. openssl rand -hex 32 > {shlex.quote(path)}")
-    return token
+    return secret
 
 
 # ------------------------------------------------------------------------------------------------- TOML
@@ -386,7 +447,7 @@ def _toml_value(option: Option, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: must be a list of strings, e.g. [\"python\", \"train.py\"]")
         return tuple(value)
     if option.name == "rendezvous":
-        return Endpoint.parse(_expect(value, str, where), where)
+        return parse_rendezvous(_expect(value, str, where), where)
     if option.name == "env":
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             raise ConfigError(f"{where}: must be a table of strings, e.g. {{ NCCL_DEBUG = \"WARN\" }}")

@@ -11,10 +11,12 @@ import os
 import resource
 import shutil
 
-from tfelastic.daemon.config import AgentConfig, read_token
+from tfelastic.daemon.config import AgentConfig, read_secret, read_token
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
 from tfelastic.daemon.errors import ConfigError
-from tfelastic.daemon.netutil import is_local_address, port_taken
+from tfelastic.daemon.etcd.client import EtcdCredentials
+from tfelastic.daemon.etcd.url import EtcdTarget
+from tfelastic.daemon.netutil import is_local_address, port_taken, route_address
 
 
 def raise_open_files_limit() -> tuple[int, int]:
@@ -47,6 +49,38 @@ def token_for(endpoint: Endpoint, token_file: str, option: str = "--token-file")
     return None
 
 
+def coordinator_listen(config: AgentConfig) -> Endpoint:
+    """Where this agent's coordinator listens: the rendezvous endpoint, or with etcd, this node's address (the
+    route to etcd unless --advertise-address) and --coordinator-port."""
+    rdzv = config.rendezvous
+    if isinstance(rdzv.endpoint, Endpoint):
+        return rdzv.endpoint
+    return Endpoint(config.node.advertise_address or route_address(rdzv.route_host), rdzv.coordinator_port)
+
+
+def etcd_credentials(config: AgentConfig) -> EtcdCredentials | None:
+    """What the agent presents to etcd: TLS files, and USER:PASSWORD from --etcd-password-file (a secret: a file
+    only its owner may read, like the token)."""
+    rdzv = config.rendezvous
+    if rdzv.etcd is None:
+        return None
+    user = password = ""
+    if rdzv.etcd_password_file:
+        secret = read_secret(rdzv.etcd_password_file, "--etcd-password-file", words=False)
+        user, sep, password = secret.partition(":")
+        if not sep or not user or not password:
+            raise ConfigError(f"--etcd-password-file: {rdzv.etcd_password_file!r} must hold USER:PASSWORD on one "
+                              "line (etcd's own user, as etcdctl --user takes it)")
+    return EtcdCredentials(rdzv.etcd_ca, rdzv.etcd_cert, rdzv.etcd_key, user, password)
+
+
+def check_etcd_files(config: AgentConfig) -> None:
+    rdzv = config.rendezvous
+    for option, path in (("--etcd-ca", rdzv.etcd_ca), ("--etcd-cert", rdzv.etcd_cert), ("--etcd-key", rdzv.etcd_key)):
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"{option}: cannot read {path!r}")
+
+
 def metrics_token(config: AgentConfig) -> str | None:
     file = config.metrics.token_file
     return read_token(file, "--metrics-token-file") if file else None
@@ -66,10 +100,13 @@ def check_agent(config: AgentConfig) -> None:
                           "give a program on PATH or a path to an executable")
     tls = config.rendezvous.tls
     check_tls_files(tls)
+    check_etcd_files(config)
     endpoint = config.rendezvous.endpoint
-    if is_local_address(endpoint.host) and tls.enabled and not tls.cert:
-        raise ConfigError(f"--tls-cert/--tls-key: this node owns {endpoint} and may host the coordinator, "
-                          "which needs a certificate and key to serve TLS")
+    may_coordinate = isinstance(endpoint, EtcdTarget) or is_local_address(endpoint.host)
+    if may_coordinate and tls.enabled and not tls.cert:
+        why = "every agent of an etcd job may be elected coordinator" if isinstance(endpoint, EtcdTarget) else \
+            f"this node owns {endpoint} and may host the coordinator"
+        raise ConfigError(f"--tls-cert/--tls-key: {why}, which needs a certificate and key to serve TLS")
     address = config.node.advertise_address
     if address and not is_local_address(address):
         raise ConfigError(f"--advertise-address: {address!r} is not an address of this machine")

@@ -34,6 +34,9 @@ def status_to_json(snap: ClusterSnapshot, now: float | None = None) -> dict[str,
         "warnings": list(snap.warnings),
         "steps_redone": snap.steps_redone,
         "steps_lost": snap.steps_lost,
+        "coordinator": None if snap.coordinator is None else {
+            "node": snap.coordinator.node, "address": snap.coordinator.address,
+            "since": round(snap.coordinator.since, 3)},
     }
 
 
@@ -64,6 +67,7 @@ def render_table(doc: dict[str, Any]) -> str:
         f"generation {doc['generation']}, world size {doc['world_size']} "
         f"(min {doc['min_nodes']}, max {doc['max_nodes']})",
         f"restarts: {doc['restarts_total']} ({restarts}); budget {doc['max_restarts']} failures per window",
+        *([f"coordinator: {c['node']} at {c['address']}"] if (c := doc.get("coordinator")) else []),
         *(f"WARNING: {warning}" for warning in doc.get("warnings", ())),
         "",
     ]

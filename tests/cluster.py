@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 
 import grpc
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.rendezvous.client import fetch_status
 from tfelastic.daemon.status import status_to_json
@@ -71,7 +73,21 @@ class Cluster:
     env: dict[str, str | None] = field(default_factory=dict)  # None unsets a variable
     token: str | None = None
     netns_prefix: str = ""  # "tfe" runs agent i in namespace tfe-h<i+1>
+    etcd: str = ""  # an etcd rendezvous (etcd://...) instead of ``endpoint``
     agents: list[Agent] = field(default_factory=list)
+
+    @property
+    def rendezvous(self) -> str:
+        return self.etcd or str(self.endpoint)
+
+    def coordinator(self) -> Endpoint | None:
+        """Where the job's coordinator is: ``endpoint``, or the one etcd says leads."""
+        if not self.etcd:
+            return self.endpoint
+        from tests.etcd import leader_of
+
+        leader = leader_of(self.etcd)
+        return Endpoint.parse(leader.address, "leader") if leader is not None else None
 
     @property
     def events_path(self) -> Path:
@@ -92,7 +108,7 @@ class Cluster:
               placement: bool = True) -> Agent:
         """``env``: this agent's own extra variables. ``placement=False`` leaves out --nodes, --rendezvous and
         --node-id, for agents that take them from their environment (SLURM)."""
-        flags = ["--nodes", self.nodes, "--rendezvous", str(self.endpoint), "--node-id", node_id] if placement else []
+        flags = ["--nodes", self.nodes, "--rendezvous", self.rendezvous, "--node-id", node_id] if placement else []
         command = [sys.executable, "-m", "tfelastic.daemon", "run", *flags,
                    "--metrics-port", "0", "--metrics-linger", "0",
                    "--backup-dir", str(self.tmp / "backup"), *self.extra_args, *extra, "--", *self.trainer]
@@ -118,8 +134,11 @@ class Cluster:
 
     def status(self) -> dict[str, Any] | None:
         # Not up, or gone, fails at once; the deadline is for a coordinator slowed by a loaded machine.
+        endpoint = self.coordinator()
+        if endpoint is None:
+            return None  # no coordinator leads yet (etcd)
         try:
-            return status_to_json(asyncio.run(fetch_status(self.endpoint, self.token, timeout=5.0)))
+            return status_to_json(asyncio.run(fetch_status(endpoint, self.token, timeout=5.0)))
         except grpc.RpcError:
             return None  # not up yet, or gone
 
@@ -158,6 +177,15 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 agent.proc.kill()
                 agent.proc.wait()
+
+
+def scrape(url: str) -> tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+    """A /metrics page: its text, and every sample by (name, sorted labels)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    return text, samples
 
 
 def members(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -7,12 +7,14 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-# System tools the integration tests use: ip (network namespaces), openssl (TLS certificates) and promtool
-# (Debian's prometheus package: checks the /metrics exposition).
+# System tools the integration tests use: ip (network namespaces), openssl (TLS certificates), promtool
+# (Debian's prometheus package: checks the /metrics exposition) and etcd (the etcd rendezvous of issue 10).
 missing=()
 command -v ip >/dev/null || missing+=(iproute2)
 command -v openssl >/dev/null || missing+=(openssl)
 command -v promtool >/dev/null || missing+=(prometheus)
+command -v etcd >/dev/null || missing+=(etcd-server)
+command -v etcdctl >/dev/null || missing+=(etcd-client)
 [[ -x /lib/systemd/systemd ]] || missing+=(systemd)  # the hermetic systemd of tests/integration/test_systemd.py
 if ((${#missing[@]})); then
   if [[ $(id -u) == 0 ]]; then

@@ -18,7 +18,9 @@ else:  # pragma: no cover
 
 ROOT = Path(__file__).resolve().parent.parent
 RPC = ROOT / "daemon" / "rpc"
-GENERATED = ("rendezvous_pb2.py", "rendezvous_pb2.pyi", "rendezvous_pb2_grpc.py")
+GENERATED = ("rpc/rendezvous_pb2.py", "rpc/rendezvous_pb2.pyi", "rpc/rendezvous_pb2_grpc.py",
+             "etcd/rpc/kv_pb2.py", "etcd/rpc/kv_pb2.pyi", "etcd/rpc/rpc_pb2.py", "etcd/rpc/rpc_pb2.pyi",
+             "etcd/rpc/rpc_pb2_grpc.py")
 
 
 def _floor(requirement_prefix: str) -> tuple[int, ...]:
@@ -31,8 +33,8 @@ def test_generated_code_matches_proto(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHON=sys.executable)
     subprocess.run(["bash", str(ROOT / "proto" / "generate.sh"), str(tmp_path)], check=True, env=env)
     for name in GENERATED:
-        assert (tmp_path / name).read_text() == (RPC / name).read_text(), \
-            f"daemon/rpc/{name} drifted from proto/: run proto/generate.sh and commit the result"
+        assert (tmp_path / name).read_text() == (ROOT / "daemon" / name).read_text(), \
+            f"daemon/{name} drifted from proto/: run proto/generate.sh and commit the result"
 
 
 def test_declared_floors_are_those_of_the_generated_code() -> None:
@@ -60,8 +62,11 @@ def test_generated_code_imports_on_the_declared_floors(tmp_path: Path) -> None:
     assert install.returncode == 0, install.stderr
     package = tmp_path / "pkg" / "tfelastic" / "daemon"
     shutil.copytree(RPC, package / "rpc")
+    shutil.copytree(ROOT / "daemon" / "etcd" / "rpc", package / "etcd" / "rpc")
     (package / "__init__.py").write_text("")
+    (package / "etcd" / "__init__.py").write_text("")
     probe = ("import google.protobuf, grpc; from tfelastic.daemon.rpc import rendezvous_pb2, rendezvous_pb2_grpc; "
+             "from tfelastic.daemon.etcd.rpc import kv_pb2, rpc_pb2, rpc_pb2_grpc; "
              "print(google.protobuf.__version__, grpc.__version__)")
     paths = [str(target), str(tmp_path / "pkg")]
     result = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path[:0] = {paths!r}; {probe}"],

@@ -33,10 +33,12 @@ from tfelastic.daemon.agent.api import (
     StopResult,
 )
 from tfelastic.daemon.agent.core import AgentCore, Identity, Timing
-from tfelastic.daemon.agent.hosting import EmbeddedCoordinator
+from tfelastic.daemon.agent.placement import EmbeddedPlacement, EtcdPlacement
 from tfelastic.daemon.agent.runner import WorkerRunner, agent_environment, trainer_env
 from tfelastic.daemon.agent.session import CoordinatorSession, open_session
 from tfelastic.daemon.config import AgentConfig
+from tfelastic.daemon.endpoint import Endpoint
+from tfelastic.daemon.etcd.client import EtcdCredentials
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.metrics.gpu import register_gpu_collector, visible_gpus
@@ -59,15 +61,20 @@ LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 class Agent:
     def __init__(self, config: AgentConfig, token: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, metrics_token: str | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, metrics_token: str | None = None,
+                 etcd: EtcdCredentials | None = None) -> None:
         self.config = config
         self._token, self._metrics_token, self._clock = token, metrics_token, clock
         self.registry = CollectorRegistry()
         rdzv = config.rendezvous
-        identity = Identity(config.node.id, config.node.advertise_address or route_address(rdzv.endpoint.host),
-                            config.job_spec(), uuid.uuid4().hex, config.node.worker_port, str(rdzv.endpoint))
+        host = config.node.advertise_address or route_address(rdzv.route_host)
+        self._placement: EmbeddedPlacement | EtcdPlacement = (
+            EtcdPlacement(config, rdzv.etcd, etcd or EtcdCredentials(), Endpoint(host, rdzv.coordinator_port), token,
+                          self.registry) if rdzv.etcd is not None else EmbeddedPlacement(config, token, self.registry))
+        identity = Identity(config.node.id, host, config.job_spec(), uuid.uuid4().hex, config.node.worker_port,
+                            str(rdzv.endpoint))
         timing = Timing(rdzv.heartbeat_interval, rdzv.node_timeout, rdzv.join_timeout, config.job.stall_timeout,
-                        config.node.stop_grace, rdzv.tls.enabled)
+                        config.node.stop_grace, rdzv.tls.enabled, failover=self._placement.failover)
         self.core = AgentCore(identity, timing, AgentMetrics(self.registry, config.job.name, config.node.id), clock,
                               free_port)
         self.runner = WorkerRunner(self, stop_grace=config.node.stop_grace,
@@ -75,7 +82,6 @@ class Agent:
         register_host_collector(self.registry, lambda: self.runner.live_pid, config.resolved_backup_dir())
         trainer_gpus = agent_environment(config.job.env).get("CUDA_VISIBLE_DEVICES")  # its GPUs, not the node's
         self._gpus = register_gpu_collector(self.registry, visible=visible_gpus(trainer_gpus))
-        self._hosting = EmbeddedCoordinator(config, token, self.registry)
         self._listener: ProgressListener | None = None
         self._metrics_server: MetricsServer | None = None
         self._session: CoordinatorSession | None = None
@@ -99,7 +105,11 @@ class Agent:
         self._serve_metrics()
         self._spawn(self._watch_gpus())
         try:
+            await self._placement.start()
             return int(await self._run_sessions())
+        except FatalSessionError as e:
+            self.core.refused(str(e), e.exit_code)
+            return e.exit_code
         finally:
             self._apply(self.core.final_stop())
             await self.runner.idle()
@@ -109,29 +119,34 @@ class Agent:
     async def _run_sessions(self) -> ExitCode:
         while True:
             self._ticked_at = self._clock()
-            await self._hosting.try_hosting()
-            try:
-                await self._session_once()
-                problem = None if self.core.winding_down else "the coordinator closed the session"
-            except FatalSessionError as e:
-                self.core.refused(str(e), e.exit_code)
-                return e.exit_code
-            except SessionLost as e:
-                problem = str(e)
-            except Exception as e:  # a bug must not leave a worker unsupervised: fence, and try again
-                log.exception("the session with the coordinator failed")
-                problem = f"{type(e).__name__}: {e}"
-            self._apply(self.core.session_ended(problem))
+            endpoint = await self._placement.coordinator()
+            if endpoint is not None:
+                try:
+                    await self._session_once(endpoint)
+                    problem = None if self.core.winding_down else "the coordinator closed the session"
+                except FatalSessionError as e:
+                    self.core.refused(str(e), e.exit_code)
+                    return e.exit_code
+                except SessionLost as e:
+                    problem = str(e)
+                except Exception as e:  # a bug must not leave a worker unsupervised: fence, and try again
+                    log.exception("the session with the coordinator failed")
+                    problem = f"{type(e).__name__}: {e}"
+                self._apply(self.core.session_ended(problem))
+                if problem is not None:
+                    self._placement.lost()
+            if self._placement.failover:
+                self._apply(self.core.etcd_observed(*await self._placement.observe()))
             await self.runner.idle()  # a fenced worker is gone before we try again
             verdict = self.core.verdict()
             if verdict is not None:
                 return verdict
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._leaving.wait(), RETRY_SECONDS)
+            self._placement.changed.clear()
+            await _first_of(self._leaving, self._placement.changed, timeout=RETRY_SECONDS)
 
-    async def _session_once(self) -> None:
+    async def _session_once(self, endpoint: Endpoint) -> None:
         rdzv = self.config.rendezvous
-        async with open_session(rdzv.endpoint, rdzv.tls, self._token, self._clock,
+        async with open_session(endpoint, rdzv.tls, self._token, self._clock,
                                 hang_up_grace=rdzv.node_timeout) as session:
             self._session = session
             ticker = asyncio.create_task(self._tick())
@@ -229,17 +244,17 @@ class Agent:
         """A drained node that hosts the coordinator keeps serving it; after a failure /metrics stays up for
         ``metrics_linger`` so that Prometheus records the verdict; then the hosted coordinator stops."""
         leaving = self.core.leaving
-        if leaving is not None and leaving.drained:
+        if leaving is not None and leaving.drained and self._placement.host is not None:
             self.on_status("drained: hosting the coordinator until the job ends")
-            await self._hosting.serve_after_drain(self._signalled)
+            await self._placement.serve_after_drain(self._signalled)
         linger = self.config.metrics.linger
         if self.core.exit_code is ExitCode.FAILED and self._metrics_server is not None and linger:
-            if self._hosting.host is not None:
-                await self._hosting.host.wait_agents_gone()
+            if self._placement.host is not None:
+                await self._placement.host.wait_agents_gone()
             log.info("job failed: keeping /metrics up for %gs", linger)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._leaving.wait(), linger)
-        await self._hosting.close()
+        await self._placement.close()
         if self._metrics_server is not None:
             self._metrics_server.close()
 
@@ -260,3 +275,11 @@ class Agent:
         task = asyncio.create_task(coro)
         self._tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)
+
+
+async def _first_of(*events: asyncio.Event, timeout: float) -> None:
+    """Returns when one of ``events`` is set, or after ``timeout``."""
+    waits = [asyncio.create_task(event.wait()) for event in events]
+    await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()

@@ -50,6 +50,10 @@ class CoordinatorContact:
         silent = self._clock() - self._heard_at
         return silent if silent > self.fence_after else None
 
+    def silent(self) -> float:
+        """Seconds since the last message from any coordinator."""
+        return self._clock() - self.last_contact
+
     def heartbeat_due(self) -> bool:
         now = self._clock()
         if now < self._next_heartbeat:

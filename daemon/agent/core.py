@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from tfelastic.daemon.agent.api import Action, Announce, DropSession, HangUp, Launch, Send, Stop, StopResult
 from tfelastic.daemon.agent.contact import CoordinatorContact
+from tfelastic.daemon.agent.failover import fence_reason
 from tfelastic.daemon.agent.progress_tracker import FailureTimes, ProgressTracker
 from tfelastic.daemon.exit_codes import CHECKPOINTED_AND_STOPPED, ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
@@ -56,6 +57,7 @@ class Timing:
     stall_timeout: float
     stop_grace: float
     tls: bool = False
+    failover: bool = False  # etcd: a lost coordinator may be failing over; the worker runs on (agent/failover.py)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class AgentCore:
         self._rejoin_session: int | None = None  # the session to send a Join on once the stop is done
         self._stopping: tuple[bool, bool] = (False, False)  # the stop under way: (planned, it was running)
         self._join_sent_at: float | None = None
+        self._ended: Send | None = None  # how this generation's worker ended, reported again after a failover
         self.gpus: tuple[int, float] = (0, 0.0)  # the node's GPU count and mean utilization, for reports
 
     @property
@@ -95,7 +98,10 @@ class AgentCore:
 
     def session_opened(self) -> list[Action]:
         self._contact.opened()
-        return [Send(self._join())]
+        join = self._join()
+        # A report the last coordinator may not have read (the worker ended while no coordinator answered).
+        unread = [self._ended] if join.attached_generation and self._ended is not None else []
+        return [Send(join), *unread]
 
     def received(self, message: api.CoordinatorMessage) -> list[Action]:
         """Any message on the session, heartbeats included: each renews the coordinator's lease."""
@@ -142,6 +148,18 @@ class AgentCore:
                                  f"{problem})"), *self._fence()]
         return self._fence()
 
+    def etcd_observed(self, recorded: int | None, leader_known_for: float | None) -> list[Action]:
+        """Between sessions, with etcd: what etcd says (the job's generation, None if it did not answer; how long
+        the current coordinator has been known) decides whether to fence (agent/failover.py)."""
+        a = self.assignment
+        if not self.timing.failover or a is None or not self.worker.state.has_live_worker or self.winding_down:
+            return []
+        if self.worker.state is WorkerState.STOPPING:
+            return []
+        why = fence_reason(running=a.generation, recorded=recorded, silent=self._contact.silent(),
+                           leader_known_for=leader_known_for, fence_after=self._contact.fence_after)
+        return self._stop(why, planned=False) if why is not None else []
+
     def refused(self, message: str, exit_code: ExitCode) -> None:
         """The coordinator refused this agent for good (wrong token, another job's settings, a duplicate id)."""
         log.error("%s", message)
@@ -181,7 +199,7 @@ class AgentCore:
         self.worker.to(WorkerState.FAILED)  # RUNNING -> FAILED
         self._failures.worker_failed()
         log.error("generation %d: cannot start the trainer: %s", generation, error)
-        return [self._report(api.WorkerStatus.FAILED, detail=f"cannot start the trainer: {error}")]
+        return [self._ending(api.WorkerStatus.FAILED, detail=f"cannot start the trainer: {error}")]
 
     def worker_exited(self, generation: int, code: int, output: Sequence[str] = ()) -> list[Action]:
         """``output``: the trainer's last lines; the exception it died of goes into the report."""
@@ -190,14 +208,14 @@ class AgentCore:
         if code == 0:
             self.worker.to(WorkerState.SUCCEEDED)  # RUNNING -> SUCCEEDED
             log.info("generation %d: trainer exited 0", generation)
-            return [self._report(api.WorkerStatus.SUCCEEDED)]
+            return [self._ending(api.WorkerStatus.SUCCEEDED)]
         self.worker.to(WorkerState.FAILED)  # RUNNING -> FAILED
         self._failures.worker_failed()
         detail = describe_exit(code)
         if (exception := exception_line(output)) is not None:
             detail = f"{detail}: {exception}"
         log.warning("generation %d: trainer %s", generation, detail)
-        return [self._report(api.WorkerStatus.FAILED, exit_code=code, detail=f"trainer {detail}")]
+        return [self._ending(api.WorkerStatus.FAILED, exit_code=code, detail=f"trainer {detail}")]
 
     def worker_stopped(self, result: StopResult) -> list[Action]:
         """Every process of the worker is gone."""
@@ -247,6 +265,7 @@ class AgentCore:
                         self.worker.state.value)
             return []
         self.assignment = assignment
+        self._ended = None
         self._stall.reset()
         self.tracker.new_generation()
         self.worker.to(WorkerState.RUNNING)  # WAITING -> RUNNING: the shell launches it now
@@ -292,7 +311,7 @@ class AgentCore:
         return self.assignment is not None and self.assignment.generation == generation
 
     def _fence(self) -> list[Action]:
-        if self.winding_down:
+        if self.winding_down or self.timing.failover:  # with etcd, etcd_observed decides
             return []
         return self._stop("fencing: the coordinator is unreachable", planned=False)
 
@@ -319,8 +338,13 @@ class AgentCore:
         if self.worker.state in (WorkerState.INIT, WorkerState.STOPPED):
             self.worker.to(WorkerState.WAITING)  # INIT|STOPPED -> WAITING
         ident, a = self.identity, self.assignment
-        port = ident.worker_port or self._pick_port(ident.host)
         self._join_sent_at = self._clock()
+        if self.timing.failover and a is not None and self.worker.state.has_live_worker:
+            # Its worker runs on: a coordinator that took the job over keeps it, on the port it has.
+            port = next(m.worker_port for m in a.members if m.node_id == ident.node_id)
+            node = api.NodeInfo(ident.node_id, ident.host, port, ident.incarnation, a.generation, a.rank)
+            return api.Join(node, ident.spec, a.restart_count, attached_generation=a.generation)
+        port = ident.worker_port or self._pick_port(ident.host)
         node = api.NodeInfo(ident.node_id, ident.host, port, ident.incarnation, a.generation if a else 0,
                             a.rank if a else -1)
         return api.Join(node, ident.spec, a.restart_count if a else 0)
@@ -330,6 +354,10 @@ class AgentCore:
         return Send(api.WorkerReport(self.assignment.generation, status, pid=pid, exit_code=exit_code,
                                      detail=detail, progress=self.tracker.for_report(), gpus=self.gpus[0],
                                      gpu_utilization=self.gpus[1]))
+
+    def _ending(self, status: api.WorkerStatus, *, exit_code: int = 0, detail: str = "") -> Send:
+        self._ended = self._report(status, exit_code=exit_code, detail=detail)
+        return self._ended
 
     def _progress_report(self) -> Send | None:
         latest = self.tracker.latest
@@ -346,7 +374,7 @@ class AgentCore:
         self._failures.worker_failed()
         timeout = self.timing.stall_timeout
         log.warning("trainer stalled: no progress for %.1fs (stall_timeout=%gs)", silent, timeout)
-        return [self._report(api.WorkerStatus.STALLED,
+        return [self._ending(api.WorkerStatus.STALLED,
                              detail=f"no progress for {silent:.1f}s (stall_timeout={timeout:g}s)")]
 
     def _completed(self, result: StopResult) -> bool:

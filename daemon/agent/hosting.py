@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from prometheus_client import CollectorRegistry
 from tfelastic.daemon.config import AgentConfig
+from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import is_local_address
+from tfelastic.daemon.rendezvous.api import CoordinatorInfo
 from tfelastic.daemon.rendezvous.bind import BindError
 from tfelastic.daemon.rendezvous.host import CoordinatorHost, create_server
 
@@ -21,20 +24,23 @@ log = logging.getLogger("tfelastic.agent")
 
 class EmbeddedCoordinator:
     def __init__(self, config: AgentConfig, token: str | None, registry: CollectorRegistry) -> None:
+        assert isinstance(config.rendezvous.endpoint, Endpoint)
         self._config, self._token, self._registry = config, token, registry
+        self._endpoint = config.rendezvous.endpoint
         self.host: CoordinatorHost | None = None
 
     async def try_hosting(self) -> None:
         cfg = self._config
-        if self.host is not None or not is_local_address(cfg.rendezvous.endpoint.host):
+        if self.host is not None or not is_local_address(self._endpoint.host):
             return
         try:
             self.host = await create_server(
-                str(cfg.rendezvous.endpoint), cfg.rendezvous_settings(), token=self._token, tls=cfg.rendezvous.tls,
-                heartbeat_interval=cfg.rendezvous.heartbeat_interval)
+                str(self._endpoint), cfg.rendezvous_settings(), token=self._token, tls=cfg.rendezvous.tls,
+                heartbeat_interval=cfg.rendezvous.heartbeat_interval,
+                info=CoordinatorInfo(cfg.node.id, str(self._endpoint), time.time()))
         except BindError:
             return  # another agent on this host hosts it
-        log.info("hosting the coordinator on %s", cfg.rendezvous.endpoint)
+        log.info("hosting the coordinator on %s", self._endpoint)
         self.host.register_metrics(self._registry)
 
     async def serve_after_drain(self, signalled: asyncio.Event) -> None:

@@ -142,6 +142,7 @@ class Join:
     node: NodeInfo
     spec: JobSpec
     restart_count: int = 0  # the restart count the agent saw, so that a restarted coordinator continues it
+    attached_generation: int = 0  # the generation whose worker it still runs after losing its coordinator
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,15 @@ class NodeSnapshot:
 
 
 @dataclass(frozen=True)
+class CoordinatorInfo:
+    """Who serves the job: an agent's node id (or a standalone coordinator's name), where, and since when."""
+
+    node: str
+    address: str
+    since: float  # wall clock
+
+
+@dataclass(frozen=True)
 class ClusterSnapshot:
     job: str
     state: JobState | None  # None: a status that carried none
@@ -259,6 +269,7 @@ class ClusterSnapshot:
     warnings: tuple[str, ...] = ()  # the most recent things an operator should know (steps lost)
     steps_redone: int = 0  # steps trained again after restarts, below the furthest step reached
     steps_lost: int = 0  # of those, steps below a checkpoint the job had saved
+    coordinator: CoordinatorInfo | None = None
 
 
 @dataclass(frozen=True)

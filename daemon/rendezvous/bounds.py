@@ -98,6 +98,8 @@ def validate_join(join: pb.Join) -> None:
         problems.append(f"worker_port {join.worker_port} is out of range 1-65535")
     if join.last_generation > MAX_GENERATION:
         problems.append(f"last_generation {join.last_generation} is out of range")
+    if join.attached_generation > MAX_GENERATION:
+        problems.append(f"attached_generation {join.attached_generation} is out of range")
     if join.restart_count > MAX_RESTART_COUNT:
         problems.append(f"restart_count {join.restart_count} is out of range")
     if not -1 <= join.last_rank < MAX_NODES:

@@ -55,7 +55,7 @@ def agent_message_to_proto(message: api.AgentMessage, now: float) -> pb.AgentMes
     return pb.AgentMessage(join=pb.Join(
         node_id=node.node_id, spec=spec_to_proto(message.spec), host=node.host, worker_port=node.worker_port,
         last_generation=node.last_generation, restart_count=message.restart_count, incarnation=node.incarnation,
-        last_rank=node.last_rank))
+        last_rank=node.last_rank, attached_generation=message.attached_generation))
 
 
 def agent_message_from_proto(message: pb.AgentMessage, now: float) -> api.AgentMessage:
@@ -75,7 +75,7 @@ def agent_message_from_proto(message: pb.AgentMessage, now: float) -> api.AgentM
 def join_from_proto(join: pb.Join) -> api.Join:
     node = api.NodeInfo(join.node_id, join.host, join.worker_port, join.incarnation, join.last_generation,
                         join.last_rank)
-    return api.Join(node, spec_from_proto(join.spec), join.restart_count)
+    return api.Join(node, spec_from_proto(join.spec), join.restart_count, join.attached_generation)
 
 
 def report_to_proto(report: api.WorkerReport, now: float) -> pb.WorkerReport:
@@ -200,6 +200,8 @@ def status_to_proto(snap: api.ClusterSnapshot, now: float) -> pb.ClusterStatus:
         generation=snap.generation, world_size=snap.world_size, min_nodes=snap.min_nodes, max_nodes=snap.max_nodes,
         restarts_total=snap.restarts_total, max_restarts=snap.max_restarts, nodes=nodes,
         warnings=snap.warnings, steps_redone=snap.steps_redone, steps_lost=snap.steps_lost,
+        coordinator=None if snap.coordinator is None else pb.CoordinatorInfo(
+            node=snap.coordinator.node, address=snap.coordinator.address, since=snap.coordinator.since),
         restarts_by_reason=[pb.RestartCount(reason=r, count=c)
                             for r, c in sorted(snap.restarts_by_reason.items())],
     )
@@ -225,4 +227,6 @@ def status_from_proto(status: pb.ClusterStatus, now: float) -> api.ClusterSnapsh
         world_size=status.world_size, min_nodes=status.min_nodes, max_nodes=status.max_nodes,
         max_restarts=status.max_restarts, restarts_total=status.restarts_total,
         restarts_by_reason={r.reason: r.count for r in status.restarts_by_reason}, nodes=nodes,
-        warnings=tuple(status.warnings), steps_redone=status.steps_redone, steps_lost=status.steps_lost)
+        warnings=tuple(status.warnings), steps_redone=status.steps_redone, steps_lost=status.steps_lost,
+        coordinator=api.CoordinatorInfo(status.coordinator.node, status.coordinator.address, status.coordinator.since)
+        if status.HasField("coordinator") else None)

@@ -6,6 +6,7 @@ the rest of its life: what it serves, the job's verdict, its metrics, and windin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ from tfelastic.daemon.endpoint import TlsConfig
 from tfelastic.daemon.metrics.cluster import ClusterCollector, register_cluster_collector
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.rendezvous.bind import listen
+from tfelastic.daemon.rendezvous.durable import DurableState, JobStore
 from tfelastic.daemon.rendezvous.limits import GuardInterceptor, Limits, server_options
 from tfelastic.daemon.rendezvous.server import SERVICE_NAME, RendezvousServicer
 from tfelastic.daemon.rendezvous.state import Clock, Rendezvous
@@ -48,7 +50,13 @@ class CoordinatorHost:
 
     def snapshot(self) -> api.ClusterSnapshot:
         """The job now. Call it on the coordinator's event loop; other threads read :attr:`published`."""
-        return self._servicer.rendezvous.snapshot()
+        return self._servicer.snapshot()
+
+    @property
+    def deposed(self) -> asyncio.Event | None:
+        """Set when another coordinator took the job over (etcd); None without a store."""
+        persistence = self._servicer.persistence
+        return persistence.deposed if persistence is not None else None
 
     @property
     def published(self) -> api.ClusterSnapshot:
@@ -92,13 +100,21 @@ async def create_server(
     heartbeat_interval: float = 0.5,
     clock: Clock = time.monotonic,
     limits: Limits | None = None,
+    store: JobStore | None = None,
+    recorded: DurableState | None = None,
+    info: api.CoordinatorInfo | None = None,
 ) -> CoordinatorHost:
     """Start a coordinator on ``address`` (port 0 picks a free one). Raises BindError if it cannot listen there:
-    the port is taken (another agent of this host hosts it), or the address is not this machine's."""
+    the port is taken (another agent of this host hosts it), or the address is not this machine's.
+
+    With a ``store`` (etcd), the job's state is written there, and ``recorded`` is the state a predecessor left:
+    the running generation's members get a node timeout to attach before they count as lost."""
     bind_host, _, bind_port = address.rpartition(":")
     credentials = server_credentials(tls) if tls is not None and tls.enabled else None
     limits = limits or Limits()
     rendezvous = Rendezvous(settings, clock, spec)
+    if recorded is not None:
+        rendezvous.take_over(recorded, time.time() - clock(), grace=settings.node_timeout_seconds)
 
     def new_server() -> grpc.aio.Server:
         # The guard is outermost, so that it bounds every call, authenticated or not (daemon/rendezvous/limits.py).
@@ -111,7 +127,9 @@ async def create_server(
         )
 
     server, port = await listen(new_server, bind_host.strip("[]"), int(bind_port), credentials)
-    servicer = RendezvousServicer(rendezvous, clock, heartbeat_interval)
+    if info is not None and info.address.endswith(":0"):  # the port it got
+        info = dataclasses.replace(info, address=f"{info.address[:-2]}:{port}")
+    servicer = RendezvousServicer(rendezvous, clock, heartbeat_interval, store=store, info=info)
     pb_grpc.add_RendezvousServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

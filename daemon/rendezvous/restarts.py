@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from collections.abc import Callable
+from typing import Any
 
 from tfelastic.daemon.rendezvous.api import JobSpec, RendezvousSettings, RestartReason
+from tfelastic.daemon.rendezvous.durable import DurableState
 
 HEALTHY_RUN_SECONDS = 60.0
 MAX_WARNINGS = 5  # the most recent, for status
@@ -86,6 +88,25 @@ class RestartBook:
         elif step > self._first_step:
             self._progressed = True
         self.resumes.reached(step, checkpoint_step)
+
+    def export(self, wall_offset: float) -> dict[str, Any]:
+        """What a new coordinator needs to continue the count, the budget and the backoff; failure times as
+        wall-clock seconds (``wall_offset``: wall clock minus this clock)."""
+        r = self.resumes
+        return {"restarts_total": self.total, "restarts_by_reason": dict(self.by_reason),
+                "failures": tuple(t + wall_offset for t in self._failures), "failed_in_a_row": self.failed_in_a_row,
+                "reached_step": r.reached_step, "checkpoint_step": r.checkpoint_step,
+                "steps_redone": r.steps_redone, "steps_lost": r.steps_lost, "warnings": tuple(r.warnings)}
+
+    def take_over(self, recorded: DurableState, wall_offset: float) -> None:
+        self.total = recorded.restarts_total
+        self.by_reason = Counter(recorded.restarts_by_reason)
+        self._failures = deque(t - wall_offset for t in recorded.failures)
+        self.failed_in_a_row = recorded.failed_in_a_row
+        r = self.resumes
+        r.reached_step, r.checkpoint_step = recorded.reached_step, recorded.checkpoint_step
+        r.steps_redone, r.steps_lost = recorded.steps_redone, recorded.steps_lost
+        r.warnings.extend(recorded.warnings)
 
     def continue_from(self, restart_count: int) -> None:
         """A restarted coordinator continues the count that the agents report."""

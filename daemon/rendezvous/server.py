@@ -20,7 +20,9 @@ from typing import Any
 import grpc
 from tfelastic.daemon.rendezvous import api, convert
 from tfelastic.daemon.rendezvous.bounds import printable
+from tfelastic.daemon.rendezvous.durable import JobStore
 from tfelastic.daemon.rendezvous.limits import LimitExceededError
+from tfelastic.daemon.rendezvous.persistence import Persistence
 from tfelastic.daemon.rendezvous.state import Clock, Rendezvous
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
@@ -56,8 +58,12 @@ class _Session:
 
 
 class RendezvousServicer(pb_grpc.RendezvousServicer):
-    def __init__(self, rendezvous: Rendezvous, clock: Clock, heartbeat_interval: float) -> None:
+    def __init__(self, rendezvous: Rendezvous, clock: Clock, heartbeat_interval: float, *,
+                 store: JobStore | None = None, info: api.CoordinatorInfo | None = None) -> None:
         self.rendezvous = rendezvous
+        self.info = info
+        self.persistence = Persistence(store, rendezvous, clock, self._deliver) if store is not None else None
+        self._persisting: asyncio.Task[None] | None = None
         self._clock = clock
         self._heartbeat_interval = heartbeat_interval
         self._sessions: dict[str, _Session] = {}
@@ -70,16 +76,27 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     def start(self) -> None:
         self._ticker = asyncio.create_task(self._tick_forever())
+        if self.persistence is not None:
+            self._persisting = asyncio.create_task(self.persistence.run())
+            self._persisting.add_done_callback(self._persistence_ended)
+
+    def _persistence_ended(self, task: asyncio.Task[None]) -> None:
+        """A coordinator that can no longer write the job's state must not go on leading it."""
+        if task.cancelled() or task.exception() is None or self.persistence is None:
+            return
+        log.error("writing the job's state failed: %r; stepping down", task.exception())
+        self.persistence.deposed.set()
 
     def close_sessions(self, details: str) -> None:
         for session in self._sessions.values():
             session.outbox.put_nowait(_Close(grpc.StatusCode.UNAVAILABLE, details))
 
     async def stop(self) -> None:
-        if self._ticker:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
+        for task in (self._ticker, self._persisting):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     @property
     def connected(self) -> int:
@@ -105,7 +122,19 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def GetStatus(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ClusterStatus:
-        return convert.status_to_proto(self.rendezvous.snapshot(), self._clock())
+        return convert.status_to_proto(self.snapshot(), self._clock())
+
+    def snapshot(self) -> api.ClusterSnapshot:
+        """The job now, with who serves it, and what waits for etcd."""
+        snap = dataclasses.replace(self.rendezvous.snapshot(), coordinator=self.info)
+        persistence = self.persistence
+        if persistence is None or not persistence.problem or not persistence.holding:
+            return snap
+        waiting = f"waiting for etcd to record the job's state ({persistence.problem})"
+        if persistence.holding_assignments:  # formed, but not one worker may start before it is recorded
+            return dataclasses.replace(snap, state=api.JobState.WAITING,
+                                       reason=f"generation {snap.generation} formed; {waiting}")
+        return dataclasses.replace(snap, reason=f"{snap.reason}; {waiting}" if snap.reason else waiting)
 
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.OperatorReply:
         drain = convert.drain_from_proto(request)
@@ -180,7 +209,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         rejoin = bool(session.node_id)
         if not rejoin:
             self._replace_stale_session(join.node)
-        sends = self.rendezvous.join(join.node, join.spec, rejoin=rejoin, restart_count=join.restart_count)
+        sends = self.rendezvous.join(join.node, join.spec, rejoin=rejoin, restart_count=join.restart_count,
+                                     attached_generation=join.attached_generation)
         if not rejoin:
             session.node_id, session.incarnation = node_id, join.node.incarnation
             self._sessions[node_id] = session
@@ -206,6 +236,12 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             self._dispatch(self.rendezvous.disconnect(session.node_id))
 
     def _dispatch(self, sends: Sequence[api.Send]) -> None:
+        if self.persistence is not None:
+            self.persistence.dispatch(sends)  # delivered now, or once etcd holds the state that names them
+        else:
+            self._deliver(sends)
+
+    def _deliver(self, sends: Sequence[api.Send]) -> None:
         for send in sends:
             session = self._sessions.get(send.node_id)
             if isinstance(send.order, api.Assignment):
@@ -228,7 +264,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             succeeded = self.rendezvous.state is api.JobState.SUCCEEDED
             log.log(logging.INFO if succeeded else logging.ERROR, "job %s: %s", self.rendezvous.state.value,
                     self.rendezvous.reason)
-            self.published = self.rendezvous.snapshot()
+            self.published = self.snapshot()
             self.finished.set()
         if sends:  # orders mean state changed, and with it maybe a timer; heartbeats only push leases later
             self._timers_changed.set()
@@ -255,7 +291,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 for session in self._sessions.values():
                     session.outbox.put_nowait(_HEARTBEAT)
                 next_heartbeat = now + self._heartbeat_interval
-                self.published = self.rendezvous.snapshot()
+                self.published = self.snapshot()
             self._timers_changed.clear()
             wake = min(next_heartbeat, deadline if deadline is not None else next_heartbeat)
             with contextlib.suppress(asyncio.TimeoutError):

@@ -25,9 +25,7 @@ scale-up starts, and a chief that completes while the set is being stopped compl
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from tfelastic.daemon.rendezvous.api import (
     Assignment,
@@ -57,23 +55,13 @@ from tfelastic.daemon.rendezvous.api import (
     WorkerReport,
     WorkerStatus,
 )
+from tfelastic.daemon.rendezvous.durable import DurableState
+from tfelastic.daemon.rendezvous.membership import Membership, Node
 from tfelastic.daemon.rendezvous.restarts import RestartBook
 
 log = logging.getLogger("tfelastic.coordinator")
 
 Clock = Callable[[], float]
-
-
-@dataclass
-class _Node:
-    info: NodeInfo
-    state: NodeState
-    joined_at: float
-    last_seen: float
-    worker_pid: int = 0
-    progress: WorkerProgress | None = None
-    gpus: int = 0
-    gpu_utilization: float = 0.0
 
 
 class Rendezvous:
@@ -84,11 +72,7 @@ class Rendezvous:
         self.state = JobState.WAITING
         self.reason = ""
         self.generation = 0
-        self._nodes: dict[str, _Node] = {}
-        self._counts: Counter[NodeState] = Counter()
-        # The earliest lease expiry as of the last scan. Heartbeats only move leases later, so this stays a lower
-        # bound without a rescan, and next_deadline() is O(1).
-        self._lease_deadline = float("inf")
+        self.nodes = Membership(settings.node_timeout_seconds)
         self._members: list[str] = []  # node ids of the current generation, in rank order
         self._ranks: dict[str, int] = {}  # the same, as node id -> rank
         self._round_opened_at = clock()
@@ -97,6 +81,7 @@ class Rendezvous:
         self._chief_succeeded = False  # the chief of the current generation exited 0
         self._seen_generation = 0  # the newest generation any joining agent took part in
         self.restarts = RestartBook(settings, clock)
+        self.drained: set[str] = set()  # drained by an operator (and not back since)
 
     @property
     def restarts_total(self) -> int:
@@ -104,11 +89,14 @@ class Rendezvous:
 
     # ----------------------------------------------------------------------------------------------- inputs
 
-    def join(self, info: NodeInfo, spec: JobSpec, *, restart_count: int = 0, rejoin: bool = False) -> list[Send]:
+    def join(self, info: NodeInfo, spec: JobSpec, *, restart_count: int = 0, rejoin: bool = False,
+             attached_generation: int = 0) -> list[Send]:
         """A node enters the rendezvous.
 
         ``rejoin`` marks a Join on a session that is already registered: the agent sends it after it confirmed
         that every process of its previous worker is gone, so it doubles as that confirmation.
+        ``attached_generation``: the agent still runs a worker of that generation (it lost its coordinator, and
+        etcd said its generation was current): a coordinator that took the job over keeps it running.
         """
         if self.state.is_terminal:
             if rejoin:  # a member that confirmed its stop after the verdict: tell it again
@@ -116,7 +104,14 @@ class Rendezvous:
             raise JobClosedError(f"job {self._job_name()!r} has already {self.state.value}: {self.reason}")
         self._check_spec(spec)
         now = self._clock()
-        existing = self._nodes.get(info.node_id)
+        existing = self.nodes.get(info.node_id)
+        if attached_generation and not rejoin:
+            return self._attach(info, existing, attached_generation, now)
+        lost: list[Send] = []
+        if existing is not None and existing.restored and not rejoin:  # it comes back without its worker
+            self.nodes.remove(info.node_id)
+            lost = self._lost(info.node_id, existing, "its worker did not survive the coordinator's failover")
+            existing = None
         if existing is not None and not rejoin:
             raise DuplicateNodeError(
                 f"node id {info.node_id!r} is already in the job (another agent process); "
@@ -127,14 +122,58 @@ class Rendezvous:
         # A coordinator that was restarted continues the numbering; only a new round may change the generation.
         self._seen_generation = max(self._seen_generation, info.last_generation)
         self.restarts.continue_from(restart_count)
-        self._add(info.node_id, _Node(info, NodeState.WAITING, now, now))
-        self._lease_deadline = min(self._lease_deadline, now + self.settings.node_timeout_seconds)
-        return self._after_join(info.node_id, now)
+        self.nodes.add(info.node_id, Node(info, NodeState.WAITING, now, now))
+        self.drained.discard(info.node_id)
+        return lost + self._after_join(info.node_id, now)
+
+    def _attach(self, info: NodeInfo, member: Node | None, generation: int, now: float) -> list[Send]:
+        """A Join from an agent whose worker of ``generation`` still runs. A member of the running generation is
+        taken in as it is: no restart. Any other worker is stale: stopped, and its Join after the stop counts."""
+        if member is not None and member.restored and member.state is NodeState.RUNNING and \
+                generation == self.generation and self.state is JobState.RUNNING:
+            self.nodes.add(info.node_id, Node(info, NodeState.RUNNING, member.joined_at, now, member.worker_pid,
+                                              member.progress))
+            return []
+        if member is not None and not member.restored:
+            raise DuplicateNodeError(f"node id {info.node_id!r} is already in the job (another agent process); "
+                                     "give each node a unique --node-id")
+        sends = []
+        if member is not None:
+            self.nodes.remove(info.node_id)
+            sends = self._lost(info.node_id, member, "its worker is not of the running generation")
+        self.nodes.add(info.node_id, Node(info, NodeState.STOPPING, now, now))  # ... -> STOPPING, until it rejoins
+        return [*sends, Send(info.node_id, StopWorkers(generation, RestartReason.NODE_LOST))]
+
+    # ------------------------------------------------------------------------------------------ durability
+
+    def durable(self, wall_offset: float) -> DurableState:
+        """What a coordinator that takes over must know (``wall_offset``: wall clock minus this clock)."""
+        members = tuple(Member(n, rank, self.nodes[n].info.host, self.nodes[n].info.worker_port)
+                        for rank, n in enumerate(self._members) if n in self.nodes)
+        return DurableState(self.spec, self.state, self.reason, self.generation, members,
+                            chief_succeeded=self._chief_succeeded, drained=tuple(sorted(self.drained)),
+                            **self.restarts.export(wall_offset))
+
+    def take_over(self, recorded: DurableState, wall_offset: float, grace: float) -> None:
+        """Continue the job etcd recorded. A running generation goes on: its members have ``grace`` plus the node
+        timeout to attach before they count as lost."""
+        now = self._clock()
+        self.spec, self.reason, self.generation = recorded.spec, recorded.reason, recorded.generation
+        self._seen_generation = recorded.generation
+        self._members = [m.node_id for m in recorded.members]
+        self._ranks = {m.node_id: m.rank for m in recorded.members}
+        self._chief_succeeded = recorded.chief_succeeded
+        self.drained = set(recorded.drained)
+        self.restarts.take_over(recorded, wall_offset)
+        self.state = JobState.WAITING if recorded.state is JobState.RESTARTING else recorded.state
+        if self.state is JobState.RUNNING:
+            for m in recorded.members:
+                self.nodes.add(m.node_id, Node(NodeInfo(m.node_id, m.host, m.worker_port), NodeState.RUNNING, now,
+                                               now + grace, restored=True))
+        self._open_round(now)
 
     def heartbeat(self, node_id: str) -> None:
-        node = self._nodes.get(node_id)
-        if node is not None:
-            node.last_seen = self._clock()
+        self.nodes.heard(node_id, self._clock())
 
     def worker_started(self, node_id: str, generation: int, pid: int) -> None:
         node = self._member_of(node_id, generation)
@@ -148,7 +187,7 @@ class Rendezvous:
             self.restarts.progress(generation, progress.step, progress.checkpoint_step)
 
     def node_gpus(self, node_id: str, gpus: int, utilization: float) -> None:
-        node = self._nodes.get(node_id)
+        node = self.nodes.get(node_id)
         if node is not None:
             node.gpus, node.gpu_utilization = gpus, utilization
 
@@ -177,9 +216,9 @@ class Rendezvous:
         node = self._member_of(node_id, generation)
         if node is None or node.state is not NodeState.RUNNING:
             return []
-        self._set_state(node, NodeState.SUCCEEDED)  # RUNNING -> SUCCEEDED
+        self.nodes.set_state(node, NodeState.SUCCEEDED)  # RUNNING -> SUCCEEDED
         self._chief_succeeded = self._chief_succeeded or is_chief
-        if self._counts[NodeState.SUCCEEDED] == len(self._members):
+        if self.nodes.count(NodeState.SUCCEEDED) == len(self._members):
             return self._finish(JobState.SUCCEEDED, f"every trainer of generation {generation} exited 0")
         return []
 
@@ -191,21 +230,21 @@ class Rendezvous:
 
     def leave(self, node_id: str, reason: str) -> list[Send]:
         """A planned leave: the job re-forms without the node at once, and it is not counted as a failure."""
-        node = self._nodes.get(node_id)
+        node = self.nodes.get(node_id)
         if node is None:
             return []
         if node.state is NodeState.WAITING:  # no worker to wait for: gone at once
-            self._remove(node_id)
+            self.nodes.remove(node_id)
             return self._try_close_round(self._clock())
         was_member = node.state in (NodeState.RUNNING, NodeState.SUCCEEDED) and node_id in self._ranks
-        self._set_state(node, NodeState.LEAVING)  # RUNNING|SUCCEEDED|STOPPING -> LEAVING
+        self.nodes.set_state(node, NodeState.LEAVING)  # RUNNING|SUCCEEDED|STOPPING -> LEAVING
         if was_member and self.state is JobState.RUNNING:
             return self._restart(RestartReason.NODE_LEFT, f"{node_id}: {reason}")
         return self._try_close_round(self._clock())
 
     def disconnect(self, node_id: str) -> list[Send]:
         """The node's session ended. Without a Leave before it, the node is lost."""
-        node = self._remove(node_id)
+        node = self.nodes.remove(node_id)
         if node is None:
             return []
         if node.state is NodeState.LEAVING:
@@ -221,19 +260,20 @@ class Rendezvous:
         """
         if self.state.is_terminal:
             raise JobClosedError(f"job {self._job_name()!r} has already {self.state.value}: nothing to drain")
-        node = self._nodes.get(node_id)
+        node = self.nodes.get(node_id)
         if node is None:
-            known = ", ".join(sorted(self._nodes)) or "none"
+            known = ", ".join(sorted(self.nodes)) or "none"
             raise UnknownNodeError(f"node {node_id!r} is not in job {self._job_name()!r} (nodes: {known})")
         if node.state is NodeState.LEAVING:
             return []
         spec = self._require_spec()
-        remaining = len(self._nodes) - self._counts[NodeState.LEAVING] - 1
+        remaining = len(self.nodes) - self.nodes.count(NodeState.LEAVING) - 1
         if remaining < spec.min_nodes and not force:
             raise OperatorRefusedError(
                 f"draining {node_id!r} would leave {remaining} node(s), below min_nodes={spec.min_nodes}: the job "
                 f"would wait up to join_timeout={self.settings.join_timeout_seconds:g}s for another node. Start "
                 "a node first, or drain with --force")
+        self.drained.add(node_id)
         return [Send(node_id, DrainNode(reason))]
 
     def restart_job(self, reason: str) -> list[Send]:
@@ -249,23 +289,19 @@ class Rendezvous:
         """Fire due timers: node leases, the last call, the scale-up settle delay, the join timeout."""
         now = self._clock()
         sends: list[Send] = []
-        for node_id, node in list(self._nodes.items()):
-            if now - node.last_seen > self.settings.node_timeout_seconds and node_id in self._nodes:
-                self._remove(node_id)
-                silent = now - node.last_seen
-                sends.append(Send(node_id, Evict(f"no message for {silent:.1f}s")))
-                sends += self._lost(node_id, node, f"silent for {silent:.1f}s")
-        timeout = self.settings.node_timeout_seconds
-        self._lease_deadline = min((node.last_seen + timeout for node in self._nodes.values()), default=float("inf"))
+        for node_id, node, silent in self.nodes.expire(now):
+            sends.append(Send(node_id, Evict(f"no message for {silent:.1f}s")))
+            sends += self._lost(node_id, node, f"silent for {silent:.1f}s")
         if self._scale_up_due(now):
-            sends += self._restart(RestartReason.SCALE_UP, f"{self._counts[NodeState.WAITING]} node(s) waiting to join")
+            waiting = self.nodes.count(NodeState.WAITING)
+            sends += self._restart(RestartReason.SCALE_UP, f"{waiting} node(s) waiting to join")
         sends += self._try_close_round(now)
         return sends
 
     def next_deadline(self) -> float | None:
         """A clock time by which :meth:`tick` must run (it may find nothing due yet), or None if no timer is
         armed. O(1): the server asks after every message."""
-        deadlines = [self._lease_deadline] if self._nodes else []
+        deadlines = [d for d in (self.nodes.lease_deadline,) if d is not None]
         if self._scale_up_at is not None:
             deadlines.append(self._scale_up_at)
         if self.restarts.not_before is not None:
@@ -281,7 +317,7 @@ class Rendezvous:
 
     def snapshot(self) -> ClusterSnapshot:
         nodes = []
-        for node_id, node in self._nodes.items():
+        for node_id, node in self.nodes.items():
             rank = self._ranks[node_id] if self._is_current_member(node_id) else -1
             progress = node.progress
             nodes.append(NodeSnapshot(
@@ -325,38 +361,13 @@ class Rendezvous:
                 f"({'; '.join(diffs)}). Every agent of a job needs the same job name, command and settings."
             )
 
-    def _member_of(self, node_id: str, generation: int) -> _Node | None:
+    def _member_of(self, node_id: str, generation: int) -> Node | None:
         if generation != self.generation or not self._is_current_member(node_id):
             return None
-        return self._nodes.get(node_id)
+        return self.nodes.get(node_id)
 
     def _is_current_member(self, node_id: str) -> bool:
         return self.state in (JobState.RUNNING, JobState.SUCCEEDED) and node_id in self._ranks
-
-    # Nodes are added, removed and moved between states only through these three, which keep the counts by
-    # state that make a join O(1): rounds of thousands of nodes must not cost O(nodes) per message.
-
-    def _add(self, node_id: str, node: _Node) -> None:
-        self._remove(node_id)
-        self._nodes[node_id] = node
-        self._counts[node.state] += 1
-
-    def _remove(self, node_id: str) -> _Node | None:
-        node = self._nodes.pop(node_id, None)
-        if node is not None:
-            self._counts[node.state] -= 1
-        return node
-
-    def _set_state(self, node: _Node, state: NodeState) -> None:
-        self._counts[node.state] -= 1
-        self._counts[state] += 1
-        node.state = state
-
-    def _waiting(self) -> list[str]:
-        return [n for n, node in self._nodes.items() if node.state is NodeState.WAITING]
-
-    def _any_stopping(self) -> bool:
-        return self._counts[NodeState.STOPPING] + self._counts[NodeState.LEAVING] > 0
 
     def _after_join(self, node_id: str, now: float) -> list[Send]:
         spec = self._require_spec()
@@ -382,7 +393,7 @@ class Rendezvous:
 
     def _waiting_notice(self, node_id: str, detail: str) -> Send:
         spec = self._require_spec()
-        return Send(node_id, Waiting(self._counts[NodeState.WAITING], spec.min_nodes, spec.max_nodes, detail))
+        return Send(node_id, Waiting(self.nodes.count(NodeState.WAITING), spec.min_nodes, spec.max_nodes, detail))
 
     def _require_spec(self) -> JobSpec:
         if self.spec is None:
@@ -394,10 +405,10 @@ class Rendezvous:
             return False
         self._scale_up_at = None
         spec = self._require_spec()
-        waiting = self._counts[NodeState.WAITING] > 0
+        waiting = self.nodes.count(NodeState.WAITING) > 0
         return self.state is JobState.RUNNING and waiting and len(self._members) < spec.max_nodes
 
-    def _lost(self, node_id: str, node: _Node, why: str) -> list[Send]:
+    def _lost(self, node_id: str, node: Node, why: str) -> list[Send]:
         if node.state is NodeState.RUNNING and self.state is JobState.RUNNING:
             return self._restart(RestartReason.NODE_LOST, f"{node_id}: {why}")
         if node.state is NodeState.SUCCEEDED and self.state is JobState.RUNNING:
@@ -430,9 +441,9 @@ class Rendezvous:
         self._scale_up_at = None
         sends = []
         for node_id in self._members:
-            node = self._nodes.get(node_id)
+            node = self.nodes.get(node_id)
             if node is not None and node.state in (NodeState.RUNNING, NodeState.SUCCEEDED):
-                self._set_state(node, NodeState.STOPPING)  # RUNNING -> STOPPING
+                self.nodes.set_state(node, NodeState.STOPPING)  # RUNNING -> STOPPING
                 sends.append(Send(node_id, StopWorkers(self.generation, reason)))
         self._open_round(now)
         return sends + self._try_close_round(now)
@@ -442,11 +453,11 @@ class Rendezvous:
         self._min_reached_at = None
 
     def _try_close_round(self, now: float) -> list[Send]:
-        if self.spec is None or self.state not in (JobState.WAITING, JobState.RESTARTING) or self._any_stopping():
+        if self.spec is None or self.state not in (JobState.WAITING, JobState.RESTARTING) or self.nodes.any_stopping():
             return []
         self.state = JobState.WAITING  # RESTARTING -> WAITING: every old worker is confirmed gone
         spec = self._require_spec()
-        waiting = self._counts[NodeState.WAITING]
+        waiting = self.nodes.count(NodeState.WAITING)
         if waiting < spec.min_nodes:
             self._min_reached_at = None  # the last call starts again once min_nodes are back
             if now - self._round_opened_at >= self.settings.join_timeout_seconds:
@@ -462,7 +473,7 @@ class Rendezvous:
         survivors_back = bool(self._members)
         last_call_over = now - self._min_reached_at >= self.settings.last_call_seconds
         if (waiting >= spec.max_nodes or survivors_back or last_call_over) and self.restarts.may_form(now):
-            return self._form_generation(self._waiting())
+            return self._form_generation(self.nodes.waiting())
         return []
 
     def _form_generation(self, waiting: list[str]) -> list[Send]:
@@ -480,29 +491,29 @@ class Rendezvous:
         self.reason = ""
         self._chief_succeeded = False
         members = tuple(
-            Member(n, rank, self._nodes[n].info.host, self._nodes[n].info.worker_port)
+            Member(n, rank, self.nodes[n].info.host, self.nodes[n].info.worker_port)
             for rank, n in enumerate(chosen)
         )
         sends: list[Send] = []
         for rank, node_id in enumerate(chosen):
-            node = self._nodes[node_id]
-            self._set_state(node, NodeState.RUNNING)  # WAITING -> RUNNING
+            node = self.nodes[node_id]
+            self.nodes.set_state(node, NodeState.RUNNING)  # WAITING -> RUNNING
             node.progress = None
             node.worker_pid = 0
             order: Order = Assignment(self.generation, rank, len(chosen), members, self.restarts.total)
             sends.append(Send(node_id, order))
-        for node_id in self._waiting():
+        for node_id in self.nodes.waiting():
             sends.append(self._waiting_notice(node_id, f"standby: the job is at max_nodes={spec.max_nodes}"))
         return sends
 
     def _newcomer_order(self, node_id: str) -> tuple[int, int, float, str]:
         """Nodes from the newest earlier generation first, in their old rank order (so after a coordinator
         restart the old chief is chief again), then the others in the order they joined."""
-        node = self._nodes[node_id]
+        node = self.nodes[node_id]
         old_rank = node.info.last_rank if node.info.last_rank >= 0 else 1 << 30
         return (-node.info.last_generation, old_rank, node.joined_at, node_id)
 
     def _finish(self, state: JobState, reason: str) -> list[Send]:
         self.state = state  # RUNNING -> SUCCEEDED, * -> FAILED
         self.reason = reason
-        return [Send(node_id, Finished(state, reason)) for node_id in self._nodes]
+        return [Send(node_id, Finished(state, reason)) for node_id in self.nodes]

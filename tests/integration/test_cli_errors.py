@@ -86,6 +86,50 @@ def test_bad_option_message_names_it(tmp_path: Path, args: list[str], prefix: st
     assert config_error_line(result).startswith(prefix)
 
 
+ETCD = "etcd://127.0.0.1:2379"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["run", "--rendezvous", "etcd://", "--", "true"],
+     "--rendezvous: 'etcd://' must list etcd members as HOST:PORT separated by commas, with no path, e.g. "
+     "etcd://head-1:2379,head-2:2379,head-3:2379"),
+    (["run", "--rendezvous", "etcd://head-1:2379/tfelastic", "--", "true"],
+     "--rendezvous: 'etcd://head-1:2379/tfelastic' must list etcd members as HOST:PORT separated by commas, with no "
+     "path, e.g. etcd://head-1:2379,head-2:2379,head-3:2379"),
+    (["status", "--rendezvous", "etcd://head-1:2379,head-1:2379"],
+     "--rendezvous: 'etcd://head-1:2379,head-1:2379' names a member twice"),
+    (["run", "--rendezvous", LOOPBACK, "--etcd-ca", "ca.pem", "--", "true"],
+     "--etcd-ca: only with an etcd rendezvous (--rendezvous etcd://HOST:PORT,...)"),
+    (["run", "--rendezvous", ETCD, "--etcd-ca", "ca.pem", "--", "true"],
+     f"--etcd-ca/--etcd-cert/--etcd-key: TLS to etcd needs an etcds:// URL, not {ETCD}"),
+    (["run", "--rendezvous", ETCD, "--lease-ttl", "0", "--", "true"],
+     "--lease-ttl: 0 seconds is out of range 1-60 (etcd raises a short lease to its own minimum, about 2 s with "
+     "its default election timeout)"),
+], ids=["etcd-no-members", "etcd-with-path", "etcd-member-twice", "etcd-option-without-etcd", "etcd-tls-without-etcds",
+        "lease-ttl-zero"])
+def test_a_bad_etcd_rendezvous_gives_the_exact_message(tmp_path: Path, args: list[str], message: str) -> None:
+    result = tfelastic(*args, cwd=tmp_path)
+    assert_config_error(result)
+    assert config_error_line(result) == message
+
+
+def test_an_etcd_password_file_readable_by_others_is_refused(tmp_path: Path) -> None:
+    secret = write_token(tmp_path, b"tfe:s3cret\n", 0o644)
+    result = tfelastic("run", "--rendezvous", ETCD, "--etcd-password-file", str(secret), "--", "true", cwd=tmp_path)
+    assert_config_error(result)
+    assert config_error_line(result).startswith(f"--etcd-password-file: {str(secret)!r} is readable by other users")
+
+
+def test_an_unreachable_etcd_is_retried_for_join_timeout_then_exits_1(tmp_path: Path) -> None:
+    url = f"etcd://127.0.0.1:{free_port()}"
+    result = tfelastic("run", "--rendezvous", url, "--join-timeout", "2", "--metrics-port", "off", "--", "true",
+                       cwd=tmp_path)
+    assert result.returncode == 1, result
+    assert "Traceback" not in result.stderr, result.stderr
+    assert f"etcd at {url} stayed unreachable for join_timeout=2s" in result.stderr, result.stderr
+    assert "does not answer yet" in result.stderr  # it was retried, not refused at once
+
+
 def write_token(tmp_path: Path, content: bytes, mode: int) -> Path:
     token = tmp_path / "token"
     token.write_bytes(content)

@@ -5,23 +5,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster import COUNTER
+from tests.cluster import COUNTER, scrape
 from tests.conftest import ClusterFactory
 
 pytestmark = pytest.mark.integration
-
-
-def scrape(url: str) -> tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}
-    return text, samples
 
 
 def test_agents_export_training_control_plane_host_and_cluster_metrics(make_cluster: ClusterFactory) -> None:

@@ -22,11 +22,11 @@ HEARTBEAT, NODE_TIMEOUT, STALL = 0.5, 2.0, 10.0
 
 
 class Harness:
-    def __init__(self, join_timeout: float = 600.0) -> None:
+    def __init__(self, join_timeout: float = 600.0, failover: bool = False) -> None:
         self.clock = FakeClock(100.0)
         self.registry = CollectorRegistry()
         identity = Identity("n1", "10.0.0.1", SPEC, "incarnation-1", coordinator="head:29400")
-        timing = Timing(HEARTBEAT, NODE_TIMEOUT, join_timeout, STALL, stop_grace=10.0)
+        timing = Timing(HEARTBEAT, NODE_TIMEOUT, join_timeout, STALL, stop_grace=10.0, failover=failover)
         self.core = AgentCore(identity, timing, AgentMetrics(self.registry, "job", "n1"), self.clock,
                               pick_port=lambda host: 5555)
 
@@ -435,3 +435,60 @@ def test_the_first_progress_of_a_generation_is_reported_at_once() -> None:
     [report] = reports(h.core.progress(ProgressMessage(1, 4001, step=100)))
     assert report.progress is not None and report.progress.step == 100
     assert h.core.progress(ProgressMessage(1, 4001, step=101)) == []  # the rest ride on heartbeats
+
+
+# ------------------------------------------------------------------------------ with etcd: failover, not fencing
+
+
+def test_with_etcd_a_lost_coordinator_does_not_fence_while_etcd_says_the_generation_is_current() -> None:
+    h = Harness(failover=True)
+    h.running()
+    actions = h.core.session_ended("UNAVAILABLE: the coordinator went away")
+    assert stops(actions) == []  # its successor takes the generation over
+    h.clock.now += 1.0
+    assert h.core.etcd_observed(recorded=1, leader_known_for=None) == []
+    h.clock.now += 5.0  # the election takes a lease TTL; etcd keeps saying generation 1
+    assert h.core.etcd_observed(recorded=1, leader_known_for=None) == []
+    [join] = joins(h.core.session_opened())  # the new coordinator: attach, keeping the worker
+    assert join.attached_generation == 1 and join.node.worker_port == 5555
+    assert h.worker_state() is WorkerState.RUNNING
+
+
+@pytest.mark.parametrize(("recorded", "leader_known_for", "silent_for", "fences"), [
+    (2, None, 0.1, "the job is at generation 2 in etcd"),
+    (None, None, 1.6, "neither a coordinator nor etcd answered"),
+    (None, None, 1.4, None),
+    (1, 1.6, 1.6, "the new coordinator has not taken this node in"),
+    (1, 1.4, 10.0, None),
+], ids=["newer-generation", "etcd-silent-too", "etcd-silent-briefly", "not-taken-in", "taking-over"])
+def test_with_etcd_fencing_follows_what_etcd_says(recorded: int | None, leader_known_for: float | None,
+                                                  silent_for: float, fences: str | None) -> None:
+    h = Harness(failover=True)
+    h.running()
+    h.core.session_ended("UNAVAILABLE")
+    h.clock.now += silent_for
+    actions = h.core.etcd_observed(recorded=recorded, leader_known_for=leader_known_for)
+    if fences is None:
+        assert stops(actions) == []
+    else:
+        [stop] = stops(actions)
+        assert fences in stop.reason and not stop.planned
+
+
+def test_with_etcd_a_worker_that_ended_meanwhile_is_reported_again_after_the_join() -> None:
+    h = Harness(failover=True)
+    h.running()
+    h.core.session_ended("UNAVAILABLE")
+    h.core.worker_exited(1, 3)  # the report goes nowhere: no session
+    actions = h.core.session_opened()
+    assert [type(m).__name__ for m in sent(actions)] == ["Join", "WorkerReport"]
+    [report] = reports(actions)
+    assert (report.status, report.exit_code) == (api.WorkerStatus.FAILED, 3)
+
+
+def test_without_etcd_a_lost_coordinator_fences_at_once() -> None:
+    h = Harness()
+    h.running()
+    assert stops(h.core.session_ended("UNAVAILABLE")) == [Stop("fencing: the coordinator is unreachable",
+                                                              planned=False)]
+    assert h.core.etcd_observed(recorded=1, leader_known_for=None) == []  # etcd plays no part

@@ -35,6 +35,7 @@ from tfelastic.daemon.rendezvous.api import (
     Waiting,
     WorkerProgress,
 )
+from tfelastic.daemon.rendezvous.durable import DurableState
 from tfelastic.daemon.rendezvous.restarts import HEALTHY_RUN_SECONDS
 from tfelastic.daemon.rendezvous.state import Rendezvous
 
@@ -975,3 +976,81 @@ def test_ticking_at_the_deadline_fires_the_timer() -> None:
     assert deadline is not None
     clock.now = deadline + 1e-9
     assert rv.tick() == [Send("b", Evict("no message for 2.0s")), Send("a", StopWorkers(1, RestartReason.NODE_LOST))]
+
+
+# --------------------------------------------------------------------- a coordinator that takes the job over (etcd)
+
+
+def _recorded(clock: FakeClock) -> DurableState:
+    rv = running(clock, ["a", "b"], max_nodes=2)
+    rv.progress("a", 1, WorkerProgress(step=40, checkpoint_step=30))
+    return DurableState.from_json(rv.durable(wall_offset=1000.0).to_json())  # through etcd's bytes
+
+
+def test_the_durable_state_round_trips_through_json() -> None:
+    clock = FakeClock()
+    rv = running(clock, ["a", "b"], max_nodes=2, max_restarts=5)
+    _fail_and_recover(rv, clock, 10.0, ["a", "b"])
+    rv.drain("b", "maintenance", force=True)
+    recorded = rv.durable(wall_offset=1000.0)
+    assert DurableState.from_json(recorded.to_json()) == recorded
+    assert (recorded.generation, recorded.restarts_total, recorded.failures) == (2, 1, (1010.0,))
+    assert [m.node_id for m in recorded.members] == ["a", "b"] and recorded.drained == ("b",)
+
+
+def test_a_new_coordinator_keeps_the_running_generation_when_its_members_attach() -> None:
+    clock = FakeClock()
+    recorded = _recorded(clock)
+    successor = Rendezvous(SETTINGS, clock)
+    successor.take_over(recorded, wall_offset=1000.0, grace=2.0)
+    assert (successor.state, successor.generation) == (JobState.RUNNING, 1)
+    for n in ("a", "b"):
+        assert successor.join(info(n, last_generation=1), spec(max_nodes=2), attached_generation=1) == []
+    at(clock, successor, clock.now + 10.0)  # heartbeats: nobody is lost
+    assert successor.tick() == []
+    assert (successor.state, successor.generation, successor.restarts_total) == (JobState.RUNNING, 1, 0)
+
+
+def test_a_member_that_does_not_attach_is_lost_after_the_grace() -> None:
+    clock = FakeClock()
+    recorded = _recorded(clock)
+    successor = Rendezvous(SETTINGS, clock)
+    successor.take_over(recorded, wall_offset=1000.0, grace=2.0)
+    successor.join(info("a", last_generation=1), spec(max_nodes=2), attached_generation=1)
+    clock.now += 2.0 + SETTINGS.node_timeout_seconds - 0.1
+    successor.heartbeat("a")
+    assert successor.tick() == []
+    clock.now += 0.2
+    successor.heartbeat("a")
+    sends = successor.tick()
+    assert Send("b", Evict("no message for 2.1s")) in sends and stops(1, ["a"], RestartReason.NODE_LOST)[0] in sends
+    assert successor.snapshot().restarts_by_reason == {"node_lost": 1}
+
+
+def test_a_member_whose_worker_died_during_the_failover_restarts_the_job() -> None:
+    clock = FakeClock()
+    successor = Rendezvous(SETTINGS, clock)
+    successor.take_over(_recorded(clock), wall_offset=1000.0, grace=2.0)
+    assert successor.join(info("a", last_generation=1), spec(max_nodes=2), attached_generation=1) == []
+    sends = successor.join(info("b", last_generation=1), spec(max_nodes=2))  # no worker to attach
+    assert stops(1, ["a"], RestartReason.NODE_LOST)[0] in sends
+    assert successor.state is JobState.RESTARTING
+
+
+def test_a_stale_worker_is_stopped_before_its_node_may_join() -> None:
+    clock = FakeClock()
+    successor = Rendezvous(SETTINGS, clock)
+    successor.take_over(_recorded(clock), wall_offset=1000.0, grace=2.0)
+    sends = successor.join(info("c", last_generation=7), spec(max_nodes=2), attached_generation=7)  # not a member
+    assert sends == [Send("c", StopWorkers(7, RestartReason.NODE_LOST))]
+    assert successor.join(info("c"), spec(max_nodes=2), rejoin=True) != []  # the confirmation: now it waits to join
+    assert [n.state for n in successor.snapshot().nodes if n.node_id == "c"] == [NodeState.WAITING]
+
+
+def test_a_new_coordinator_continues_the_budget_and_the_steps() -> None:
+    clock = FakeClock()
+    recorded = _recorded(clock)
+    successor = Rendezvous(SETTINGS, clock)
+    successor.take_over(recorded, wall_offset=1000.0, grace=2.0)
+    assert successor.restarts.resumes.checkpoint_step == 30
+    assert successor.durable(wall_offset=1000.0) == recorded

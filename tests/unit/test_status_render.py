@@ -12,7 +12,8 @@ from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.status import SCHEMA_VERSION, render_table, status_to_json
 
 TOP_KEYS = ["schema_version", "job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes",
-            "max_restarts", "restarts_total", "restarts_by_reason", "nodes", "warnings", "steps_redone", "steps_lost"]
+            "max_restarts", "restarts_total", "restarts_by_reason", "nodes", "warnings", "steps_redone", "steps_lost",
+            "coordinator"]
 NODE_KEYS = ["node_id", "rank", "address", "state", "worker_pid", "step", "loss", "last_checkpoint_step",
              "progress_age_seconds", "steps_per_second", "last_checkpoint_age_seconds", "gpus", "gpu_utilization"]
 
@@ -41,6 +42,7 @@ def cluster_status(**overrides: Any) -> pb.ClusterStatus:
                                                checkpoint_step=-1, checkpoint_age_seconds=-1)),
             pb.NodeStatus(node_id="spare", rank=-1, host="10.0.0.3", worker_port=0, state="waiting"),
         ],
+        coordinator=pb.CoordinatorInfo(node="gpu-01", address="10.0.0.1:29400", since=1795000000.25),
     )
     fields.update(overrides)
     return pb.ClusterStatus(**fields)
@@ -76,6 +78,7 @@ def test_status_to_json_has_exactly_the_documented_keys_and_values() -> None:
         "warnings": [],
         "steps_redone": 0,
         "steps_lost": 0,
+        "coordinator": {"node": "gpu-01", "address": "10.0.0.1:29400", "since": 1795000000.25},
     }
     assert SCHEMA_VERSION == 1
     json.dumps(doc)  # serialisable as it is
@@ -115,7 +118,8 @@ def test_an_empty_status_is_a_complete_document() -> None:
     doc = to_json(pb.ClusterStatus())
     assert doc == {"schema_version": 1, "job": "", "state": "unknown", "reason": "", "generation": 0,
                    "world_size": 0, "min_nodes": 0, "max_nodes": 0, "max_restarts": 0, "restarts_total": 0,
-                   "restarts_by_reason": {}, "nodes": [], "warnings": [], "steps_redone": 0, "steps_lost": 0}
+                   "restarts_by_reason": {}, "nodes": [], "warnings": [], "steps_redone": 0, "steps_lost": 0,
+                   "coordinator": None}
 
 
 def test_render_table() -> None:
@@ -124,6 +128,7 @@ def test_render_table() -> None:
         "job mnist: running",
         "generation 3, world size 2 (min 2, max 2)",
         "restarts: 2 (scale_up=1, worker_exit=1); budget 3 failures per window",
+        "coordinator: gpu-01 at 10.0.0.1:29400",
         "",
         "NODE    RANK  ADDRESS        STATE    PID   STEP  STEPS/S  LAST PROGRESS  LAST CHECKPOINT  GPUS",
         "node-a  0     10.0.0.1:2222  running  4242  120   12.5     1.2s ago       30.2s ago        8 at 88%",
@@ -152,6 +157,7 @@ def test_render_table_with_a_reason_and_no_restarts_or_nodes() -> None:
         "job mnist: failed (restart budget exhausted)",
         "generation 3, world size 2 (min 2, max 2)",
         "restarts: 0 (none); budget 3 failures per window",
+        "coordinator: gpu-01 at 10.0.0.1:29400",
         "",
         "NODE  RANK  ADDRESS  STATE  PID  STEP  STEPS/S  LAST PROGRESS  LAST CHECKPOINT  GPUS",
     ]
@@ -161,4 +167,4 @@ def test_warnings_and_steps_lost_are_shown() -> None:
     warning = "generation 4 resumed at step 0, below the checkpoint of step 100 the job had saved: 100 steps lost"
     doc = to_json(cluster_status(warnings=[warning], steps_redone=130, steps_lost=100))
     assert (doc["warnings"], doc["steps_redone"], doc["steps_lost"]) == ([warning], 130, 100)
-    assert render_table(doc).splitlines()[3] == f"WARNING: {warning}"
+    assert render_table(doc).splitlines()[4] == f"WARNING: {warning}"

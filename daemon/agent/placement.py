@@ -1,0 +1,183 @@
+"""Where an agent finds its coordinator, and whether it may become it.
+
+- :class:`EmbeddedPlacement` (``--rendezvous HOST:PORT``): the coordinator's address is fixed, and the agent whose
+  node owns it hosts it (hosting.py).
+- :class:`EtcdPlacement` (``--rendezvous etcd://...``): every agent is a candidate (daemon/etcd/coordinator.py);
+  the address of the one that leads is read from etcd, and followed when it changes. Its coordinator can fail
+  over without stopping the workers, so the agent fences by what etcd says (agent/failover.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from prometheus_client import CollectorRegistry
+from tfelastic.daemon.agent.api import FatalSessionError
+from tfelastic.daemon.agent.hosting import EmbeddedCoordinator
+from tfelastic.daemon.config import AgentConfig
+from tfelastic.daemon.endpoint import Endpoint
+from tfelastic.daemon.errors import ConfigError
+from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdCredentials, EtcdError
+from tfelastic.daemon.etcd.coordinator import Candidate, ElectedCoordinator
+from tfelastic.daemon.etcd.election import Election, LeaderInfo
+from tfelastic.daemon.etcd.metrics import EtcdMetrics
+from tfelastic.daemon.etcd.url import EtcdTarget
+from tfelastic.daemon.exit_codes import ExitCode
+from tfelastic.daemon.rendezvous.handshake import TLS_GIVE_UP_SECONDS, handshake_problem
+from tfelastic.daemon.rendezvous.host import CoordinatorHost
+
+log = logging.getLogger("tfelastic.agent")
+RETRY_SECONDS = 0.5
+
+
+class EmbeddedPlacement:
+    failover = False
+
+    def __init__(self, config: AgentConfig, token: str | None, registry: CollectorRegistry) -> None:
+        assert isinstance(config.rendezvous.endpoint, Endpoint)
+        self._endpoint = config.rendezvous.endpoint
+        self._hosting = EmbeddedCoordinator(config, token, registry)
+        self.changed = asyncio.Event()  # never: the address is fixed
+
+    @property
+    def host(self) -> CoordinatorHost | None:
+        return self._hosting.host
+
+    async def start(self) -> None:
+        pass
+
+    async def coordinator(self) -> Endpoint | None:
+        await self._hosting.try_hosting()
+        return self._endpoint
+
+    async def observe(self) -> tuple[int | None, float | None]:
+        return None, None
+
+    def lost(self) -> None:
+        pass
+
+    async def serve_after_drain(self, signalled: asyncio.Event) -> None:
+        await self._hosting.serve_after_drain(signalled)
+
+    async def close(self) -> None:
+        await self._hosting.close()
+
+
+class EtcdPlacement:
+    failover = True
+
+    def __init__(self, config: AgentConfig, target: EtcdTarget, credentials: EtcdCredentials, listen: Endpoint,
+                 token: str | None, registry: CollectorRegistry) -> None:
+        rdzv = config.rendezvous
+        self._config, self._target = config, target
+        self._metrics = metrics = EtcdMetrics(registry)
+        self.client = EtcdClient(target, credentials, metrics)
+        self.election = Election(self.client, config.job.name, rdzv.lease_ttl, metrics)
+        self._candidate = ElectedCoordinator(
+            self.election, Candidate(config.node.id, listen, False, config.rendezvous_settings(),
+                                     rdzv.heartbeat_interval, token, rdzv.tls), registry, metrics)
+        self.leader: LeaderInfo | None = None
+        self._leader_since: float | None = None
+        self._last_known: LeaderInfo | None = None  # the last leader etcd named, to count changes
+        self._lost: LeaderInfo | None = None  # the coordinator whose session we lost: its key lingers a TTL
+        self.changed = asyncio.Event()  # the leader changed: try it at once
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def host(self) -> CoordinatorHost | None:
+        return self._candidate.host
+
+    async def start(self) -> None:
+        """Reaches etcd first: wrong credentials or a certificate it refuses end the agent (exit 78) before
+        anything starts; an etcd that does not answer is retried for join_timeout (then exit 1)."""
+        started = time.monotonic()
+        while True:
+            try:
+                self.leader = await self.election.leader()
+                break
+            except EtcdAuthError as e:
+                raise FatalSessionError(f"--etcd-password-file: {e}; check the user and password (USER:PASSWORD "
+                                        "in the file) and the user's role on /tfelastic/", ExitCode.CONFIG) from None
+            except EtcdError as e:
+                waited = time.monotonic() - started
+                tls = handshake_problem(str(e), self._target.tls)
+                if tls is not None and waited > min(TLS_GIVE_UP_SECONDS, self._config.rendezvous.join_timeout):
+                    raise FatalSessionError(f"--etcd-ca/--etcd-cert: TLS with etcd fails: {tls}",
+                                            ExitCode.CONFIG) from None
+                if waited > self._config.rendezvous.join_timeout:
+                    raise FatalSessionError(f"etcd at {self._target} stayed unreachable for "
+                                            f"join_timeout={self._config.rendezvous.join_timeout:g}s: {e}",
+                                            ExitCode.FAILED) from None
+                log.warning("etcd at %s does not answer yet (%s); retrying", self._target, e)
+                await asyncio.sleep(RETRY_SECONDS)
+        self._leader_since = time.monotonic() if self.leader else None
+        self._last_known = self.leader
+        self._tasks = [asyncio.create_task(self._candidate.run(self._stop)), asyncio.create_task(self._follow())]
+
+    async def coordinator(self) -> Endpoint | None:
+        if self.leader is None:
+            return None
+        try:
+            return Endpoint.parse(self.leader.address, "the coordinator's address in etcd")
+        except ConfigError:
+            log.error("the coordinator's address in etcd is not HOST:PORT: %r", self.leader.address)
+            return None
+
+    async def observe(self) -> tuple[int | None, float | None]:
+        """The job's generation in etcd (None: etcd did not answer), and how long the current leader has been
+        known."""
+        try:
+            recorded = await self.election.recorded_state()
+        except EtcdError:
+            return None, self._known_for()
+        return (recorded.generation if recorded is not None else 0), self._known_for()
+
+    def lost(self) -> None:
+        """The session with the current coordinator broke: until another is known, none counts as known."""
+        self._lost = self.leader
+
+    def _known_for(self) -> float | None:
+        if self._leader_since is None or self.leader == self._lost:
+            return None
+        return time.monotonic() - self._leader_since
+
+    async def serve_after_drain(self, signalled: asyncio.Event) -> None:
+        """A drained agent that leads just steps down: another agent takes the job over, and nothing restarts."""
+
+    async def close(self) -> None:
+        """Stops campaigning (a leader steps down and resigns) and following."""
+        self._stop.set()
+        for task in self._tasks[1:]:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.client.close()
+
+    async def _follow(self) -> None:
+        """Keeps :attr:`leader` current: a read, then a watch from the revision after it."""
+        keys = self.election.keys
+        while True:
+            try:
+                kv, revision = await self.client.read(keys.leader)
+                self._set(LeaderInfo.from_json(kv.value) if kv is not None else None)
+                async for response in self.client.watch(keys.leader, start_revision=revision + 1):
+                    for event in response.events:
+                        self._set(LeaderInfo.from_json(event.kv.value) if event.type == 0 else None)
+            except EtcdError:
+                await asyncio.sleep(RETRY_SECONDS)
+
+    def _set(self, leader: LeaderInfo | None) -> None:
+        if leader == self.leader:
+            return
+        if leader is not None:
+            log.info("the job's coordinator is %s at %s", leader.node, leader.address)
+            if self._last_known is not None and leader != self._last_known:
+                self._metrics.leader_changes.inc()
+            self._last_known = leader
+        self.leader = leader
+        self._leader_since = time.monotonic() if leader is not None else None
+        self.changed.set()

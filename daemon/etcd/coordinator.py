@@ -1,0 +1,155 @@
+"""A candidate for the job's coordinator, on etcd: it campaigns, and while it leads it serves the job's gRPC
+Session protocol on its own address, with the job's state taken over from etcd and written back there.
+
+Every agent of an etcd job is a candidate, and so is every ``tfelastic coordinator --rendezvous etcd://...`` on a
+head node; head nodes win over agents (election.py). A leader stops serving when it is deposed (its lease expired,
+or a write found another leader), when a head node registers (an agent leader), or when it is told to stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+from tfelastic.daemon.endpoint import Endpoint, TlsConfig
+from tfelastic.daemon.etcd.client import EtcdError
+from tfelastic.daemon.etcd.election import Election, LeaderInfo, Leadership
+from tfelastic.daemon.etcd.metrics import EtcdMetrics
+from tfelastic.daemon.netutil import free_port, host_port
+from tfelastic.daemon.rendezvous.api import CoordinatorInfo, RendezvousSettings
+from tfelastic.daemon.rendezvous.bind import BindError
+from tfelastic.daemon.rendezvous.host import CoordinatorHost, create_server
+
+log = logging.getLogger("tfelastic.coordinator")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str  # the agent's node id, or the head node coordinator's name
+    listen: Endpoint  # port 0: a free one for each term
+    head_node: bool  # a standalone coordinator: wins over agents
+    settings: RendezvousSettings
+    heartbeat_interval: float
+    token: str | None = None
+    tls: TlsConfig | None = None
+
+
+class ElectedCoordinator:
+    def __init__(self, election: Election, candidate: Candidate, registry: CollectorRegistry | None = None,
+                 metrics: EtcdMetrics | None = None) -> None:
+        self._election, self._candidate = election, candidate
+        self._registry, self._metrics = registry, metrics
+        self.host: CoordinatorHost | None = None
+        self._term_address = ""
+        self._lease: int | None = None  # a head node's registration lease, which its leader key shares
+        self.finished = asyncio.Event()  # a job this process coordinated has ended
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Campaigns and serves, term after term, until ``stop`` (or the end of a job it served)."""
+        registration = asyncio.create_task(self._register()) if self._candidate.head_node else None
+        try:
+            while not stop.is_set() and not self.finished.is_set():
+                leadership = await _first(self._campaign(), stop)
+                if leadership is None:
+                    return
+                with contextlib.suppress(EtcdError):
+                    await self._serve(leadership, stop)
+        finally:
+            if registration is not None:
+                registration.cancel()
+
+    async def _campaign(self) -> Leadership:
+        listen = self._candidate.listen
+        port = listen.port or free_port(listen.host)
+        self._term_address = host_port(listen.host, port)
+        info = LeaderInfo(self._candidate.name, self._term_address, time.time(),
+                          "coordinator" if self._candidate.head_node else "agent")
+        return await self._election.campaign(info, self._may_lead, lambda: self._lease)
+
+    async def _may_lead(self) -> bool:
+        if self._candidate.head_node:
+            return self._lease is not None  # registered first, so that agents give way
+        return await self._election.head_nodes() == 0
+
+    async def _serve(self, leadership: Leadership, stop: asyncio.Event) -> None:
+        c = self._candidate
+        try:
+            recorded = await self._election.recorded_state()
+            self.host = await create_server(self._term_address, c.settings, token=c.token, tls=c.tls,
+                                            heartbeat_interval=c.heartbeat_interval, store=leadership,
+                                            recorded=recorded,
+                                            info=CoordinatorInfo(c.name, self._term_address, time.time()))
+        except (BindError, EtcdError) as e:
+            log.warning("cannot serve the job after winning the election (%s): giving the lead up", e)
+            await leadership.resign()
+            await asyncio.sleep(c.settings.node_timeout_seconds)
+            return
+        log.info("coordinating the job on %s (generation %d taken over from etcd)", self._term_address,
+                 recorded.generation if recorded else 0)
+        if self._registry is not None:
+            self.host.register_metrics(self._registry)
+        keep_alive = asyncio.create_task(leadership.keep_alive())
+        waits: list[Awaitable[object]] = [leadership.lost.wait(), stop.wait(), self.host.finished.wait()]
+        if self.host.deposed is not None:
+            waits.append(self.host.deposed.wait())
+        if not c.head_node:
+            waits.append(self._head_node_arrives())
+        try:
+            await _any(*waits)
+            if self.host.finished.is_set():
+                self.finished.set()
+                await self.host.wait_agents_gone()
+        finally:
+            keep_alive.cancel()
+            await self.host.close()
+            self.host = None
+            await leadership.resign()
+            if self._metrics is not None:
+                self._metrics.leading.set(0)
+            log.info("no longer coordinating the job")
+
+    async def _head_node_arrives(self) -> None:
+        """An agent that leads gives way when a head-node coordinator registers."""
+        while True:
+            await asyncio.sleep(self._election.ttl)
+            with contextlib.suppress(EtcdError):  # etcd without quorum: no head node can register either
+                if await self._election.head_nodes() > 0:
+                    break
+        log.info("a head-node coordinator registered: handing the job over to it")
+
+    async def _register(self) -> None:
+        """A head node's registration, kept alive for as long as it runs (re-registered after an outage)."""
+        while True:
+            try:
+                self._lease = await self._election.register_head_node(self._candidate.name)
+                while await self._election.client.keep_alive_once(self._lease) > 0:
+                    await asyncio.sleep(self._election.ttl / 3)
+                self._lease = None
+            except EtcdError:
+                await asyncio.sleep(self._election.ttl / 3)
+
+
+async def _first(work: Awaitable[Leadership], stop: asyncio.Event) -> Leadership | None:
+    """The result of ``work``, or None if ``stop`` comes first (``work`` is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None
+
+
+async def _any(*waits: Awaitable[object]) -> None:
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,195 @@
+"""The election of the job's coordinator in etcd, and the leader's writes of the job's state.
+
+Keys, under ``/tfelastic/<job>/``:
+
+- ``leader``: who coordinates and where (JSON: node, address, since, kind), attached to the leader's lease. It
+  exists only while a leader keeps its lease alive (a TTL of 2 s by default), so a dead leader's key is gone
+  one TTL after its last keep-alive, and the candidates watching it race to create it again: a transaction
+  that creates it only if it does not exist, so exactly one wins.
+- ``state``: the job's durable state (rendezvous/durable.py). Every write is a transaction conditioned on the
+  leader key's create revision being the writer's own: that revision is the leader's fencing token, and a
+  deposed leader's writes are refused.
+- ``coordinators/<name>``: standalone coordinators (head nodes) register here with a lease of their own. While
+  one is registered, agents do not campaign, and an agent that leads steps down: head nodes win over agents.
+
+What etcd sees: the leader's lease keep-alives (one every TTL/3), one write per change of the job's state, and
+watches that cost nothing while nothing changes. Never the heartbeats, which stay on the gRPC sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+
+from tfelastic.daemon.etcd.client import EtcdClient, EtcdError, EtcdUnavailable
+from tfelastic.daemon.etcd.metrics import EtcdMetrics
+from tfelastic.daemon.etcd.rpc import rpc_pb2
+from tfelastic.daemon.rendezvous.durable import Deposed, DurableState, StoreUnavailable
+
+log = logging.getLogger("tfelastic.etcd")
+
+
+@dataclass(frozen=True)
+class LeaderInfo:
+    node: str  # the agent's node id, or the standalone coordinator's name
+    address: str  # HOST:PORT of its gRPC Session service
+    since: float  # wall clock, when it won
+    kind: str = "agent"  # or "coordinator"
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> LeaderInfo | None:
+        try:
+            doc = json.loads(data)
+            return cls(str(doc["node"]), str(doc["address"]), float(doc["since"]), str(doc.get("kind", "agent")))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+class JobKeys:
+    def __init__(self, job: str) -> None:
+        self.prefix = f"/tfelastic/{job}/".encode()
+        self.leader = self.prefix + b"leader"
+        self.state = self.prefix + b"state"
+        self.coordinators = self.prefix + b"coordinators/"
+
+
+def _created_if_absent(key: bytes, value: bytes, lease: int) -> tuple[rpc_pb2.Compare, rpc_pb2.RequestOp]:
+    compare = rpc_pb2.Compare(key=key, target=rpc_pb2.Compare.CREATE, result=rpc_pb2.Compare.EQUAL,
+                              create_revision=0)
+    return compare, rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease))
+
+
+class Leadership:
+    """This process leads the job while it holds the leader key. ``token``: the key's create revision."""
+
+    def __init__(self, client: EtcdClient, keys: JobKeys, lease: int, ttl: int, token: int,
+                 owns_lease: bool = True) -> None:
+        self._client, self._keys = client, keys
+        self.lease, self.ttl, self.token, self._owns_lease = lease, ttl, token, owns_lease
+        self.lost = asyncio.Event()  # deposed: the lease expired, or a write found another leader
+
+    async def keep_alive(self) -> None:
+        """Renews the lease every TTL/3 until it is lost. etcd being unreachable is not a loss: while no quorum
+        exists, nobody else can win either, and the job runs on (docs/design.md)."""
+        unreachable_since: float | None = None
+        while not self.lost.is_set():
+            try:
+                if await self._client.keep_alive_once(self.lease) == 0:
+                    log.warning("this coordinator's etcd lease expired: another may lead now; stepping down")
+                    self.lost.set()
+                    return
+                if unreachable_since is not None:
+                    log.info("etcd answers again after %.1fs", time.monotonic() - unreachable_since)
+                unreachable_since = None
+            except EtcdError as e:
+                if unreachable_since is None:
+                    unreachable_since = time.monotonic()
+                    log.warning("cannot renew the coordinator's etcd lease: %s; the job runs on, and no new "
+                                "generation forms until etcd answers", e)
+            await asyncio.sleep(self.ttl / 3)
+
+    async def save(self, state: DurableState) -> None:
+        compare = rpc_pb2.Compare(key=self._keys.leader, target=rpc_pb2.Compare.CREATE,
+                                  result=rpc_pb2.Compare.EQUAL, create_revision=self.token)
+        put = rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=self._keys.state, value=state.to_json()))
+        try:
+            response = await self._client.txn([compare], [put])
+        except EtcdError as e:  # retried whatever it is: no generation may start that etcd does not hold
+            raise StoreUnavailable(str(e)) from None
+        if not response.succeeded:
+            self.lost.set()
+            raise Deposed("another coordinator leads the job: this one's writes are refused")
+
+    async def resign(self) -> None:
+        """Gives the key up (if it is still ours) and the lease with it: the next leader need not wait a TTL."""
+        compare = rpc_pb2.Compare(key=self._keys.leader, target=rpc_pb2.Compare.CREATE,
+                                  result=rpc_pb2.Compare.EQUAL, create_revision=self.token)
+        delete = rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=self._keys.leader))
+        try:
+            await self._client.txn([compare], [delete])
+            if self._owns_lease:
+                await self._client.revoke(self.lease)
+        except EtcdError as e:
+            log.info("could not give the coordinator's key back (%s): it goes with the lease", e)
+        self.lost.set()
+
+
+class Election:
+    def __init__(self, client: EtcdClient, job: str, ttl: int, metrics: EtcdMetrics | None = None) -> None:
+        self.client, self.keys, self.ttl, self._metrics = client, JobKeys(job), ttl, metrics
+
+    async def leader(self, *, serializable: bool = False) -> LeaderInfo | None:
+        """``serializable``: what any member knows, also without quorum (for `tfelastic status`)."""
+        kv = await self.client.get(self.keys.leader, serializable=serializable)
+        return LeaderInfo.from_json(kv.value) if kv is not None else None
+
+    async def recorded_state(self) -> DurableState | None:
+        kv = await self.client.get(self.keys.state)
+        if kv is None:
+            return None
+        try:
+            return DurableState.from_json(kv.value)
+        except ValueError as e:
+            raise EtcdError(f"the job's state in etcd ({self.keys.state!r}) cannot be read: {e}") from None
+
+    async def head_nodes(self) -> int:
+        return len(await self.client.get_prefix(self.keys.coordinators))
+
+    async def campaign(self, info: LeaderInfo, may_lead: Callable[[], Awaitable[bool]],
+                       lease: Callable[[], int | None] = lambda: None) -> Leadership:
+        """Returns once this process holds the leader key. Waits while another leads, or while ``may_lead``
+        says no (an agent, while a head-node coordinator is registered). ``lease``: a lease of the caller's to
+        put the key on (a head node's registration lease: both go at once when it dies), else a new one."""
+        while True:
+            try:
+                if await self.client.get(self.keys.leader) is None and await may_lead():
+                    leadership = await self._try_to_lead(info, lease())
+                    if leadership is not None:
+                        if self._metrics is not None:
+                            self._metrics.elections_won.inc()
+                            self._metrics.leading.set(1)
+                        return leadership
+                await self._vacancy()
+            except EtcdUnavailable:
+                await asyncio.sleep(min(1.0, self.ttl / 4))
+
+    async def register_head_node(self, name: str) -> int:
+        """A standalone coordinator's registration (it wins over agents); returns its lease, to keep alive."""
+        lease, _ = await self.client.grant(self.ttl)
+        await self.client.put(self.keys.coordinators + name.encode(), b"1", lease=lease)
+        return lease
+
+    async def _try_to_lead(self, info: LeaderInfo, own: int | None) -> Leadership | None:
+        lease, ttl = (own, self.ttl) if own is not None else await self.client.grant(self.ttl)
+        compare, put = _created_if_absent(self.keys.leader, info.to_json(), lease)
+        response = await self.client.txn([compare], [put])
+        if response.succeeded:
+            log.info("won the election: %s coordinates the job (lease TTL %ds)", info.node, ttl)
+            return Leadership(self.client, self.keys, lease, ttl, int(response.header.revision), own is None)
+        if own is None:
+            await self.client.revoke(lease)
+        return None
+
+    async def _vacancy(self) -> None:
+        """Returns when the leader key may be free: deleted (its lease expired, or it resigned), or after a
+        TTL, to look again (a head-node coordinator may have gone)."""
+        kv = await self.client.get(self.keys.leader)
+        start = 0
+        if kv is not None:
+            start = int(kv.mod_revision) + 1
+        try:
+            await asyncio.wait_for(self._deleted(start), self.ttl)
+        except asyncio.TimeoutError:
+            return
+
+    async def _deleted(self, start: int) -> None:
+        async for response in self.client.watch(self.keys.leader, start_revision=start):
+            if any(event.type == 1 for event in response.events):  # DELETE
+                return

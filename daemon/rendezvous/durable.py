@@ -1,0 +1,75 @@
+"""The job's state that outlives its coordinator: what a new coordinator must know to take over the running
+generation without restarting it. Written to etcd on every change of state (never per heartbeat) and read by the
+next leader. Pure: JSON in and out.
+
+Times cross machines, so they are stored as wall-clock seconds (the budget's failure times); the coordinator
+turns them into readings of its own monotonic clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tfelastic.daemon.rendezvous.api import JobSpec, JobState, Member
+
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class DurableState:
+    spec: JobSpec | None
+    state: JobState
+    reason: str
+    generation: int
+    members: tuple[Member, ...]  # the current (or last) generation, in rank order
+    restarts_total: int = 0
+    restarts_by_reason: dict[str, int] = field(default_factory=dict)
+    failures: tuple[float, ...] = ()  # wall-clock times of the failures inside the budget's window
+    failed_in_a_row: int = 0
+    chief_succeeded: bool = False
+    drained: tuple[str, ...] = ()
+    reached_step: int = -1
+    checkpoint_step: int = -1
+    steps_redone: int = 0
+    steps_lost: int = 0
+    warnings: tuple[str, ...] = ()
+
+    def to_json(self) -> bytes:
+        doc: dict[str, Any] = dataclasses.asdict(self)
+        doc["version"] = VERSION
+        doc["state"] = self.state.value
+        if self.spec is not None:
+            doc["spec"]["command_digest"] = self.spec.command_digest.hex()
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> DurableState:
+        """Raises ValueError for anything that is not a state this version wrote."""
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.pop("version", None) != VERSION:
+            raise ValueError("not a tfelastic job state of version 1 (a newer tfelastic wrote it?)")
+        spec = doc.pop("spec")
+        if spec is not None:
+            spec = JobSpec(**{**spec, "command_digest": bytes.fromhex(spec["command_digest"])})
+        members = tuple(Member(**m) for m in doc.pop("members"))
+        state = JobState(doc.pop("state"))
+        rest: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()}
+        return cls(spec=spec, state=state, members=members, **rest)
+
+
+class StoreUnavailable(Exception):
+    """The durable store did not answer (etcd unreachable, or without quorum): the write is retried."""
+
+
+class Deposed(Exception):
+    """Another coordinator leads the job now: this one's writes are refused (its fencing token is stale)."""
+
+
+class JobStore(Protocol):
+    """Where a coordinator keeps the job's state (daemon/etcd/store.py)."""
+
+    async def save(self, state: DurableState) -> None:
+        """Raises StoreUnavailable or Deposed."""

@@ -1,0 +1,94 @@
+"""The coordinator's write-ahead of the job's state (rendezvous/persistence.py), over an in-memory store that plays
+etcd's three answers: written, unavailable (no quorum), refused (another leader). Real etcd: tests/integration."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+from tfelastic.daemon.rendezvous import persistence
+from tfelastic.daemon.rendezvous.api import Assignment, RestartReason, Send, StopWorkers
+from tfelastic.daemon.rendezvous.durable import Deposed, DurableState, StoreUnavailable
+from tfelastic.daemon.rendezvous.persistence import Persistence
+
+from tests.fakes import FakeClock
+from tests.unit.test_rendezvous_state import rejoin_all, running
+
+
+class InMemoryStore:
+    def __init__(self) -> None:
+        self.saved: list[DurableState] = []
+        self.unavailable = False
+        self.other_leader = False
+
+    async def save(self, state: DurableState) -> None:
+        if self.other_leader:
+            raise Deposed("another coordinator leads the job")
+        if self.unavailable:
+            raise StoreUnavailable("no quorum")
+        self.saved.append(state)
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def kinds(delivered: list[Sequence[Send]]) -> list[str]:
+    return [type(send.order).__name__ for sends in delivered for send in sends]
+
+
+async def failure_then_rejoin(store: InMemoryStore) -> tuple[Persistence, list[Sequence[Send]]]:
+    """A running job whose worker fails: the stops are dispatched, then the next generation's assignments."""
+    rv = running(FakeClock(), ["a", "b"], max_nodes=2)
+    delivered: list[Sequence[Send]] = []
+    writer = Persistence(store, rv, FakeClock(), delivered.append)
+    asyncio.get_running_loop().create_task(writer.run())
+    writer.dispatch(rv.worker_failed("a", 1, RestartReason.WORKER_EXIT, "exit 1"))
+    writer.dispatch(rejoin_all(rv, "a", "b"))
+    await settle()
+    return writer, delivered
+
+
+@pytest.fixture(autouse=True)
+def _no_retry_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(persistence, "RETRY_SECONDS", 0.0)
+
+
+def test_stops_go_at_once_and_assignments_once_the_state_naming_them_is_written() -> None:
+    async def scenario() -> None:
+        store = InMemoryStore()
+        writer, delivered = await failure_then_rejoin(store)
+        assert kinds(delivered) == ["StopWorkers", "StopWorkers", "Assignment", "Assignment"]
+        assert store.saved[-1].generation == 2 and not writer.problem
+
+    asyncio.run(scenario())
+
+
+def test_without_quorum_the_stops_go_out_but_the_next_generation_waits_and_says_why() -> None:
+    async def scenario() -> None:
+        store = InMemoryStore()
+        store.unavailable = True
+        writer, delivered = await failure_then_rejoin(store)
+        assert kinds(delivered) == ["StopWorkers", "StopWorkers"]  # stopping is always safe
+        assert writer.problem == "no quorum" and writer.holding_assignments
+        store.unavailable = False  # quorum back
+        await settle()
+        assert kinds(delivered) == ["StopWorkers", "StopWorkers", "Assignment", "Assignment"]
+        assert not writer.problem and not writer.holding
+        assert store.saved[-1].generation == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_write_deposes_the_coordinator_and_nothing_it_held_goes_out() -> None:
+    async def scenario() -> None:
+        store = InMemoryStore()
+        store.other_leader = True
+        writer, delivered = await failure_then_rejoin(store)
+        assert writer.deposed.is_set()
+        assert all(isinstance(send.order, StopWorkers) for sends in delivered for send in sends)
+        assert not any(isinstance(send.order, Assignment) for sends in delivered for send in sends)
+
+    asyncio.run(scenario())
