@@ -149,7 +149,8 @@ async def _serve_elected(config: AgentConfig, target: EtcdTarget, credentials: E
     except EtcdAuthError as e:
         raise ConfigError(f"--etcd-password-file: {e}") from None
     candidate = ElectedCoordinator(election, Candidate(config.node.id, listen, True, config.rendezvous_settings(),
-                                                       rdzv.heartbeat_interval, token, rdzv.tls), registry, metrics)
+                                                       rdzv.heartbeat_interval, config.node.failure_stop_grace, token,
+                                                       rdzv.tls), registry, metrics)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -87,6 +87,7 @@ class AgentCore:
         self._stopping: tuple[bool, bool] = (False, False)  # the stop under way: (planned, it was running)
         self._join_sent_at: float | None = None
         self._ended: Send | None = None  # how this generation's worker ended, reported again after a failover
+        self._trainer = (0, 0)  # (generation, pid) of the running trainer, told again to a new coordinator
         self.gpus: tuple[int, float] = (0, 0.0)  # the node's GPU count and mean utilization, for reports
 
     @property
@@ -101,7 +102,11 @@ class AgentCore:
         join = self._join()
         # A report the last coordinator may not have read (the worker ended while no coordinator answered).
         unread = [self._ended] if join.attached_generation and self._ended is not None else []
-        return [Send(join), *unread]
+        # A coordinator that took the job over knows the members, not their trainers: tell it ours.
+        running = [self._report(api.WorkerStatus.RUNNING, pid=self._trainer[1])] \
+            if join.attached_generation and self.worker.state is WorkerState.RUNNING and \
+            self._trainer[0] == join.attached_generation else []
+        return [Send(join), *unread, *running]
 
     def received(self, message: api.CoordinatorMessage) -> list[Action]:
         """Any message on the session, heartbeats included: each renews the coordinator's lease."""
@@ -190,6 +195,7 @@ class AgentCore:
         """The trainer itself (the keeper's child) is running: status shows its pid."""
         if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []
+        self._trainer = (generation, pid)
         return [self._report(api.WorkerStatus.RUNNING, pid=pid)]
 
     def launch_failed(self, generation: int, error: str) -> list[Action]:

@@ -78,7 +78,8 @@ class EtcdPlacement:
         self.election = Election(self.client, config.job.name, rdzv.lease_ttl, metrics)
         self._candidate = ElectedCoordinator(
             self.election, Candidate(config.node.id, listen, False, config.rendezvous_settings(),
-                                     rdzv.heartbeat_interval, token, rdzv.tls), registry, metrics)
+                                     rdzv.heartbeat_interval, config.node.failure_stop_grace, token, rdzv.tls),
+            registry, metrics)
         self.leader: LeaderInfo | None = None
         self._leader_since: float | None = None
         self._last_known: LeaderInfo | None = None  # the last leader etcd named, to count changes
@@ -129,11 +130,13 @@ class EtcdPlacement:
 
     async def observe(self) -> tuple[int | None, float | None]:
         """The job's generation in etcd (None: etcd did not answer), and how long the current leader has been
-        known."""
+        known. Reads the leader too: a watch on a member that was cut off hears nothing, and says nothing."""
         try:
+            leader = await self.election.leader()
             recorded = await self.election.recorded_state()
         except EtcdError:
             return None, self._known_for()
+        self._set(leader)
         return (recorded.generation if recorded is not None else 0), self._known_for()
 
     def lost(self) -> None:

@@ -216,7 +216,10 @@ class EtcdClient:
         return channel
 
     def _open(self, endpoint: Endpoint) -> grpc.aio.Channel:
-        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+        # Keepalive pings break a watch on a member that went silent (a partition sends no RST). etcd refuses
+        # pings more often than its --grpc-keepalive-min-time (5 s by default).
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000),
+                   ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
         if not self.target.tls:
             return grpc.aio.insecure_channel(str(endpoint), options=options)
         creds = self._credentials

@@ -23,6 +23,7 @@ from tfelastic.daemon.etcd.metrics import EtcdMetrics
 from tfelastic.daemon.netutil import free_port, host_port
 from tfelastic.daemon.rendezvous.api import CoordinatorInfo, RendezvousSettings
 from tfelastic.daemon.rendezvous.bind import BindError
+from tfelastic.daemon.rendezvous.durable import DurableState, Takeover
 from tfelastic.daemon.rendezvous.host import CoordinatorHost, create_server
 
 log = logging.getLogger("tfelastic.coordinator")
@@ -35,6 +36,7 @@ class Candidate:
     head_node: bool  # a standalone coordinator: wins over agents
     settings: RendezvousSettings
     heartbeat_interval: float
+    failure_stop_grace: float  # how long the members' agents give a worker after a failure (node settings)
     token: str | None = None
     tls: TlsConfig | None = None
 
@@ -80,9 +82,10 @@ class ElectedCoordinator:
         c = self._candidate
         try:
             recorded = await self._election.recorded_state()
+            takeover = await self._takeover(recorded) if recorded is not None else None
             self.host = await create_server(self._term_address, c.settings, token=c.token, tls=c.tls,
                                             heartbeat_interval=c.heartbeat_interval, store=leadership,
-                                            recorded=recorded,
+                                            takeover=takeover,
                                             info=CoordinatorInfo(c.name, self._term_address, time.time()))
         except (BindError, EtcdError) as e:
             log.warning("cannot serve the job after winning the election (%s): giving the lead up", e)
@@ -113,6 +116,18 @@ class ElectedCoordinator:
                 self._metrics.leading.set(0)
             log.info("no longer coordinating the job")
 
+    async def _takeover(self, recorded: DurableState) -> Takeover:
+        """An agent that led until its lease ran out is dead or cut off: its node is not waited for the whole
+        node timeout plus grace, only until its worker is certainly gone (docs/design.md, "etcd: timing")."""
+        previous = await self._election.lost_lease()
+        if previous is None or previous.kind != "agent" or previous.node == self._candidate.name:
+            return Takeover(recorded)
+        grace = departed_leader_grace(self._candidate.settings.node_timeout_seconds,
+                                      self._candidate.failure_stop_grace, self._election.ttl)
+        log.info("the last coordinator, %s, lost its etcd lease: its node counts as lost in %.2fs unless it "
+                 "attaches", previous.node, grace)
+        return Takeover(recorded, {previous.node: grace - self._candidate.settings.node_timeout_seconds})
+
     async def _head_node_arrives(self) -> None:
         """An agent that leads gives way when a head-node coordinator registers."""
         while True:
@@ -132,6 +147,14 @@ class ElectedCoordinator:
                 self._lease = None
             except EtcdError:
                 await asyncio.sleep(self._election.ttl / 3)
+
+
+def departed_leader_grace(node_timeout: float, failure_stop_grace: float, ttl: float) -> float:
+    """How long a new coordinator waits for the node of a leader whose lease ran out: until that node's worker is
+    certainly gone. Cut off at time P, that node stops its worker by P + node_timeout + failure_stop_grace (its
+    own coordinator counts the others lost, or its agent fences). Its lease, renewed every TTL/3, ran out no
+    earlier than P + 2/3 TTL, and this coordinator won after that."""
+    return max(0.0, node_timeout + failure_stop_grace - 2 * ttl / 3)
 
 
 async def _first(work: Awaitable[Leadership], stop: asyncio.Event) -> Leadership | None:

@@ -9,6 +9,8 @@ Keys, under ``/tfelastic/<job>/``:
 - ``state``: the job's durable state (rendezvous/durable.py). Every write is a transaction conditioned on the
   leader key's create revision being the writer's own: that revision is the leader's fencing token, and a
   deposed leader's writes are refused.
+- ``resigned``: the fencing token of the last leader that resigned, written with the delete of its key. A
+  successor that saw a leader's key go without it knows that leader lost its lease: dead, or cut off.
 - ``coordinators/<name>``: standalone coordinators (head nodes) register here with a lease of their own. While
   one is registered, agents do not campaign, and an agent that leads steps down: head nodes win over agents.
 
@@ -58,6 +60,7 @@ class JobKeys:
         self.leader = self.prefix + b"leader"
         self.state = self.prefix + b"state"
         self.coordinators = self.prefix + b"coordinators/"
+        self.resigned = self.prefix + b"resigned"  # the token of the last leader that gave the key up itself
 
 
 def _created_if_absent(key: bytes, value: bytes, lease: int) -> tuple[rpc_pb2.Compare, rpc_pb2.RequestOp]:
@@ -112,8 +115,9 @@ class Leadership:
         compare = rpc_pb2.Compare(key=self._keys.leader, target=rpc_pb2.Compare.CREATE,
                                   result=rpc_pb2.Compare.EQUAL, create_revision=self.token)
         delete = rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=self._keys.leader))
+        mark = rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=self._keys.resigned, value=b"%d" % self.token))
         try:
-            await self._client.txn([compare], [delete])
+            await self._client.txn([compare], [delete, mark])
             if self._owns_lease:
                 await self._client.revoke(self.lease)
         except EtcdError as e:
@@ -124,6 +128,16 @@ class Leadership:
 class Election:
     def __init__(self, client: EtcdClient, job: str, ttl: int, metrics: EtcdMetrics | None = None) -> None:
         self.client, self.keys, self.ttl, self._metrics = client, JobKeys(job), ttl, metrics
+        self._previous: tuple[LeaderInfo, int] | None = None  # the last leader whose key we saw go, and its token
+
+    async def lost_lease(self) -> LeaderInfo | None:
+        """The leader before this one, if its key went with its lease (it died, or etcd lost sight of it) rather
+        than by resigning; None if it resigned or is not known."""
+        if self._previous is None:
+            return None
+        leader, token = self._previous
+        kv = await self.client.get(self.keys.resigned)
+        return None if kv is not None and kv.value == b"%d" % token else leader
 
     async def leader(self, *, serializable: bool = False) -> LeaderInfo | None:
         """``serializable``: what any member knows, also without quorum (for `tfelastic status`)."""
@@ -191,5 +205,8 @@ class Election:
 
     async def _deleted(self, start: int) -> None:
         async for response in self.client.watch(self.keys.leader, start_revision=start):
-            if any(event.type == 1 for event in response.events):  # DELETE
-                return
+            for event in response.events:
+                if event.type == 1:  # DELETE; prev_kv is the key as it was
+                    leader = LeaderInfo.from_json(event.prev_kv.value) if event.HasField("prev_kv") else None
+                    self._previous = (leader, int(event.prev_kv.create_revision)) if leader is not None else None
+                    return

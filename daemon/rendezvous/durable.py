@@ -60,6 +60,15 @@ class DurableState:
         return cls(spec=spec, state=state, members=members, **rest)
 
 
+@dataclass(frozen=True)
+class Takeover:
+    """What a coordinator that wins an election continues: the recorded state, and members that need not be
+    waited for as long as the others (the previous leader's own node, when its lease ran out)."""
+
+    recorded: DurableState
+    graces: dict[str, float] = field(default_factory=dict)  # node id -> grace, instead of node_timeout
+
+
 class StoreUnavailable(Exception):
     """The durable store did not answer (etcd unreachable, or without quorum): the write is retried."""
 

@@ -18,7 +18,7 @@ from tfelastic.daemon.endpoint import TlsConfig
 from tfelastic.daemon.metrics.cluster import ClusterCollector, register_cluster_collector
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.rendezvous.bind import listen
-from tfelastic.daemon.rendezvous.durable import DurableState, JobStore
+from tfelastic.daemon.rendezvous.durable import JobStore, Takeover
 from tfelastic.daemon.rendezvous.limits import GuardInterceptor, Limits, server_options
 from tfelastic.daemon.rendezvous.server import SERVICE_NAME, RendezvousServicer
 from tfelastic.daemon.rendezvous.state import Clock, Rendezvous
@@ -101,20 +101,22 @@ async def create_server(
     clock: Clock = time.monotonic,
     limits: Limits | None = None,
     store: JobStore | None = None,
-    recorded: DurableState | None = None,
+    takeover: Takeover | None = None,
     info: api.CoordinatorInfo | None = None,
 ) -> CoordinatorHost:
     """Start a coordinator on ``address`` (port 0 picks a free one). Raises BindError if it cannot listen there:
     the port is taken (another agent of this host hosts it), or the address is not this machine's.
 
-    With a ``store`` (etcd), the job's state is written there, and ``recorded`` is the state a predecessor left:
-    the running generation's members get a node timeout to attach before they count as lost."""
+    With a ``store`` (etcd), the job's state is written there, and ``takeover`` is the state a predecessor left:
+    the running generation's members get a node timeout (or the grace ``takeover`` gives them) to attach before
+    they count as lost."""
     bind_host, _, bind_port = address.rpartition(":")
     credentials = server_credentials(tls) if tls is not None and tls.enabled else None
     limits = limits or Limits()
     rendezvous = Rendezvous(settings, clock, spec)
-    if recorded is not None:
-        rendezvous.take_over(recorded, time.time() - clock(), grace=settings.node_timeout_seconds)
+    if takeover is not None:
+        rendezvous.take_over(takeover.recorded, time.time() - clock(), grace=settings.node_timeout_seconds,
+                             graces=takeover.graces)
 
     def new_server() -> grpc.aio.Server:
         # The guard is outermost, so that it bounds every call, authenticated or not (daemon/rendezvous/limits.py).

@@ -154,9 +154,10 @@ class Rendezvous:
                             chief_succeeded=self._chief_succeeded, drained=tuple(sorted(self.drained)),
                             **self.restarts.export(wall_offset))
 
-    def take_over(self, recorded: DurableState, wall_offset: float, grace: float) -> None:
-        """Continue the job etcd recorded. A running generation goes on: its members have ``grace`` plus the node
-        timeout to attach before they count as lost."""
+    def take_over(self, recorded: DurableState, wall_offset: float, grace: float,
+                  graces: dict[str, float] | None = None) -> None:
+        """Continue the job etcd recorded. A running generation goes on: its members have ``grace`` (or their
+        own in ``graces``) plus the node timeout to attach before they count as lost."""
         now = self._clock()
         self.spec, self.reason, self.generation = recorded.spec, recorded.reason, recorded.generation
         self._seen_generation = recorded.generation
@@ -168,8 +169,9 @@ class Rendezvous:
         self.state = JobState.WAITING if recorded.state is JobState.RESTARTING else recorded.state
         if self.state is JobState.RUNNING:
             for m in recorded.members:
+                wait = (graces or {}).get(m.node_id, grace)
                 self.nodes.add(m.node_id, Node(NodeInfo(m.node_id, m.host, m.worker_port), NodeState.RUNNING, now,
-                                               now + grace, restored=True))
+                                               now + wait, restored=True))
         self._open_round(now)
 
     def heartbeat(self, node_id: str) -> None:

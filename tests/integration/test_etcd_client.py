@@ -109,6 +109,37 @@ def test_one_candidate_wins_and_a_deposed_leaders_writes_are_refused(etcd: EtcdC
     asyncio.run(scenario())
 
 
+def test_a_successor_knows_whether_the_last_leader_resigned_or_lost_its_lease(etcd: EtcdCluster) -> None:
+    async def yes() -> bool:
+        return True
+
+    async def lead(client: EtcdClient, node: str) -> Any:
+        return await Election(client, "succession", 2).campaign(LeaderInfo(node, "127.0.0.1:1", 0.0), yes)
+
+    async def scenario() -> None:
+        clients = [etcd.client() for _ in range(3)]
+        try:
+            first = await lead(clients[0], "a")
+            waiting = Election(clients[1], "succession", 2)
+            second = asyncio.create_task(waiting.campaign(LeaderInfo("b", "127.0.0.1:2", 0.0), yes))
+            await asyncio.sleep(0.3)  # b watches the key
+            await clients[0].revoke(first.lease)  # a's lease runs out
+            await asyncio.wait_for(second, 10)
+            lost = await waiting.lost_lease()
+            assert lost is not None and lost.node == "a"
+            third = Election(clients[2], "succession", 2)
+            following = asyncio.create_task(third.campaign(LeaderInfo("c", "127.0.0.1:3", 0.0), yes))
+            await asyncio.sleep(0.3)
+            await second.result().resign()  # b gives the lead up itself
+            await asyncio.wait_for(following, 10)
+            assert await third.lost_lease() is None
+        finally:
+            for client in clients:
+                await client.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_watch_sees_puts_and_deletes_from_a_revision(etcd: EtcdCluster) -> None:
     async def scenario() -> None:
         client = etcd.client()

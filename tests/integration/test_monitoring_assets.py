@@ -56,6 +56,10 @@ KNOWN_METRICS = frozenset({
     "tfelastic_cluster_info", "tfelastic_cluster_generation", "tfelastic_cluster_members",
     "tfelastic_cluster_desired_nodes", "tfelastic_cluster_nodes", "tfelastic_cluster_job_state",
     "tfelastic_cluster_restarts_total", "tfelastic_cluster_max_restarts",
+    # etcd (daemon/etcd/metrics.py)
+    "tfelastic_coordinator_leader_changes_total", "tfelastic_coordinator_elections_won_total",
+    "tfelastic_coordinator_leading", "tfelastic_etcd_request_errors_total",
+    *(f"tfelastic_etcd_request_duration_seconds_{suffix}" for suffix in ("bucket", "sum", "count")),
     # GPUs
     "tfelastic_gpu_utilization_ratio", "tfelastic_gpu_memory_utilization_ratio", "tfelastic_gpu_memory_used_bytes",
     "tfelastic_gpu_memory_total_bytes", "tfelastic_gpu_temperature_celsius", "tfelastic_gpu_power_watts",

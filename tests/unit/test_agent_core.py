@@ -486,6 +486,19 @@ def test_with_etcd_a_worker_that_ended_meanwhile_is_reported_again_after_the_joi
     assert (report.status, report.exit_code) == (api.WorkerStatus.FAILED, 3)
 
 
+def test_with_etcd_a_member_that_attaches_to_a_new_coordinator_tells_it_its_trainer() -> None:
+    h = Harness(failover=True)
+    h.running()
+    h.core.trainer_pid(1, 4242)
+    h.core.session_ended("UNAVAILABLE")
+    actions = h.core.session_opened()
+    assert [type(m).__name__ for m in sent(actions)] == ["Join", "WorkerReport"]
+    [join] = [m for m in sent(actions) if isinstance(m, api.Join)]
+    [report] = reports(actions)
+    assert join.attached_generation == 1
+    assert (report.generation, report.status, report.pid) == (1, api.WorkerStatus.RUNNING, 4242)
+
+
 def test_without_etcd_a_lost_coordinator_fences_at_once() -> None:
     h = Harness()
     h.running()

@@ -1027,6 +1027,23 @@ def test_a_member_that_does_not_attach_is_lost_after_the_grace() -> None:
     assert successor.snapshot().restarts_by_reason == {"node_lost": 1}
 
 
+def test_the_node_of_a_leader_that_lost_its_lease_is_waited_for_only_its_own_grace() -> None:
+    clock = FakeClock()
+    successor = Rendezvous(SETTINGS, clock)
+    # b led and its lease ran out: lost after 0.9 s, while a keeps the whole grace (2 s + the node timeout)
+    successor.take_over(_recorded(clock), wall_offset=1000.0, grace=2.0,
+                        graces={"b": 0.9 - SETTINGS.node_timeout_seconds})
+    successor.join(info("a", last_generation=1), spec(max_nodes=2), attached_generation=1)
+    clock.now += 0.8
+    successor.heartbeat("a")
+    assert successor.tick() == []
+    clock.now += 0.2
+    successor.heartbeat("a")
+    sends = successor.tick()
+    assert stops(1, ["a"], RestartReason.NODE_LOST)[0] in sends
+    assert successor.snapshot().restarts_by_reason == {"node_lost": 1}
+
+
 def test_a_member_whose_worker_died_during_the_failover_restarts_the_job() -> None:
     clock = FakeClock()
     successor = Rendezvous(SETTINGS, clock)

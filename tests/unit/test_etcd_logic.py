@@ -1,5 +1,6 @@
-"""Which of etcd's errors the client retries on another member (daemon/etcd/client.py). A member without quorum
-answers with several codes; retrying those is what lets a failure wait for quorum instead of killing the writer."""
+"""The pure parts of the etcd rendezvous: which of etcd's errors the client retries on another member (a member
+without quorum answers with several codes; retrying those lets a failure wait for quorum instead of killing the
+writer), and how long a new coordinator waits for the node of a leader that lost its lease."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import grpc
 import pytest
 from grpc.aio import AioRpcError, Metadata
 from tfelastic.daemon.etcd.client import is_transient
+from tfelastic.daemon.etcd.coordinator import departed_leader_grace
 
 
 def error(code: grpc.StatusCode, details: str) -> AioRpcError:
@@ -32,3 +34,10 @@ def test_what_a_member_without_quorum_answers_is_retried(code: grpc.StatusCode, 
 ])
 def test_a_refusal_is_not_retried(code: grpc.StatusCode, details: str) -> None:
     assert not is_transient(error(code, details))
+
+
+def test_the_previous_leaders_node_is_waited_for_until_its_worker_is_certainly_gone() -> None:
+    # Defaults: node_timeout 2 s, failure_stop_grace 0.25 s, lease TTL 2 s. Cut off at P, its worker is gone by
+    # P + 2.25 s; its lease ran out no earlier than P + 1.33 s: 0.92 s more after the successor won.
+    assert departed_leader_grace(2.0, 0.25, 2) == pytest.approx(2.25 - 4 / 3)
+    assert departed_leader_grace(2.0, 0.25, 10) == 0.0  # a long lease outlasts the fencing by itself
