@@ -77,6 +77,22 @@ class Membership:
     def waiting(self) -> list[str]:
         return [n for n, node in self._nodes.items() if node.state is NodeState.WAITING]
 
+    def next_ranks(self, previous: list[str], max_nodes: int) -> list[str]:
+        """The waiting nodes in rank order for the next generation: the survivors of ``previous`` keep their
+        order (a surviving chief stays chief); then nodes from the newest earlier generation in their old rank
+        order (so after a coordinator restart the old chief is chief again); then the others as they joined."""
+        waiting = self.waiting()
+        waiting_set = set(waiting)
+        survivors = [m for m in previous if m in waiting_set]
+        survivor_set = set(survivors)
+        newcomers = sorted((n for n in waiting if n not in survivor_set), key=self._newcomer_order)
+        return (survivors + newcomers)[:max_nodes]
+
+    def _newcomer_order(self, node_id: str) -> tuple[int, int, float, str]:
+        info, joined_at = self._nodes[node_id].info, self._nodes[node_id].joined_at
+        old_rank = info.last_rank if info.last_rank >= 0 else 1 << 30
+        return (-info.last_generation, old_rank, joined_at, node_id)
+
     def any_stopping(self) -> bool:
         return self._counts[NodeState.STOPPING] + self._counts[NodeState.LEAVING] > 0
 

@@ -58,6 +58,7 @@ from tfelastic.daemon.rendezvous.api import (
 from tfelastic.daemon.rendezvous.durable import DurableState
 from tfelastic.daemon.rendezvous.membership import Membership, Node
 from tfelastic.daemon.rendezvous.restarts import RestartBook
+from tfelastic.daemon.rendezvous.round_timers import RoundTimers
 
 log = logging.getLogger("tfelastic.coordinator")
 
@@ -75,9 +76,7 @@ class Rendezvous:
         self.nodes = Membership(settings.node_timeout_seconds)
         self._members: list[str] = []  # node ids of the current generation, in rank order
         self._ranks: dict[str, int] = {}  # the same, as node id -> rank
-        self._round_opened_at = clock()
-        self._min_reached_at: float | None = None
-        self._scale_up_at: float | None = None
+        self._timers = RoundTimers(settings, clock())
         self._chief_succeeded = False  # the chief of the current generation exited 0
         self._seen_generation = 0  # the newest generation any joining agent took part in
         self.restarts = RestartBook(settings, clock)
@@ -172,7 +171,7 @@ class Rendezvous:
                 wait = (graces or {}).get(m.node_id, grace)
                 self.nodes.add(m.node_id, Node(NodeInfo(m.node_id, m.host, m.worker_port), NodeState.RUNNING, now,
                                                now + wait, restored=True))
-        self._open_round(now)
+        self._timers.open(now)
 
     def heartbeat(self, node_id: str) -> None:
         self.nodes.heard(node_id, self._clock())
@@ -303,16 +302,8 @@ class Rendezvous:
     def next_deadline(self) -> float | None:
         """A clock time by which :meth:`tick` must run (it may find nothing due yet), or None if no timer is
         armed. O(1): the server asks after every message."""
-        deadlines = [d for d in (self.nodes.lease_deadline,) if d is not None]
-        if self._scale_up_at is not None:
-            deadlines.append(self._scale_up_at)
-        if self.restarts.not_before is not None:
-            deadlines.append(self.restarts.not_before)
-        if self.spec is not None and self.state is JobState.WAITING:
-            if self._min_reached_at is not None:
-                deadlines.append(self._min_reached_at + self.settings.last_call_seconds)
-            else:
-                deadlines.append(self._round_opened_at + self.settings.join_timeout_seconds)
+        deadlines = [d for d in (self.nodes.lease_deadline, self.restarts.not_before) if d is not None]
+        deadlines += self._timers.deadlines(round_open=self.spec is not None and self.state is JobState.WAITING)
         return min(deadlines, default=None)
 
     # ------------------------------------------------------------------------------------------- snapshot
@@ -354,7 +345,7 @@ class Rendezvous:
     def _check_spec(self, spec: JobSpec) -> None:
         if self.spec is None:
             self.spec = spec
-            self._open_round(self._clock())  # the join timeout counts from the first join, not from start-up
+            self._timers.open(self._clock())  # the join timeout counts from the first join, not from start-up
             return
         diffs = self.spec.differences(spec)
         if diffs:
@@ -375,8 +366,7 @@ class Rendezvous:
         spec = self._require_spec()
         if self.state is JobState.RUNNING:
             if len(self._members) < spec.max_nodes:
-                if self._scale_up_at is None:
-                    self._scale_up_at = now + self.settings.settle_seconds
+                self._timers.schedule_scale_up(now)
                 detail = "scale-up pending: the job will re-form to take this node in"
             else:
                 detail = f"standby: the job is at max_nodes={spec.max_nodes}"
@@ -403,9 +393,8 @@ class Rendezvous:
         return self.spec
 
     def _scale_up_due(self, now: float) -> bool:
-        if self._scale_up_at is None or now < self._scale_up_at:
+        if not self._timers.scale_up_due(now):
             return False
-        self._scale_up_at = None
         spec = self._require_spec()
         waiting = self.nodes.count(NodeState.WAITING) > 0
         return self.state is JobState.RUNNING and waiting and len(self._members) < spec.max_nodes
@@ -440,19 +429,15 @@ class Rendezvous:
             self.reason += f"; backing off {delay:g}s before generation {self.generation + 1}"
             log.info("backing off %gs before generation %d: %d failed generations in a row", delay,
                      self.generation + 1, self.restarts.failed_in_a_row)
-        self._scale_up_at = None
+        self._timers.cancel_scale_up()
         sends = []
         for node_id in self._members:
             node = self.nodes.get(node_id)
             if node is not None and node.state in (NodeState.RUNNING, NodeState.SUCCEEDED):
                 self.nodes.set_state(node, NodeState.STOPPING)  # RUNNING -> STOPPING
                 sends.append(Send(node_id, StopWorkers(self.generation, reason)))
-        self._open_round(now)
+        self._timers.open(now)
         return sends + self._try_close_round(now)
-
-    def _open_round(self, now: float) -> None:
-        self._round_opened_at = now
-        self._min_reached_at = None
 
     def _try_close_round(self, now: float) -> list[Send]:
         if self.spec is None or self.state not in (JobState.WAITING, JobState.RESTARTING) or self.nodes.any_stopping():
@@ -461,30 +446,23 @@ class Rendezvous:
         spec = self._require_spec()
         waiting = self.nodes.count(NodeState.WAITING)
         if waiting < spec.min_nodes:
-            self._min_reached_at = None  # the last call starts again once min_nodes are back
-            if now - self._round_opened_at >= self.settings.join_timeout_seconds:
+            if self._timers.below_min(now):
                 return self._finish(
                     JobState.FAILED,
                     f"only {waiting} of min_nodes={spec.min_nodes} nodes joined within "
                     f"join_timeout={self.settings.join_timeout_seconds:g}s",
                 )
             return []
-        if self._min_reached_at is None:
-            self._min_reached_at = now
         # After a restart no old member is still stopping (checked above): every one still here has rejoined.
         survivors_back = bool(self._members)
-        last_call_over = now - self._min_reached_at >= self.settings.last_call_seconds
+        last_call_over = self._timers.last_call_over(now)
         if (waiting >= spec.max_nodes or survivors_back or last_call_over) and self.restarts.may_form(now):
-            return self._form_generation(self.nodes.waiting())
+            return self._form_generation()
         return []
 
-    def _form_generation(self, waiting: list[str]) -> list[Send]:
+    def _form_generation(self) -> list[Send]:
         spec = self._require_spec()
-        waiting_set = set(waiting)
-        survivors = [m for m in self._members if m in waiting_set]
-        survivor_set = set(survivors)
-        newcomers = sorted((n for n in waiting if n not in survivor_set), key=self._newcomer_order)
-        chosen = (survivors + newcomers)[: spec.max_nodes]
+        chosen = self.nodes.next_ranks(self._members, spec.max_nodes)
         self.generation = max(self.generation, self._seen_generation) + 1
         self.restarts.formed()
         self._members = chosen
@@ -507,13 +485,6 @@ class Rendezvous:
         for node_id in self.nodes.waiting():
             sends.append(self._waiting_notice(node_id, f"standby: the job is at max_nodes={spec.max_nodes}"))
         return sends
-
-    def _newcomer_order(self, node_id: str) -> tuple[int, int, float, str]:
-        """Nodes from the newest earlier generation first, in their old rank order (so after a coordinator
-        restart the old chief is chief again), then the others in the order they joined."""
-        node = self.nodes[node_id]
-        old_rank = node.info.last_rank if node.info.last_rank >= 0 else 1 << 30
-        return (-node.info.last_generation, old_rank, node.joined_at, node_id)
 
     def _finish(self, state: JobState, reason: str) -> list[Send]:
         self.state = state  # RUNNING -> SUCCEEDED, * -> FAILED

@@ -1,0 +1,55 @@
+"""The timers of a rendezvous round: the last call, the join timeout and the scale-up settle delay. Pure: clock
+readings come in as arguments, and :meth:`RoundTimers.deadlines` tells the coordinator when to look again."""
+
+from __future__ import annotations
+
+from tfelastic.daemon.rendezvous.api import RendezvousSettings
+
+
+class RoundTimers:
+    def __init__(self, settings: RendezvousSettings, now: float) -> None:
+        self._settings = settings
+        self._opened_at = now
+        self._min_reached_at: float | None = None  # when min_nodes had joined, for the last call
+        self._scale_up_at: float | None = None  # when a running job below max_nodes takes the waiting nodes in
+
+    def open(self, now: float) -> None:
+        """A new round: the join timeout counts from now, and the last call starts once min_nodes are in."""
+        self._opened_at = now
+        self._min_reached_at = None
+
+    def below_min(self, now: float) -> bool:
+        """Fewer than min_nodes are in: the last call starts again once they are back. True once the round
+        has waited join_timeout for them."""
+        self._min_reached_at = None
+        return now - self._opened_at >= self._settings.join_timeout_seconds
+
+    def last_call_over(self, now: float) -> bool:
+        """min_nodes are in: the round may close once the last call has passed."""
+        if self._min_reached_at is None:
+            self._min_reached_at = now
+        return now - self._min_reached_at >= self._settings.last_call_seconds
+
+    def schedule_scale_up(self, now: float) -> None:
+        if self._scale_up_at is None:
+            self._scale_up_at = now + self._settings.settle_seconds
+
+    def cancel_scale_up(self) -> None:
+        self._scale_up_at = None
+
+    def scale_up_due(self, now: float) -> bool:
+        """True once, when the settle delay has passed."""
+        if self._scale_up_at is None or now < self._scale_up_at:
+            return False
+        self._scale_up_at = None
+        return True
+
+    def deadlines(self, *, round_open: bool) -> list[float]:
+        """When a timer fires; the round's own only while one is open."""
+        deadlines = [self._scale_up_at] if self._scale_up_at is not None else []
+        if round_open:
+            if self._min_reached_at is not None:
+                deadlines.append(self._min_reached_at + self._settings.last_call_seconds)
+            else:
+                deadlines.append(self._opened_at + self._settings.join_timeout_seconds)
+        return deadlines
