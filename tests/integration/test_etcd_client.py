@@ -163,6 +163,7 @@ def test_a_dead_member_is_skipped(tmp_path: Path) -> None:
     cluster = EtcdCluster(tmp_path).start()
     try:
         cluster.kill(0)  # the client starts with the first member
+        cluster.wait_healthy()  # the other two have a raft leader: the dead member is the only one to fail
 
         registry = CollectorRegistry()
 
