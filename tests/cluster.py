@@ -188,6 +188,12 @@ def scrape(url: str) -> tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]],
     return text, samples
 
 
+def assert_no_stale_workers(events: list[dict[str, Any]]) -> None:
+    """The counter trainer's start events name the live workers of older generations: there must be none."""
+    stale = [(e["generation"], e["rank"], e["stale"]) for e in events if e["event"] == "start" and e["stale"]]
+    assert not stale, f"workers of an older generation were alive when a newer one started: {stale}"
+
+
 def members(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted((n for n in doc["nodes"] if n["rank"] is not None), key=lambda n: n["rank"])
 

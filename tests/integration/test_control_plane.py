@@ -12,7 +12,16 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import COUNTER, FORM_WITH_ALL, alive, kill, members, trainer_pids, wait_for
+from tests.cluster import (
+    COUNTER,
+    FORM_WITH_ALL,
+    alive,
+    assert_no_stale_workers,
+    kill,
+    members,
+    trainer_pids,
+    wait_for,
+)
 from tests.conftest import ClusterFactory
 
 pytestmark = pytest.mark.integration
@@ -23,11 +32,6 @@ FAST = ["--stall-timeout", "3", "--stop-grace", "2", "--last-call", "0.5", "--se
 
 def starts(events: list[dict[str, Any]], generation: int) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == "start" and e["generation"] == generation]
-
-
-def assert_no_stale_workers(events: list[dict[str, Any]]) -> None:
-    stale = [(e["generation"], e["rank"], e["stale"]) for e in events if e["event"] == "start" and e["stale"]]
-    assert not stale, f"workers of an older generation were alive when a newer one started: {stale}"
 
 
 def test_worker_exit_restarts_the_whole_set_and_resumes(make_cluster: ClusterFactory) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import COUNTER, FORM_WITH_ALL, Cluster, members, scrape, wait_for
+from tests.cluster import COUNTER, FORM_WITH_ALL, Cluster, assert_no_stale_workers, members, scrape, wait_for
 from tests.conftest import ClusterFactory
 from tests.etcd import EtcdCluster, leader_of
 
@@ -100,6 +100,7 @@ def test_the_agent_that_leads_dies_and_the_survivors_go_on_at_once(make_cluster:
                               and d["world_size"] == 2, 30, "the survivors' next generation")
     assert doc["restarts_by_reason"].get("node_lost", 0) >= 1, doc
     assert leader.node not in [n["node_id"] for n in members(doc)]
+    assert_no_stale_workers(cluster.events())  # the next generation waited for the old one to be gone
     survivors = [a for n, a in agents.items() if n != leader.node]
     seen = [scrape(f"http://{a.metrics_address()}/metrics")[1] for a in survivors]
     assert [s[("tfelastic_coordinator_leader_changes_total", ())] for s in seen] == [1.0, 1.0]

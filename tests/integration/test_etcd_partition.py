@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import COUNTER, FORM_WITH_ALL, alive, members, wait_for
+from tests.cluster import COUNTER, FORM_WITH_ALL, alive, assert_no_stale_workers, members, wait_for
 from tests.conftest import ClusterFactory
 from tests.etcd import EtcdCluster, leader_of
 
@@ -79,6 +79,7 @@ def test_the_leaders_host_is_partitioned_the_majority_re_forms_and_it_rejoins_af
     assert leader.node not in {n["node_id"] for n in members(doc)}
     assert doc["restarts_by_reason"].get("node_lost", 0) >= 1, doc
     wait_for(lambda: not alive(cut_worker), 30, "the partitioned host to stop its worker")
+    assert_no_stale_workers(cluster.events())  # it was gone before the majority's next generation started
 
     link(cut, "up")
     wait_for(lambda: "stepping down" in cluster.agents[cut - 1].log(), 30,
