@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ class EtcdCredentials:
     cert: str = ""
     key: str = ""
     user: str = ""
-    password: str = ""
+    password: str = field(default="", repr=False)  # a secret: never in a log line, not even by repr
 
 
 def prefix_end(prefix: bytes) -> bytes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from grpc.aio import AioRpcError, Metadata
-from tfelastic.daemon.etcd.client import is_transient
+from tfelastic.daemon.etcd.client import EtcdCredentials, is_transient
 from tfelastic.daemon.etcd.coordinator import departed_leader_grace
 
 
@@ -41,3 +41,7 @@ def test_the_previous_leaders_node_is_waited_for_until_its_worker_is_certainly_g
     # P + 2.25 s; its lease ran out no earlier than P + 1.33 s: 0.92 s more after the successor won.
     assert departed_leader_grace(2.0, 0.25, 2) == pytest.approx(2.25 - 4 / 3)
     assert departed_leader_grace(2.0, 0.25, 10) == 0.0  # a long lease outlasts the fencing by itself
+
+
+def test_the_etcd_password_is_not_in_the_credentials_repr() -> None:
+    assert "s3cret" not in repr(EtcdCredentials(user="tfe", password="s3cret"))
