@@ -33,6 +33,12 @@ log = logging.getLogger("tfelastic.agent")
 RETRY_SECONDS = 0.5
 
 
+def _log_if_failed(task: asyncio.Task[None]) -> None:
+    """A candidate or follower that dies of a bug must say so: the node would silently stop being a candidate."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("etcd %s ended: %r", task.get_coro().__qualname__, task.exception())  # type: ignore[union-attr]
+
+
 class EmbeddedPlacement:
     failover = False
 
@@ -118,6 +124,8 @@ class EtcdPlacement:
         self._leader_since = time.monotonic() if self.leader else None
         self._last_known = self.leader
         self._tasks = [asyncio.create_task(self._candidate.run(self._stop)), asyncio.create_task(self._follow())]
+        for task in self._tasks:
+            task.add_done_callback(_log_if_failed)
 
     async def coordinator(self) -> Endpoint | None:
         if self.leader is None:

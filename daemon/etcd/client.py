@@ -116,8 +116,8 @@ class EtcdClient:
     async def revoke(self, lease: int) -> None:
         await self._unary("Lease", "LeaseRevoke", rpc_pb2.LeaseRevokeRequest(ID=lease))
 
-    async def keep_alive_once(self, lease: int) -> int:
-        """Renews ``lease``; returns the TTL it now has, 0 if it had expired."""
+    async def keep_alive_once(self, lease: int, timeout: float | None = None) -> int:
+        """Renews ``lease``; returns the TTL it now has, 0 if it had expired. ``timeout``: for this member."""
         started = time.monotonic()
         channel = await self._channel()
 
@@ -125,7 +125,7 @@ class EtcdClient:
             yield rpc_pb2.LeaseKeepAliveRequest(ID=lease)
 
         call = rpc.LeaseStub(channel).LeaseKeepAlive(requests(), metadata=self._metadata(),  # type: ignore[no-untyped-call]
-                                                     timeout=self._timeout)
+                                                     timeout=timeout or self._timeout)
         try:
             async for response in call:
                 self._observe("LeaseKeepAlive", started)
@@ -185,7 +185,14 @@ class EtcdClient:
         attempt = 0
         while attempt < len(self._channels):
             started = time.monotonic()
-            stub = getattr(rpc, f"{service}Stub")(await self._channel())
+            try:
+                channel = await self._channel()  # authenticates here first: a member that is down is skipped
+            except EtcdUnavailable as e:
+                last = str(e)
+                self._rotate()
+                attempt += 1
+                continue
+            stub = getattr(rpc, f"{service}Stub")(channel)
             try:
                 response = await getattr(stub, method)(request, metadata=self._metadata(), timeout=self._timeout)
             except grpc.aio.AioRpcError as e:

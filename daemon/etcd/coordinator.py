@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
@@ -37,7 +37,7 @@ class Candidate:
     settings: RendezvousSettings
     heartbeat_interval: float
     failure_stop_grace: float  # how long the members' agents give a worker after a failure (node settings)
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # a secret
     tls: TlsConfig | None = None
 
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
-from tfelastic.daemon.etcd.client import EtcdClient, EtcdError, EtcdUnavailable
+from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdError
 from tfelastic.daemon.etcd.metrics import EtcdMetrics
 from tfelastic.daemon.etcd.rpc import rpc_pb2
 from tfelastic.daemon.rendezvous.durable import Deposed, DurableState, StoreUnavailable
@@ -83,8 +83,11 @@ class Leadership:
         exists, nobody else can win either, and the job runs on (docs/design.md)."""
         unreachable_since: float | None = None
         while not self.lost.is_set():
+            pause = self.ttl / 3
             try:
-                if await self._client.keep_alive_once(self.lease) == 0:
+                # A member that went silent costs at most a third of the TTL, then the next one is tried at once:
+                # one dead member must not cost the lease.
+                if await self._client.keep_alive_once(self.lease, timeout=self.ttl / 3) == 0:
                     log.warning("this coordinator's etcd lease expired: another may lead now; stepping down")
                     self.lost.set()
                     return
@@ -92,11 +95,14 @@ class Leadership:
                     log.info("etcd answers again after %.1fs", time.monotonic() - unreachable_since)
                 unreachable_since = None
             except EtcdError as e:
+                pause = 0.05
                 if unreachable_since is None:
                     unreachable_since = time.monotonic()
                     log.warning("cannot renew the coordinator's etcd lease: %s; the job runs on, and no new "
                                 "generation forms until etcd answers", e)
-            await asyncio.sleep(self.ttl / 3)
+                elif time.monotonic() - unreachable_since > self.ttl:
+                    pause = self.ttl / 3  # no member answers: do not spin
+            await asyncio.sleep(pause)
 
     async def save(self, state: DurableState) -> None:
         compare = rpc_pb2.Compare(key=self._keys.leader, target=rpc_pb2.Compare.CREATE,
@@ -171,7 +177,10 @@ class Election:
                             self._metrics.leading.set(1)
                         return leadership
                 await self._vacancy()
-            except EtcdUnavailable:
+            except EtcdAuthError:
+                raise
+            except EtcdError as e:  # unavailable, a watch cancelled by compaction, ...: look again
+                log.debug("campaign: %s; retrying", e)
                 await asyncio.sleep(min(1.0, self.ttl / 4))
 
     async def register_head_node(self, name: str) -> int:
@@ -194,10 +203,8 @@ class Election:
     async def _vacancy(self) -> None:
         """Returns when the leader key may be free: deleted (its lease expired, or it resigned), or after a
         TTL, to look again (a head-node coordinator may have gone)."""
-        kv = await self.client.get(self.keys.leader)
-        start = 0
-        if kv is not None:
-            start = int(kv.mod_revision) + 1
+        _, revision = await self.client.read(self.keys.leader)
+        start = revision + 1  # the store's revision at the read: compaction never takes the next one away
         try:
             await asyncio.wait_for(self._deleted(start), self.ttl)
         except asyncio.TimeoutError:

@@ -48,6 +48,13 @@ class DurableState:
     @classmethod
     def from_json(cls, data: bytes) -> DurableState:
         """Raises ValueError for anything that is not a state this version wrote."""
+        try:
+            return cls._parse(data)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"malformed: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def _parse(cls, data: bytes) -> DurableState:
         doc = json.loads(data)
         if not isinstance(doc, dict) or doc.pop("version", None) != VERSION:
             raise ValueError("not a tfelastic job state of version 1 (a newer tfelastic wrote it?)")

@@ -39,7 +39,10 @@ def _significant(state: DurableState) -> DurableState:
 class Persistence:
     def __init__(self, store: JobStore, rendezvous: Rendezvous, clock: Clock,
                  deliver: Callable[[Sequence[api.Send]], None], wall_clock: Clock = time.time) -> None:
-        self._store, self._rendezvous, self._clock, self._wall_clock = store, rendezvous, clock, wall_clock
+        self._store, self._rendezvous = store, rendezvous
+        # Fixed for the term: recomputed per write, the float noise of the subtraction alone changed the failure
+        # times written, and every progress report looked like a change of state.
+        self._wall_offset = wall_clock() - clock()
         self._deliver = deliver
         self._held: deque[tuple[int, Sequence[api.Send]]] = deque()
         self._version = 0  # changes so far
@@ -72,7 +75,7 @@ class Persistence:
             await self._changed.wait()
             self._changed.clear()
             version = self._version
-            state = self._rendezvous.durable(self._wall_clock() - self._clock())
+            state = self._rendezvous.durable(self._wall_offset)
             if _significant(state) == self._saved and not self._held:
                 continue
             if not await self._write(state):
@@ -94,7 +97,7 @@ class Persistence:
                                 "trains on, and no new one forms until etcd answers", e)
                 self.problem = str(e)
                 await asyncio.sleep(RETRY_SECONDS)
-                state = self._rendezvous.durable(self._wall_clock() - self._clock())
+                state = self._rendezvous.durable(self._wall_offset)
                 continue
             if self.problem:
                 log.info("the job's state is recorded in etcd again")

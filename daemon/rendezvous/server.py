@@ -75,6 +75,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self.finished = asyncio.Event()
 
     def start(self) -> None:
+        if self.rendezvous.state.is_terminal:  # a job taken over from etcd after its verdict: nothing to run
+            self.finished.set()
         self._ticker = asyncio.create_task(self._tick_forever())
         if self.persistence is not None:
             self._persisting = asyncio.create_task(self.persistence.run())

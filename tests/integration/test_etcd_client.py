@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import signal
 import subprocess
 import sys
 import time
@@ -14,10 +16,13 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
+from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdCredentials, EtcdUnavailable
-from tfelastic.daemon.etcd.election import Election, LeaderInfo
+from tfelastic.daemon.etcd.election import Election, JobKeys, LeaderInfo
 from tfelastic.daemon.etcd.metrics import EtcdMetrics
 from tfelastic.daemon.etcd.rpc import rpc_pb2
+from tfelastic.daemon.etcd.url import EtcdTarget
+from tfelastic.daemon.netutil import free_port
 from tfelastic.daemon.rendezvous.api import JobState
 from tfelastic.daemon.rendezvous.durable import Deposed, DurableState
 
@@ -140,6 +145,72 @@ def test_a_successor_knows_whether_the_last_leader_resigned_or_lost_its_lease(et
     asyncio.run(scenario())
 
 
+def test_a_candidate_keeps_campaigning_after_etcd_compacted_the_leader_keys_revision(etcd: EtcdCluster) -> None:
+    async def yes() -> bool:
+        return True
+
+    async def scenario() -> None:
+        first, second = etcd.client(), etcd.client()
+        try:
+            leader = await Election(first, "compacted", 2).campaign(LeaderInfo("a", "127.0.0.1:1", 0.0), yes)
+            keep_alive = asyncio.create_task(leader.keep_alive())
+            for i in range(5):  # the store moves past the leader key's revision ...
+                revision = await first.put(b"/t/filler", b"%d" % i)
+            done = etcd.etcdctl("compact", str(revision))  # ... and forgets what came before
+            assert done.returncode == 0, done.stderr
+            candidate = asyncio.create_task(
+                Election(second, "compacted", 2).campaign(LeaderInfo("b", "127.0.0.1:2", 0.0), yes))
+            await asyncio.sleep(2.5)  # a TTL and more: it looked again at least once
+            assert not candidate.done(), candidate  # still waiting, not dead of a cancelled watch
+            keep_alive.cancel()
+            await leader.resign()
+            won = await asyncio.wait_for(candidate, 10)
+            assert won.token > leader.token
+        finally:
+            await first.close()
+            await second.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_leader_keeps_its_lease_while_the_member_it_talks_to_is_frozen(tmp_path: Path) -> None:
+    """A SIGSTOPped member answers nothing and resets nothing, like a partitioned one: the keep-alive must move
+    to another member before the lease runs out."""
+    cluster = EtcdCluster(tmp_path).start()
+    try:
+        # Not the raft leader: freezing that one elects another, which extends every lease and hides the fault.
+        status = json.loads(cluster.etcdctl("endpoint", "status", "-w", "json").stdout)
+        frozen = next(i for i, s in enumerate(status) if s["Status"]["header"]["member_id"] != s["Status"]["leader"])
+
+        async def yes() -> bool:
+            return True
+
+        async def scenario() -> None:
+            client, observer = cluster.client(), cluster.client()
+            try:
+                client._current = frozen  # the member the client talks to
+                leader = await Election(client, "frozen", 2).campaign(LeaderInfo("a", "127.0.0.1:1", 0.0), yes)
+                keep_alive = asyncio.create_task(leader.keep_alive())
+                await asyncio.sleep(0.5)
+                cluster.kill(frozen, signal.SIGSTOP)
+                try:
+                    await asyncio.sleep(6.0)  # three TTLs
+                    assert not leader.lost.is_set()
+                    observer._current = (frozen + 1) % 3  # read from a member that answers
+                    kv = await observer.get(JobKeys("frozen").leader)
+                    assert kv is not None and LeaderInfo.from_json(kv.value).node == "a"  # type: ignore[union-attr]
+                finally:
+                    cluster.kill(frozen, signal.SIGCONT)
+                    keep_alive.cancel()
+            finally:
+                await client.close()
+                await observer.close()
+
+        asyncio.run(scenario())
+    finally:
+        cluster.stop()
+
+
 def test_a_watch_sees_puts_and_deletes_from_a_revision(etcd: EtcdCluster) -> None:
     async def scenario() -> None:
         client = etcd.client()
@@ -222,6 +293,17 @@ def test_users_and_passwords_of_etcds_own_authentication(tmp_path: Path) -> None
                     await client.close()
 
         asyncio.run(scenario())
+
+        async def first_member_down() -> None:  # authentication, too, moves on to the next member
+            member = cluster.members[0]
+            target = EtcdTarget((Endpoint("127.0.0.1", free_port()), Endpoint(member.host, member.client_port)), False)
+            client = EtcdClient(target, EtcdCredentials(user="tfe", password="s3cret"))
+            try:
+                await client.put(b"/tfelastic/j/y", b"1")
+            finally:
+                await client.close()
+
+        asyncio.run(first_member_down())
         secret = tmp_path / "etcd-password"
         secret.write_text("tfe:nope\n")
         secret.chmod(0o600)

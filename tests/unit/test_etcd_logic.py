@@ -9,6 +9,7 @@ import pytest
 from grpc.aio import AioRpcError, Metadata
 from tfelastic.daemon.etcd.client import EtcdCredentials, is_transient
 from tfelastic.daemon.etcd.coordinator import departed_leader_grace
+from tfelastic.daemon.rendezvous.durable import DurableState
 
 
 def error(code: grpc.StatusCode, details: str) -> AioRpcError:
@@ -45,3 +46,11 @@ def test_the_previous_leaders_node_is_waited_for_until_its_worker_is_certainly_g
 
 def test_the_etcd_password_is_not_in_the_credentials_repr() -> None:
     assert "s3cret" not in repr(EtcdCredentials(user="tfe", password="s3cret"))
+
+
+@pytest.mark.parametrize("data", [b'{"version": 1}', b'{"version": 1, "spec": null, "members": [1]}',
+                                  b'{"version": 1, "spec": {"job": 5}, "members": []}', b"[1]", b"\xff"])
+def test_a_malformed_job_state_in_etcd_is_a_value_error(data: bytes) -> None:
+    """Anything but a state this version wrote is refused the same way (the caller turns it into an EtcdError)."""
+    with pytest.raises(ValueError):
+        DurableState.from_json(data)

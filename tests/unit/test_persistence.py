@@ -8,12 +8,13 @@ from collections.abc import Sequence
 
 import pytest
 from tfelastic.daemon.rendezvous import persistence
-from tfelastic.daemon.rendezvous.api import Assignment, RestartReason, Send, StopWorkers
-from tfelastic.daemon.rendezvous.durable import Deposed, DurableState, StoreUnavailable
+from tfelastic.daemon.rendezvous.api import Assignment, JobState, RestartReason, Send, StopWorkers, WorkerProgress
+from tfelastic.daemon.rendezvous.durable import Deposed, DurableState, StoreUnavailable, Takeover
+from tfelastic.daemon.rendezvous.host import create_server
 from tfelastic.daemon.rendezvous.persistence import Persistence
 
 from tests.fakes import FakeClock
-from tests.unit.test_rendezvous_state import rejoin_all, running
+from tests.unit.test_rendezvous_state import SETTINGS, rejoin_all, running
 
 
 class InMemoryStore:
@@ -90,5 +91,45 @@ def test_a_refused_write_deposes_the_coordinator_and_nothing_it_held_goes_out() 
         assert writer.deposed.is_set()
         assert all(isinstance(send.order, StopWorkers) for sends in delivered for send in sends)
         assert not any(isinstance(send.order, Assignment) for sends in delivered for send in sends)
+
+    asyncio.run(scenario())
+
+
+def test_progress_after_a_failure_writes_nothing_even_as_the_wall_clock_moves() -> None:
+    """Only changes of state are written: the failure times must not be re-derived (and jitter) per write."""
+    async def scenario() -> None:
+        store = InMemoryStore()
+        clock = FakeClock()
+        rv = running(clock, ["a", "b"], max_nodes=2)
+        ticks = iter(range(10_000))
+        writer = Persistence(store, rv, clock, lambda sends: None, wall_clock=lambda: 1e9 + next(ticks) * 1e-7)
+        asyncio.get_running_loop().create_task(writer.run())
+        writer.dispatch(rv.worker_failed("a", 1, RestartReason.WORKER_EXIT, "exit 1"))
+        writer.dispatch(rejoin_all(rv, "a", "b"))
+        await settle()
+        saved = len(store.saved)
+        for step in range(1, 20):
+            clock.now += 0.5
+            rv.progress("a", 2, WorkerProgress(step=step))
+            writer.dispatch([])
+            await settle()
+        assert len(store.saved) == saved
+
+    asyncio.run(scenario())
+
+
+def test_a_coordinator_that_takes_over_a_finished_job_is_finished_at_once() -> None:
+    """Nothing would ever deliver an order to set it: a standby that took over after the verdict must still end."""
+    async def scenario() -> None:
+        rv = running(FakeClock(), ["a", "b"], max_nodes=2)
+        rv.worker_succeeded("a", 1)
+        rv.worker_succeeded("b", 1)
+        recorded = rv.durable(wall_offset=0.0)
+        assert recorded.state is JobState.SUCCEEDED
+        host = await create_server("127.0.0.1:0", SETTINGS, store=InMemoryStore(), takeover=Takeover(recorded))
+        try:
+            assert host.finished.is_set()
+        finally:
+            await host.close()
 
     asyncio.run(scenario())
