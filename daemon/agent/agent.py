@@ -121,6 +121,7 @@ class Agent:
             self._ticked_at = self._clock()
             endpoint = await self._placement.coordinator()
             if endpoint is not None:
+                attached_before = self.core.sessions_opened
                 try:
                     await self._session_once(endpoint)
                     problem = None if self.core.winding_down else "the coordinator closed the session"
@@ -133,10 +134,10 @@ class Agent:
                     log.exception("the session with the coordinator failed")
                     problem = f"{type(e).__name__}: {e}"
                 self._apply(self.core.session_ended(problem))
-                if problem is not None:
+                if problem is not None and self.core.sessions_opened > attached_before:
                     self._placement.lost()
             if self._placement.failover:
-                self._apply(self.core.etcd_observed(*await self._placement.observe()))
+                self._apply(self.core.etcd_observed(*await self._observe_etcd()))
             await self.runner.idle()  # a fenced worker is gone before we try again
             verdict = self.core.verdict()
             if verdict is not None:
@@ -144,20 +145,41 @@ class Agent:
             self._placement.changed.clear()
             await _first_of(self._leaving, self._placement.changed, timeout=RETRY_SECONDS)
 
+    async def _observe_etcd(self) -> tuple[int | None, float | None]:
+        """What etcd says, or nothing if it does not say it before this node must decide whether to fence."""
+        try:
+            return await asyncio.wait_for(self._placement.observe(), self.core.etcd_patience())
+        except asyncio.TimeoutError:
+            return None, self._placement.known_for()
+
     async def _session_once(self, endpoint: Endpoint) -> None:
         rdzv = self.config.rendezvous
         async with open_session(endpoint, rdzv.tls, self._token, self._clock,
                                 hang_up_grace=rdzv.node_timeout) as session:
             self._session = session
-            ticker = asyncio.create_task(self._tick())
+            alongside = [asyncio.create_task(self._tick())]
+            if self._placement.failover:
+                alongside.append(asyncio.create_task(self._leave_a_deposed_coordinator(endpoint, session)))
             try:
                 self._apply(self.core.session_opened())
-                await session.run(lambda message: self._apply(self.core.received(message)), alongside=[ticker])
+                await session.run(lambda message: self._apply(self.core.received(message)), alongside=alongside)
             finally:
                 self._session = None
-                ticker.cancel()
+                for task in alongside:
+                    task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await ticker
+                    await asyncio.gather(*alongside, return_exceptions=True)
+
+    async def _leave_a_deposed_coordinator(self, endpoint: Endpoint, session: CoordinatorSession) -> None:
+        """With etcd: a coordinator cut off from etcd but not from us is no longer the job's once etcd names
+        another; go to that one (its take-over keeps our worker)."""
+        while True:
+            await self._placement.changed.wait()
+            self._placement.changed.clear()
+            leader = self._placement.named()
+            if leader is not None and leader != endpoint:
+                session.drop(f"etcd names another coordinator, at {leader}")
+                return
 
     async def _tick(self) -> None:
         while True:

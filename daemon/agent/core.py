@@ -165,6 +165,16 @@ class AgentCore:
                            leader_known_for=leader_known_for, fence_after=self._contact.fence_after)
         return self._stop(why, planned=False) if why is not None else []
 
+    @property
+    def sessions_opened(self) -> int:
+        return self._contact.session
+
+    def etcd_patience(self) -> float:
+        """Between sessions, with etcd: how long to wait for etcd's answer. The coordinator counts this node lost
+        after node_timeout of silence; rule 2 of failover.py must be decided half a heartbeat before that."""
+        contact = self._contact
+        return max(0.1, contact.fence_after + contact.heartbeat_interval / 2 - contact.silent())
+
     def refused(self, message: str, exit_code: ExitCode) -> None:
         """The coordinator refused this agent for good (wrong token, another job's settings, a duplicate id)."""
         log.error("%s", message)

@@ -62,6 +62,12 @@ class EmbeddedPlacement:
     async def observe(self) -> tuple[int | None, float | None]:
         return None, None
 
+    def known_for(self) -> float | None:
+        return None
+
+    def named(self) -> Endpoint | None:
+        return self._endpoint
+
     def lost(self) -> None:
         pass
 
@@ -90,6 +96,7 @@ class EtcdPlacement:
         self._leader_since: float | None = None
         self._last_known: LeaderInfo | None = None  # the last leader etcd named, to count changes
         self._lost: LeaderInfo | None = None  # the coordinator whose session we lost: its key lingers a TTL
+        self._tried: LeaderInfo | None = None  # the coordinator of the last session attempt
         self.changed = asyncio.Event()  # the leader changed: try it at once
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -128,6 +135,12 @@ class EtcdPlacement:
             task.add_done_callback(_log_if_failed)
 
     async def coordinator(self) -> Endpoint | None:
+        """The coordinator to try now; a session that breaks after attaching to it makes it the lost one."""
+        self._tried = self.leader
+        return self.named()
+
+    def named(self) -> Endpoint | None:
+        """The coordinator etcd names now (None: none, or not an address)."""
         if self.leader is None:
             return None
         try:
@@ -143,15 +156,17 @@ class EtcdPlacement:
             leader = await self.election.leader()
             recorded = await self.election.recorded_state()
         except EtcdError:
-            return None, self._known_for()
+            return None, self.known_for()
         self._set(leader)
-        return (recorded.generation if recorded is not None else 0), self._known_for()
+        return (recorded.generation if recorded is not None else 0), self.known_for()
 
     def lost(self) -> None:
-        """The session with the current coordinator broke: until another is known, none counts as known."""
-        self._lost = self.leader
+        """An attached session broke: its coordinator's key may linger a TTL, and while etcd names it, no
+        coordinator counts as known. (A coordinator never attached to stays known: rule 3 of failover.py.)"""
+        self._lost = self._tried
 
-    def _known_for(self) -> float | None:
+    def known_for(self) -> float | None:
+        """Seconds since etcd named the coordinator that leads now; None while none, or the lost one."""
         if self._leader_since is None or self.leader == self._lost:
             return None
         return time.monotonic() - self._leader_since

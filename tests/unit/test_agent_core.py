@@ -505,3 +505,16 @@ def test_without_etcd_a_lost_coordinator_fences_at_once() -> None:
     assert stops(h.core.session_ended("UNAVAILABLE")) == [Stop("fencing: the coordinator is unreachable",
                                                               planned=False)]
     assert h.core.etcd_observed(recorded=1, leader_known_for=None) == []  # etcd plays no part
+
+
+def test_with_etcd_the_agent_waits_for_etcd_only_until_it_must_decide_whether_to_fence() -> None:
+    """The coordinator counts a silent node lost at node_timeout (2 s): with 1.5 s of silence already, etcd has a
+    quarter of a second to answer, not the seconds its client would retry."""
+    h = Harness(failover=True)
+    h.running()
+    h.core.received(api.Heartbeat())  # heard now
+    assert h.core.etcd_patience() == pytest.approx(1.75)
+    h.clock.now += 1.5
+    assert h.core.etcd_patience() == pytest.approx(0.25)
+    h.clock.now += 5.0
+    assert h.core.etcd_patience() == 0.1
