@@ -62,6 +62,16 @@ def _warn_if_clear_text(endpoint: Endpoint, tls: TlsConfig) -> None:
             "text; use --tls-cert/--tls-key/--tls-ca on untrusted networks", endpoint)
 
 
+def _warn_if_etcd_is_open(config: AgentConfig) -> None:
+    """Agents send the token to whatever address etcd names: who can write to etcd can collect it."""
+    rdzv = config.rendezvous
+    if rdzv.etcd is not None and not rdzv.etcd_password_file and not rdzv.etcd_cert:
+        logging.getLogger("tfelastic").warning(
+            "etcd at %s is used without authentication (no --etcd-password-file, no client certificate): anyone "
+            "who can write to it can name a coordinator and receive this job's token; turn etcd's "
+            "authentication on (docs/operations.md)", rdzv.etcd)
+
+
 def run_agent(config: AgentConfig, slurm: SlurmStep | None = None) -> int:
     from tfelastic.daemon.agent.agent import Agent
 
@@ -74,6 +84,7 @@ def run_agent(config: AgentConfig, slurm: SlurmStep | None = None) -> int:
     setup_logging(config.node.log_level, f"{config.job.name}/{config.node.id}")  # journald: job and node
     _open_files()
     _warn_if_clear_text(listen, config.rendezvous.tls)
+    _warn_if_etcd_is_open(config)
     if slurm is not None:
         logging.getLogger("tfelastic").info("%s", slurm.note)
     agent = Agent(config, token, metrics_token=scrape_token, etcd=etcd)
@@ -95,6 +106,7 @@ def run_coordinator(config: AgentConfig, listen: Endpoint) -> int:
     setup_logging(config.node.log_level, "coordinator")
     _open_files()
     _warn_if_clear_text(listen, rdzv.tls)
+    _warn_if_etcd_is_open(config)
     registry = CollectorRegistry()
     server = None
     if metrics.port is not None:

@@ -43,7 +43,8 @@ def token_for(endpoint: Endpoint, token_file: str, option: str = "--token-file")
     if token_file:
         return read_token(token_file, option)
     if not endpoint.is_loopback():
-        raise ConfigError(f"{option}: {endpoint} is not a loopback address, so a shared token is required; "
+        where = endpoint.host if endpoint.port == 0 else str(endpoint)  # port 0: an etcd agent's, picked later
+        raise ConfigError(f"{option}: {where} is not a loopback address, so a shared token is required; "
                           "create one with 'openssl rand -hex 32 > token && chmod 600 token' and pass "
                           f"{option} token")
     return None

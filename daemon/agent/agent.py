@@ -145,12 +145,12 @@ class Agent:
             self._placement.changed.clear()
             await _first_of(self._leaving, self._placement.changed, timeout=RETRY_SECONDS)
 
-    async def _observe_etcd(self) -> tuple[int | None, float | None]:
+    async def _observe_etcd(self) -> tuple[int | None, float | None, bool]:
         """What etcd says, or nothing if it does not say it before this node must decide whether to fence."""
         try:
             return await asyncio.wait_for(self._placement.observe(), self.core.etcd_patience())
         except asyncio.TimeoutError:
-            return None, self._placement.known_for()
+            return None, self._placement.known_for(), True
 
     async def _session_once(self, endpoint: Endpoint) -> None:
         rdzv = self.config.rendezvous

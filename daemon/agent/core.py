@@ -153,7 +153,8 @@ class AgentCore:
                                  f"{problem})"), *self._fence()]
         return self._fence()
 
-    def etcd_observed(self, recorded: int | None, leader_known_for: float | None) -> list[Action]:
+    def etcd_observed(self, recorded: int | None, leader_known_for: float | None,
+                      recorded_running: bool = True) -> list[Action]:
         """Between sessions, with etcd: what etcd says (the job's generation, None if it did not answer; how long
         the current coordinator has been known) decides whether to fence (agent/failover.py)."""
         a = self.assignment
@@ -162,7 +163,8 @@ class AgentCore:
         if self.worker.state is WorkerState.STOPPING:
             return []
         why = fence_reason(running=a.generation, recorded=recorded, silent=self._contact.silent(),
-                           leader_known_for=leader_known_for, fence_after=self._contact.fence_after)
+                           leader_known_for=leader_known_for, fence_after=self._contact.fence_after,
+                           recorded_running=recorded_running)
         return self._stop(why, planned=False) if why is not None else []
 
     @property

@@ -26,6 +26,7 @@ from tfelastic.daemon.etcd.election import Election, LeaderInfo
 from tfelastic.daemon.etcd.metrics import EtcdMetrics
 from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.exit_codes import ExitCode
+from tfelastic.daemon.rendezvous.api import JobState
 from tfelastic.daemon.rendezvous.handshake import TLS_GIVE_UP_SECONDS, handshake_problem
 from tfelastic.daemon.rendezvous.host import CoordinatorHost
 
@@ -59,8 +60,8 @@ class EmbeddedPlacement:
         await self._hosting.try_hosting()
         return self._endpoint
 
-    async def observe(self) -> tuple[int | None, float | None]:
-        return None, None
+    async def observe(self) -> tuple[int | None, float | None, bool]:
+        return None, None, True
 
     def known_for(self) -> float | None:
         return None
@@ -149,16 +150,19 @@ class EtcdPlacement:
             log.error("the coordinator's address in etcd is not HOST:PORT: %r", self.leader.address)
             return None
 
-    async def observe(self) -> tuple[int | None, float | None]:
-        """The job's generation in etcd (None: etcd did not answer), and how long the current leader has been
-        known. Reads the leader too: a watch on a member that was cut off hears nothing, and says nothing."""
+    async def observe(self) -> tuple[int | None, float | None, bool]:
+        """The job's generation in etcd (None: etcd did not answer), how long the current leader has been known,
+        and whether etcd records that generation as running. Reads the leader too: a watch on a member that was
+        cut off hears nothing, and says nothing."""
         try:
             leader = await self.election.leader()
             recorded = await self.election.recorded_state()
         except EtcdError:
-            return None, self.known_for()
+            return None, self.known_for(), True
         self._set(leader)
-        return (recorded.generation if recorded is not None else 0), self.known_for()
+        if recorded is None:
+            return 0, self.known_for(), True
+        return recorded.generation, self.known_for(), recorded.state is JobState.RUNNING
 
     def lost(self) -> None:
         """An attached session broke: its coordinator's key may linger a TTL, and while etcd names it, no

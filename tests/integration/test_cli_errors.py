@@ -120,6 +120,12 @@ def test_an_etcd_password_file_readable_by_others_is_refused(tmp_path: Path) -> 
     assert config_error_line(result).startswith(f"--etcd-password-file: {str(secret)!r} is readable by other users")
 
 
+def test_an_etcd_agent_on_a_routable_address_needs_a_token(tmp_path: Path) -> None:
+    result = tfelastic("run", "--rendezvous", ETCD, "--advertise-address", "10.1.2.3", "--", "true", cwd=tmp_path)
+    assert_config_error(result)
+    assert config_error_line(result).startswith("--token-file: 10.1.2.3 is not a loopback address")
+
+
 def test_an_unreachable_etcd_is_retried_for_join_timeout_then_exits_1(tmp_path: Path) -> None:
     url = f"etcd://127.0.0.1:{free_port()}"
     result = tfelastic("run", "--rendezvous", url, "--join-timeout", "2", "--metrics-port", "off", "--", "true",

@@ -53,9 +53,12 @@ def test_a_job_runs_on_etcd_and_status_names_its_coordinator(make_cluster: Clust
     assert leader is not None and doc["coordinator"]["node"] == leader.node in ("a", "b")
     assert doc["coordinator"]["address"] == leader.address
     assert cluster.wait_all(60) == [0, 0], cluster.logs()
+    assert "used without authentication" in cluster.logs()  # anyone who can write to this etcd gets the token
     status = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "status", "--rendezvous", etcd.url],
                             capture_output=True, text=True, timeout=60)
-    assert status.returncode in (0, 1)  # the job is over: its coordinator may be gone
+    # The job is over and its coordinator gave the key back: exit 1 and a message saying so, not a traceback.
+    assert status.returncode == 1 and "no coordinator leads job 'default' in etcd" in status.stderr, status
+    assert "Traceback" not in status.stderr, status.stderr
 
 
 def test_the_head_node_coordinator_dies_and_training_goes_on_without_a_restart(

@@ -454,20 +454,22 @@ def test_with_etcd_a_lost_coordinator_does_not_fence_while_etcd_says_the_generat
     assert h.worker_state() is WorkerState.RUNNING
 
 
-@pytest.mark.parametrize(("recorded", "leader_known_for", "silent_for", "fences"), [
-    (2, None, 0.1, "the job is at generation 2 in etcd"),
-    (None, None, 1.6, "neither a coordinator nor etcd answered"),
-    (None, None, 1.4, None),
-    (1, 1.6, 1.6, "the new coordinator has not taken this node in"),
-    (1, 1.4, 10.0, None),
-], ids=["newer-generation", "etcd-silent-too", "etcd-silent-briefly", "not-taken-in", "taking-over"])
+@pytest.mark.parametrize(("recorded", "leader_known_for", "silent_for", "running", "fences"), [
+    (2, None, 0.1, True, "the job is at generation 2 in etcd"),
+    (None, None, 1.6, True, "neither a coordinator nor etcd answered"),
+    (None, None, 1.4, True, None),
+    (1, 1.6, 1.6, True, "the new coordinator has not taken this node in"),
+    (1, 1.4, 10.0, True, None),
+    (1, None, 0.6, False, "etcd records generation 1 as stopping"),
+], ids=["newer-generation", "etcd-silent-too", "etcd-silent-briefly", "not-taken-in", "taking-over",
+        "restarting-without-it"])
 def test_with_etcd_fencing_follows_what_etcd_says(recorded: int | None, leader_known_for: float | None,
-                                                  silent_for: float, fences: str | None) -> None:
+                                                  silent_for: float, running: bool, fences: str | None) -> None:
     h = Harness(failover=True)
     h.running()
     h.core.session_ended("UNAVAILABLE")
     h.clock.now += silent_for
-    actions = h.core.etcd_observed(recorded=recorded, leader_known_for=leader_known_for)
+    actions = h.core.etcd_observed(recorded=recorded, leader_known_for=leader_known_for, recorded_running=running)
     if fences is None:
         assert stops(actions) == []
     else:
