@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
-from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdError
+from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdError, EtcdUnavailable, KeyValue
 from tfelastic.daemon.etcd.metrics import EtcdMetrics
 from tfelastic.daemon.etcd.rpc import rpc_pb2
 from tfelastic.daemon.rendezvous.durable import Deposed, DurableState, StoreUnavailable
@@ -169,7 +169,10 @@ class Election:
         put the key on (a head node's registration lease: both go at once when it dies), else a new one."""
         while True:
             try:
-                if await self.client.get(self.keys.leader) is None and await may_lead():
+                current = await self.client.get(self.keys.leader)
+                if current is not None:
+                    self._remember(current)
+                elif await may_lead():
                     leadership = await self._try_to_lead(info, lease())
                     if leadership is not None:
                         if self._metrics is not None:
@@ -203,17 +206,34 @@ class Election:
     async def _vacancy(self) -> None:
         """Returns when the leader key may be free: deleted (its lease expired, or it resigned), or after a
         TTL, to look again (a head-node coordinator may have gone)."""
-        _, revision = await self.client.read(self.keys.leader)
-        start = revision + 1  # the store's revision at the read: compaction never takes the next one away
-        try:
-            await asyncio.wait_for(self._deleted(start), self.ttl)
-        except asyncio.TimeoutError:
-            return
+        kv, revision = await self.client.read(self.keys.leader)
+        if kv is not None:
+            self._remember(kv)
+        # From the key's own revision, so that a delete since the campaign's read is not missed; if etcd has
+        # compacted that revision away, from the store's revision at the read.
+        starts = [int(kv.mod_revision) + 1, revision + 1] if kv is not None else [revision + 1]
+        for start in starts:
+            try:
+                await asyncio.wait_for(self._deleted(start), self.ttl)
+                return
+            except asyncio.TimeoutError:
+                return
+            except EtcdUnavailable:
+                raise
+            except EtcdError as e:  # the watch was cancelled: compacted
+                log.debug("watching the leader key from revision %d: %s", start, e)
+
+    def _remember(self, kv: KeyValue) -> None:
+        """The leader key as last seen: who led, and its token. A candidate whose etcd member went silent may miss
+        the delete, but it saw the key while it waited."""
+        leader = LeaderInfo.from_json(kv.value)
+        if leader is not None:
+            self._previous = (leader, int(kv.create_revision))
 
     async def _deleted(self, start: int) -> None:
         async for response in self.client.watch(self.keys.leader, start_revision=start):
             for event in response.events:
                 if event.type == 1:  # DELETE; prev_kv is the key as it was
-                    leader = LeaderInfo.from_json(event.prev_kv.value) if event.HasField("prev_kv") else None
-                    self._previous = (leader, int(event.prev_kv.create_revision)) if leader is not None else None
+                    if event.HasField("prev_kv"):
+                        self._remember(event.prev_kv)
                     return
