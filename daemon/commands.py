@@ -76,7 +76,9 @@ def run_agent(config: AgentConfig, slurm: SlurmStep | None = None) -> int:
     from tfelastic.daemon.agent.agent import Agent
 
     listen = coordinator_listen(config)
-    token = token_for(listen, config.rendezvous.token_file)
+    # With etcd, the listener is this node's address and a port picked per term: name the address alone.
+    elected_port = config.rendezvous.etcd is not None and listen.port == 0
+    token = token_for(listen, config.rendezvous.token_file, where=listen.host if elected_port else "")
     etcd = etcd_credentials(config)
     scrape_token = metrics_token(config)
     check_agent(config)

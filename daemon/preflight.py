@@ -38,12 +38,13 @@ def raise_open_files_limit() -> tuple[int, int]:
     return soft, soft
 
 
-def token_for(endpoint: Endpoint, token_file: str, option: str = "--token-file") -> str | None:
-    """Reads the token; a non-loopback endpoint without one is refused."""
+def token_for(endpoint: Endpoint, token_file: str, option: str = "--token-file", where: str = "") -> str | None:
+    """Reads the token; a non-loopback endpoint without one is refused (``where``: how to name it, if not as
+    the endpoint the user gave)."""
     if token_file:
         return read_token(token_file, option)
     if not endpoint.is_loopback():
-        where = endpoint.host if endpoint.port == 0 else str(endpoint)  # port 0: an etcd agent's, picked later
+        where = where or str(endpoint)
         raise ConfigError(f"{option}: {where} is not a loopback address, so a shared token is required; "
                           "create one with 'openssl rand -hex 32 > token && chmod 600 token' and pass "
                           f"{option} token")
