@@ -88,6 +88,30 @@ def test_the_head_node_coordinator_dies_and_training_goes_on_without_a_restart(
             coordinator.kill()
 
 
+def test_a_head_node_that_arrives_takes_the_job_over_from_the_agent_that_leads(
+        make_cluster: ClusterFactory, etcd: EtcdCluster) -> None:
+    """Head nodes win over agents: the agent that leads hands the job over (it resigns, so the head node waits
+    the usual grace for every member), and the running generation goes on."""
+    cluster = make_cluster(TRAINER, extra_args=FAST, env={"COUNTER_STEPS": "300"}, etcd=etcd.url)
+    cluster.start("a")
+    cluster.start("b")
+    before = cluster.wait_running(1, 2, step=10)
+    assert before["coordinator"]["node"] in ("a", "b")
+    coordinator = head_node(cluster, etcd)
+    try:
+        after = cluster.wait_status(
+            lambda d: d["coordinator"] is not None and d["coordinator"]["node"] == "head-1"
+            and d["state"] == "running" and min(n["step"] or 0 for n in members(d)) > max(
+                n["step"] for n in members(before)), 30, "the head node to lead, training on")
+        assert (after["generation"], after["restarts_total"]) == (1, 0), after
+        assert "handing the job over" in cluster.logs()
+        assert cluster.wait_all(60) == [0, 0], cluster.logs()
+        assert [e["generation"] for e in starts(cluster)] == [1, 1], starts(cluster)
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+
+
 def test_the_agent_that_leads_dies_and_the_survivors_go_on_at_once(make_cluster: ClusterFactory,
                                                                    etcd: EtcdCluster) -> None:
     """Case 2: the leading agent is SIGKILLed, its worker with it. The survivors elect another leader and run the
