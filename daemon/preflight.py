@@ -78,9 +78,7 @@ def etcd_credentials(config: AgentConfig) -> EtcdCredentials | None:
 
 def check_etcd_files(config: AgentConfig) -> None:
     rdzv = config.rendezvous
-    for option, path in (("--etcd-ca", rdzv.etcd_ca), ("--etcd-cert", rdzv.etcd_cert), ("--etcd-key", rdzv.etcd_key)):
-        if path and not os.access(path, os.R_OK):
-            raise ConfigError(f"{option}: cannot read {path!r}")
+    _check_readable(("--etcd-ca", rdzv.etcd_ca), ("--etcd-cert", rdzv.etcd_cert), ("--etcd-key", rdzv.etcd_key))
 
 
 def metrics_token(config: AgentConfig) -> str | None:
@@ -136,6 +134,11 @@ def check_metrics_listen(config: AgentConfig) -> None:
 
 
 def check_tls_files(tls: TlsConfig) -> None:
-    for option, path in (("--tls-cert", tls.cert), ("--tls-key", tls.key), ("--tls-ca", tls.ca)):
+    _check_readable(("--tls-cert", tls.cert), ("--tls-key", tls.key), ("--tls-ca", tls.ca))
+
+
+def _check_readable(*files: tuple[str, str]) -> None:
+    """Each (option, path) given is a file this process can read."""
+    for option, path in files:
         if path and not os.access(path, os.R_OK):
             raise ConfigError(f"{option}: cannot read {path!r}")

@@ -10,6 +10,7 @@ import asyncio
 import shutil
 import signal
 import subprocess
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,6 +153,21 @@ class EtcdCluster:
             if member.proc is not None and member.proc.poll() is None:
                 member.proc.kill()
                 member.proc.wait(10)
+
+    def watchers(self) -> int:
+        """Watches open on the members now, as etcd counts them."""
+        total = 0.0
+        for member in self.members:
+            with urllib.request.urlopen(f"{member.client_url}/metrics", timeout=5) as response:
+                text = response.read().decode()
+            total += sum(float(line.split()[1]) for line in text.splitlines()
+                         if line.startswith("etcd_debugging_mvcc_watcher_total "))
+        return int(total)
+
+    async def until_watched(self, more_than: int) -> None:
+        """Until a watch beyond ``more_than`` is open: a candidate waits on the leader key."""
+        while self.watchers() <= more_than:
+            await asyncio.sleep(0.02)
 
     def logs(self) -> str:
         return "\n".join(f"===== {m.name}\n{m.log.read_text(errors='replace')[-3000:]}" for m in self.members

@@ -36,6 +36,7 @@ from tfelastic.daemon.agent.core import AgentCore, Identity, Timing
 from tfelastic.daemon.agent.placement import EmbeddedPlacement, EtcdPlacement
 from tfelastic.daemon.agent.runner import WorkerRunner, agent_environment, trainer_env
 from tfelastic.daemon.agent.session import CoordinatorSession, open_session
+from tfelastic.daemon.aio import first_of
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.etcd.client import EtcdCredentials
@@ -143,7 +144,7 @@ class Agent:
             if verdict is not None:
                 return verdict
             self._placement.changed.clear()
-            await _first_of(self._leaving, self._placement.changed, timeout=RETRY_SECONDS)
+            await first_of(self._leaving.wait(), self._placement.changed.wait(), timeout=RETRY_SECONDS)
 
     async def _observe_etcd(self) -> tuple[int | None, float | None, bool]:
         """What etcd says, or nothing if it does not say it before this node must decide whether to fence."""
@@ -298,10 +299,3 @@ class Agent:
         self._tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)
 
-
-async def _first_of(*events: asyncio.Event, timeout: float) -> None:
-    """Returns when one of ``events`` is set, or after ``timeout``."""
-    waits = [asyncio.create_task(event.wait()) for event in events]
-    await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    for wait in waits:
-        wait.cancel()

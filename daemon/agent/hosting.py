@@ -12,6 +12,7 @@ import logging
 import time
 
 from prometheus_client import CollectorRegistry
+from tfelastic.daemon.aio import first_of
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import is_local_address
@@ -49,11 +50,7 @@ class EmbeddedCoordinator:
         if self.host is None or signalled.is_set():
             return
         log.info("drained, but this node hosts the coordinator: serving it until the job ends (SIGTERM stops it)")
-        finished = asyncio.create_task(self.host.finished.wait())
-        interrupted = asyncio.create_task(signalled.wait())
-        await asyncio.wait((finished, interrupted), return_when=asyncio.FIRST_COMPLETED)
-        finished.cancel()
-        interrupted.cancel()
+        await first_of(self.host.finished.wait(), signalled.wait())
 
     async def close(self) -> None:
         if self.host is not None:

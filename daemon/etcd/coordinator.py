@@ -16,6 +16,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
+from tfelastic.daemon.aio import first_of
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
 from tfelastic.daemon.etcd.client import EtcdError
 from tfelastic.daemon.etcd.election import Election, LeaderInfo, Leadership
@@ -103,7 +104,7 @@ class ElectedCoordinator:
         if not c.head_node:
             waits.append(self._head_node_arrives())
         try:
-            await _any(*waits)
+            await first_of(*waits)
             if self.host.finished.is_set():
                 self.finished.set()
                 await self.host.wait_agents_gone()
@@ -168,11 +169,3 @@ async def _first(work: Awaitable[Leadership], stop: asyncio.Event) -> Leadership
     task.cancel()
     return None
 
-
-async def _any(*waits: Awaitable[object]) -> None:
-    tasks = [asyncio.ensure_future(w) for w in waits]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()

@@ -126,15 +126,17 @@ def test_a_successor_knows_whether_the_last_leader_resigned_or_lost_its_lease(et
         try:
             first = await lead(clients[0], "a")
             waiting = Election(clients[1], "succession", 2)
+            watched = etcd.watchers()
             second = asyncio.create_task(waiting.campaign(LeaderInfo("b", "127.0.0.1:2", 0.0), yes))
-            await asyncio.sleep(0.3)  # b watches the key
+            await asyncio.wait_for(etcd.until_watched(watched), 10)  # b saw a's key and waits on it
             await clients[0].revoke(first.lease)  # a's lease runs out
             await asyncio.wait_for(second, 10)
             lost = await waiting.lost_lease()
             assert lost is not None and lost.node == "a"
             third = Election(clients[2], "succession", 2)
+            watched = etcd.watchers()
             following = asyncio.create_task(third.campaign(LeaderInfo("c", "127.0.0.1:3", 0.0), yes))
-            await asyncio.sleep(0.3)
+            await asyncio.wait_for(etcd.until_watched(watched), 10)
             await second.result().resign()  # b gives the lead up itself
             await asyncio.wait_for(following, 10)
             assert await third.lost_lease() is None
