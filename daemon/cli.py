@@ -32,7 +32,8 @@ from tfelastic.daemon.slurm import SlurmStep
 _UNSET: Any = object()  # the default of every option flag: not given (the configuration's default applies)
 _SECURITY = ("token_file", "tls_cert", "tls_key", "tls_ca")
 _TIMING = ("last_call", "settle", "join_timeout", "heartbeat_interval", "node_timeout", "restart_backoff",
-           "restart_backoff_max")
+           "restart_backoff_max", "quarantine_after", "quarantine_window", "quarantine_cooldown",
+           "quarantine_cooldown_max")
 _METRICS = ("metrics_port", "metrics_address", "metrics_token_file", "metrics_linger")
 _RUN = tuple(name for name, option in OPTIONS.items() if option.flag and name != "max_nodes")
 _ETCD = ("etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file")
@@ -122,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--force", action="store_true", help="drain even if fewer than min nodes would remain")
     _add_operator_connection(drain)
 
+    readmit = sub.add_parser("readmit", help="lift a node's quarantine: it checks itself and, if the check "
+                                             "passes, joins again")
+    readmit.add_argument("node", metavar="NODE", help="the quarantined node's id (see tfelastic status)")
+    _add_operator_connection(readmit)
+
     restart = sub.add_parser("restart", help="restart the job: every trainer checkpoints and stops, and the same "
                                              "nodes re-form (not counted as a failure)")
     restart.add_argument("--reason", default="", help="recorded in the coordinator's log and the restart reason")
@@ -208,11 +214,13 @@ def _dispatch(args: argparse.Namespace, slurm: SlurmStep | None) -> int:
         if args.watch is not None and not args.watch > 0:
             raise ConfigError(f"--watch: {args.watch} seconds must be more than 0")
         return commands.run_status(endpoint, token, tls, as_json=args.json, watch=args.watch)
-    from tfelastic.daemon.rendezvous.client import drain_node, restart_job
+    from tfelastic.daemon.rendezvous.client import drain_node, readmit_node, restart_job
 
     if name == "drain":
         return commands.run_operator(name, endpoint, tls, lambda: drain_node(endpoint, token, tls, args.node,
                                                                              args.reason, args.force))
+    if name == "readmit":
+        return commands.run_operator(name, endpoint, tls, lambda: readmit_node(endpoint, token, tls, args.node))
     return commands.run_operator(name, endpoint, tls, lambda: restart_job(endpoint, token, tls, args.reason))
 
 

@@ -58,6 +58,7 @@ class NodeConfig:
     stop_grace: float = 10.0  # planned stops: scale-up, leave, shutdown (time for a trainer to checkpoint)
     failure_stop_grace: float = 0.25  # restarts after a failure: the collective is broken, nothing to save
     log_level: str = "info"
+    check_min_free_mb: int = 1024  # the node check wants this much free in the backup dir
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class RendezvousConfig:
     node_timeout: float = 2.0
     restart_backoff: float = 1.0
     restart_backoff_max: float = 30.0
+    quarantine_after: int = 2  # first failures of one node within quarantine_window that set it aside; 0: never
+    quarantine_window: float = 3600.0
+    quarantine_cooldown: float = 600.0  # doubles with each quarantine of the same node
+    quarantine_cooldown_max: float = 21600.0
     coordinator_port: int = 0  # etcd: where this agent serves the job when it is elected (0: a free port)
     lease_ttl: int = 2  # etcd: the coordinator's lease; a dead one is replaced after about this long
     etcd_ca: str = ""
@@ -129,7 +134,10 @@ class AgentConfig:
         return RendezvousSettings(last_call_seconds=r.last_call, settle_seconds=r.settle,
                                   join_timeout_seconds=r.join_timeout, node_timeout_seconds=r.node_timeout,
                                   restart_backoff_seconds=r.restart_backoff,
-                                  restart_backoff_max_seconds=r.restart_backoff_max)
+                                  restart_backoff_max_seconds=r.restart_backoff_max,
+                                  quarantine_after=r.quarantine_after, quarantine_window_seconds=r.quarantine_window,
+                                  quarantine_cooldown_seconds=r.quarantine_cooldown,
+                                  quarantine_cooldown_max_seconds=r.quarantine_cooldown_max)
 
     def value(self, name: str) -> Any:
         """An option's value by name (see :data:`OPTIONS`): ``config.value("node_id")`` is ``config.node.id``."""
@@ -192,6 +200,8 @@ _OPTIONS = [
     Option("failure_stop_grace", "node.failure_stop_grace", "--failure-stop-grace",
            "SIGTERM to SIGKILL grace after a failure", "S"),
     Option("log_level", "node.log_level", "--log-level", "debug, info, warning or error"),
+    Option("check_min_free_mb", "node.check_min_free_mb", "--check-min-free-mb",
+           "the node check fails with less free space than this in the backup dir", "MB"),
     Option("rendezvous", "rendezvous.endpoint", "--rendezvous",
            "the coordinator's endpoint, or the job's etcd: etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS) "
            "(required; under SLURM the step's first host)", "HOST:PORT|etcd://..."),
@@ -212,6 +222,15 @@ _OPTIONS = [
            "wait before the generation after a second failed one in a row, doubling each time; 0 never waits", "S"),
     Option("restart_backoff_max", "rendezvous.restart_backoff_max", "--restart-backoff-max",
            "the longest wait between failed generations", "S"),
+    Option("quarantine_after", "rendezvous.quarantine_after", "--quarantine-after",
+           "set a node aside after its worker failed first this often within --quarantine-window; 0 never does",
+           "N"),
+    Option("quarantine_window", "rendezvous.quarantine_window", "--quarantine-window",
+           "the window of --quarantine-after", "S"),
+    Option("quarantine_cooldown", "rendezvous.quarantine_cooldown", "--quarantine-cooldown",
+           "how long a node stays quarantined the first time; each next time twice as long", "S"),
+    Option("quarantine_cooldown_max", "rendezvous.quarantine_cooldown_max", "--quarantine-cooldown-max",
+           "the longest quarantine", "S"),
     Option("coordinator_port", "rendezvous.coordinator_port", "--coordinator-port",
            "with etcd: the port this agent serves the job on when it is elected coordinator (0: a free port)",
            "PORT"),
@@ -268,7 +287,7 @@ def label(name: str, where: str = "") -> str:
 
 _DURATIONS = ("restart_window", "stall_timeout", "stop_grace", "failure_stop_grace", "last_call", "settle",
               "join_timeout", "heartbeat_interval", "node_timeout", "restart_backoff", "restart_backoff_max",
-              "metrics_linger")
+              "quarantine_window", "quarantine_cooldown", "quarantine_cooldown_max", "metrics_linger")
 _SPEC_OPTIONS = {"job": "job", "min_nodes": "min_nodes", "max_nodes": "max_nodes", "max_restarts": "max_restarts",
                  "restart_window_seconds": "restart_window", "stall_timeout_seconds": "stall_timeout",
                  "backup_dir": "backup_dir", "heartbeat_interval_seconds": "heartbeat_interval",
@@ -297,6 +316,11 @@ def validate(config: AgentConfig, where: str = "") -> AgentConfig:
         raise ConfigError(f"{opt('worker_port')}: {node.worker_port} is out of range 0-65535 (0 picks a free port)")
     if job.max_restarts < 0:
         raise ConfigError(f"{opt('max_restarts')}: {job.max_restarts} must be 0 or more")
+    if not 0 <= rdzv.quarantine_after <= 1000:
+        raise ConfigError(f"{opt('quarantine_after')}: {rdzv.quarantine_after} is out of range 0-1000 (0 never "
+                          "quarantines a node)")
+    if node.check_min_free_mb < 0:
+        raise ConfigError(f"{opt('check_min_free_mb')}: {node.check_min_free_mb} must be 0 or more")
     for name in _DURATIONS:
         value = config.value(name)
         if value < 0 or value != value:

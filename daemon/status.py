@@ -14,10 +14,11 @@ from tfelastic.daemon.rendezvous.api import ClusterSnapshot, NodeSnapshot
 SCHEMA_VERSION = 1
 
 
-def status_to_json(snap: ClusterSnapshot, now: float | None = None) -> dict[str, Any]:
+def status_to_json(snap: ClusterSnapshot, now: float | None = None, wall: float | None = None) -> dict[str, Any]:
     """``now``: a reading of the clock the snapshot's times are on (default: this process's monotonic clock, as
-    :func:`~tfelastic.daemon.rendezvous.client.fetch_status` converts them)."""
+    :func:`~tfelastic.daemon.rendezvous.client.fetch_status` converts them); ``wall``: the wall clock then."""
     now = time.monotonic() if now is None else now
+    wall = time.time() if wall is None else wall
     return {
         "schema_version": SCHEMA_VERSION,
         "job": snap.job,
@@ -30,17 +31,18 @@ def status_to_json(snap: ClusterSnapshot, now: float | None = None) -> dict[str,
         "max_restarts": snap.max_restarts,
         "restarts_total": snap.restarts_total,
         "restarts_by_reason": dict(snap.restarts_by_reason),
-        "nodes": [_node_json(n, now) for n in snap.nodes],
+        "nodes": [_node_json(n, now, wall) for n in snap.nodes],
         "warnings": list(snap.warnings),
         "steps_redone": snap.steps_redone,
         "steps_lost": snap.steps_lost,
         "coordinator": None if snap.coordinator is None else {
             "node": snap.coordinator.node, "address": snap.coordinator.address,
             "since": round(snap.coordinator.since, 3)},
+        "quarantines_by_kind": dict(snap.quarantines_by_kind),
     }
 
 
-def _node_json(node: NodeSnapshot, now: float) -> dict[str, Any]:
+def _node_json(node: NodeSnapshot, now: float, wall: float) -> dict[str, Any]:
     progress = node.progress
     checkpoint_at = progress.checkpoint_at if progress else None
     return {
@@ -57,6 +59,10 @@ def _node_json(node: NodeSnapshot, now: float) -> dict[str, Any]:
         "last_checkpoint_age_seconds": round(max(0.0, now - checkpoint_at), 3) if checkpoint_at is not None else None,
         "gpus": node.gpus,
         "gpu_utilization": round(node.gpu_utilization, 3) if node.gpus else None,
+        "quarantine": None if node.quarantined_until is None else {
+            "kind": node.quarantine_kind, "reason": node.quarantine_reason,
+            "seconds_left": round(max(0.0, node.quarantined_until - now), 3),
+            "until": round(wall + max(0.0, node.quarantined_until - now), 3)},
     }
 
 
@@ -69,6 +75,7 @@ def render_table(doc: dict[str, Any]) -> str:
         f"restarts: {doc['restarts_total']} ({restarts}); budget {doc['max_restarts']} failures per window",
         *([f"coordinator: {c['node']} at {c['address']}"] if (c := doc.get("coordinator")) else []),
         *(f"WARNING: {warning}" for warning in doc.get("warnings", ())),
+        *(_quarantine_line(n) for n in doc["nodes"] if n.get("quarantine")),
         "",
     ]
     header = ("NODE", "RANK", "ADDRESS", "STATE", "PID", "STEP", "STEPS/S", "LAST PROGRESS", "LAST CHECKPOINT", "GPUS")
@@ -82,6 +89,13 @@ def render_table(doc: dict[str, Any]) -> str:
     lines += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
               for row in rows]
     return "\n".join(lines)
+
+
+def _quarantine_line(node: dict[str, Any]) -> str:
+    q = node["quarantine"]
+    when = "waiting for its node check" if q["seconds_left"] <= 0 else \
+        f"until {time.strftime('%H:%M:%S', time.localtime(q['until']))} ({q['seconds_left']:.0f}s)"
+    return f"QUARANTINED: {node['node_id']} {when}: {q['reason']} (lift: tfelastic readmit {node['node_id']})"
 
 
 def _ago(seconds: float | None) -> str:

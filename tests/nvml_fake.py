@@ -32,6 +32,8 @@ class FakeGpu:
     ecc_volatile: tuple[int, int] = (0, 0)  # corrected, uncorrected
     ecc_aggregate: tuple[int, int] = (0, 0)
     clocks_event_reasons: int = 0
+    retired_pages_pending: int = 0  # NVML_FEATURE_DISABLED / NVML_FEATURE_ENABLED
+    remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)  # corrected, uncorrected, pending, failure
     errors: dict[str, int] = field(default_factory=dict)  # NVML function -> the NVML_ERROR_* it fails with
 
     def unsupported(self, *functions: str) -> FakeGpu:
@@ -195,6 +197,12 @@ class FakeNvml:
         gpu = self._device("nvmlDeviceGetTotalEccErrors", handle)
         counts = gpu.ecc_volatile if counter_type == pynvml.NVML_VOLATILE_ECC else gpu.ecc_aggregate
         return counts[0 if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED else 1]
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: FakeHandle) -> int:
+        return self._device("nvmlDeviceGetRetiredPagesPendingStatus", handle).retired_pages_pending
+
+    def nvmlDeviceGetRemappedRows(self, handle: FakeHandle) -> tuple[int, int, int, int]:
+        return self._device("nvmlDeviceGetRemappedRows", handle).remapped_rows
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: FakeHandle) -> int:
         return self._device("nvmlDeviceGetCurrentClocksEventReasons", handle).clocks_event_reasons

@@ -27,12 +27,15 @@ from tfelastic.daemon.agent.api import (
     FatalSessionError,
     HangUp,
     Launch,
+    ListenForProbe,
+    RunNodeCheck,
     Send,
     SessionLost,
     Stop,
     StopResult,
 )
 from tfelastic.daemon.agent.core import AgentCore, Identity, Timing
+from tfelastic.daemon.agent.nodecheck import NodeCheck, PortListener
 from tfelastic.daemon.agent.placement import EmbeddedPlacement, EtcdPlacement
 from tfelastic.daemon.agent.runner import WorkerRunner, agent_environment, trainer_env
 from tfelastic.daemon.agent.session import CoordinatorSession, open_session
@@ -83,6 +86,10 @@ class Agent:
         register_host_collector(self.registry, lambda: self.runner.live_pid, config.resolved_backup_dir())
         trainer_gpus = agent_environment(config.job.env).get("CUDA_VISIBLE_DEVICES")  # its GPUs, not the node's
         self._gpus = register_gpu_collector(self.registry, visible=visible_gpus(trainer_gpus))
+        self._node_check = NodeCheck(config.resolved_backup_dir(), config.node.id,
+                                     config.node.check_min_free_mb << 20, gpu_problems=self._gpus.health_problems,
+                                     gpu_count=lambda: self._gpus.utilization()[0])
+        self._probe_port = PortListener()
         self._listener: ProgressListener | None = None
         self._metrics_server: MetricsServer | None = None
         self._session: CoordinatorSession | None = None
@@ -121,6 +128,8 @@ class Agent:
         while True:
             self._ticked_at = self._clock()
             endpoint = await self._placement.coordinator()
+            if endpoint is not None and self.core.check_owed:
+                await self._check_node()
             if endpoint is not None:
                 attached_before = self.core.sessions_opened
                 try:
@@ -163,13 +172,23 @@ class Agent:
                 alongside.append(asyncio.create_task(self._leave_a_deposed_coordinator(endpoint, session)))
             try:
                 self._apply(self.core.session_opened())
-                await session.run(lambda message: self._apply(self.core.received(message)), alongside=alongside)
+                await session.run(self._received, alongside=alongside)
             finally:
+                self._probe_port.close()
                 self._session = None
                 for task in alongside:
                     task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.gather(*alongside, return_exceptions=True)
+
+    def _received(self, message: api.CoordinatorMessage) -> None:
+        if not isinstance(message, api.Heartbeat):
+            self._probe_port.close()  # the Join is answered; and the trainer may need the port now
+        self._apply(self.core.received(message))
+
+    async def _check_node(self) -> None:
+        self.on_status("checking this node")
+        self._apply(self.core.node_checked(await asyncio.to_thread(self._node_check.run)))
 
     async def _leave_a_deposed_coordinator(self, endpoint: Endpoint, session: CoordinatorSession) -> None:
         """With etcd: a coordinator cut off from etcd but not from us is no longer the job's once etcd names
@@ -203,6 +222,10 @@ class Agent:
             elif isinstance(action, DropSession):
                 if self._session is not None:
                     self._session.drop(action.reason)
+            elif isinstance(action, RunNodeCheck):
+                self._spawn(self._check_node())
+            elif isinstance(action, ListenForProbe):
+                self._probe_port.open(action.port)
             elif isinstance(action, Announce):
                 if action.ready:
                     self.on_ready()

@@ -57,7 +57,22 @@ class Announce:
     ready: bool = False
 
 
-Action = Send | Launch | Stop | HangUp | DropSession | Announce
+@dataclass(frozen=True)
+class RunNodeCheck:
+    """Check this node (agent/nodecheck.py) off the loop; the shell answers with ``node_checked``."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class ListenForProbe:
+    """Listen on the worker port until the coordinator answers the Join that follows, so that it can try to
+    reach this node there (the shell stops listening before it handles the answer)."""
+
+    port: int
+
+
+Action = Send | Launch | Stop | HangUp | DropSession | Announce | RunNodeCheck | ListenForProbe
 
 
 @dataclass(frozen=True)

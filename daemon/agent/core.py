@@ -20,7 +20,18 @@ import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tfelastic.daemon.agent.api import Action, Announce, DropSession, HangUp, Launch, Send, Stop, StopResult
+from tfelastic.daemon.agent.api import (
+    Action,
+    Announce,
+    DropSession,
+    HangUp,
+    Launch,
+    ListenForProbe,
+    RunNodeCheck,
+    Send,
+    Stop,
+    StopResult,
+)
 from tfelastic.daemon.agent.contact import CoordinatorContact
 from tfelastic.daemon.agent.failover import fence_reason
 from tfelastic.daemon.agent.progress_tracker import FailureTimes, ProgressTracker
@@ -89,6 +100,8 @@ class AgentCore:
         self._ended: Send | None = None  # how this generation's worker ended, reported again after a failover
         self._trainer = (0, 0)  # (generation, pid) of the running trainer, told again to a new coordinator
         self.gpus: tuple[int, float] = (0, 0.0)  # the node's GPU count and mean utilization, for reports
+        self._check_owed = True  # the first Join of the process carries a node check; so does one asked for
+        self._check_result: str | None = None  # a check's result not sent yet ("": passed)
 
     @property
     def winding_down(self) -> bool:
@@ -97,8 +110,31 @@ class AgentCore:
 
     # ------------------------------------------------------------------------------------------- session
 
+    @property
+    def check_owed(self) -> bool:
+        """The next Join must carry a node check that has not run yet: the shell runs it first."""
+        return self._check_owed and self._check_result is None
+
+    def node_checked(self, failure: str) -> list[Action]:
+        """The node check ended (``failure``: what failed, "" if it passed). It goes out in a Join now, or on
+        the next session."""
+        self._check_owed, self._check_result = False, failure
+        if failure:
+            log.error("node check failed: %s", failure)
+        if not self._contact.open or self.worker.state is not WorkerState.WAITING or self.winding_down:
+            return []
+        return self._checked_join()
+
+    def _checked_join(self) -> list[Action]:
+        failure, self._check_result = self._check_result or "", None
+        join = self._join(checked=True, failure=failure)
+        return [ListenForProbe(join.node.worker_port), Send(join)]
+
     def session_opened(self) -> list[Action]:
         self._contact.opened()
+        attaching = self.timing.failover and self.assignment is not None and self.worker.state.has_live_worker
+        if self._check_result is not None and not attaching:
+            return self._checked_join()
         join = self._join()
         # A report the last coordinator may not have read (the worker ended while no coordinator answered).
         unread = [self._ended] if join.attached_generation and self._ended is not None else []
@@ -121,6 +157,12 @@ class AgentCore:
             log.info("drained by an operator (%s): checkpointing, stopping the worker and leaving the job",
                      message.reason)
             return self._leave(f"drained: {message.reason}", drained=True)
+        if isinstance(message, api.CheckNode):
+            if self.worker.state is not WorkerState.WAITING or self.winding_down:
+                return []
+            log.info("checking this node: %s", message.reason)
+            self._check_owed = True
+            return [RunNodeCheck(message.reason)]
         if isinstance(message, api.Waiting):
             log.info("waiting: %d node(s) joined (min %d, max %d): %s", message.joined, message.min_nodes,
                      message.max_nodes, message.detail)
@@ -352,7 +394,7 @@ class AgentCore:
             return [Send(self._join())]
         return []
 
-    def _join(self) -> api.Join:
+    def _join(self, *, checked: bool = False, failure: str = "") -> api.Join:
         if self.worker.state in (WorkerState.INIT, WorkerState.STOPPED):
             self.worker.to(WorkerState.WAITING)  # INIT|STOPPED -> WAITING
         ident, a = self.identity, self.assignment
@@ -365,7 +407,7 @@ class AgentCore:
         port = ident.worker_port or self._pick_port(ident.host)
         node = api.NodeInfo(ident.node_id, ident.host, port, ident.incarnation, a.generation if a else 0,
                             a.rank if a else -1)
-        return api.Join(node, ident.spec, a.restart_count if a else 0)
+        return api.Join(node, ident.spec, a.restart_count if a else 0, checked=checked, check_failure=failure)
 
     def _report(self, status: api.WorkerStatus, *, pid: int = 0, exit_code: int = 0, detail: str = "") -> Send:
         assert self.assignment is not None

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 from tfelastic.daemon.rendezvous.api import ClusterSnapshot, JobState, NodeState, RestartReason
+from tfelastic.daemon.rendezvous.quarantine import QUARANTINE_KINDS
 
 Metric = GaugeMetricFamily | CounterMetricFamily | InfoMetricFamily
 
@@ -52,6 +53,17 @@ class ClusterCollector(Collector):
         yield restarts
         yield GaugeMetricFamily("tfelastic_cluster_max_restarts", "Failures allowed per restart window.",
                                 value=snap.max_restarts)
+        quarantined = GaugeMetricFamily("tfelastic_cluster_node_quarantined", "1 for each quarantined node, with "
+                                        "what set it aside (worker_failures or node_check).", labels=["node", "kind"])
+        for n in snap.nodes:
+            if n.state is NodeState.QUARANTINED:
+                quarantined.add_metric([n.node_id, n.quarantine_kind], 1)
+        yield quarantined
+        quarantines = CounterMetricFamily("tfelastic_cluster_quarantines", "Nodes quarantined since the "
+                                          "coordinator started, by what set them aside.", labels=["kind"])
+        for kind in QUARANTINE_KINDS:
+            quarantines.add_metric([kind], snap.quarantines_by_kind.get(kind, 0))
+        yield quarantines
         yield CounterMetricFamily("tfelastic_cluster_steps_redone", "Training steps done again after restarts "
                                   "(below the furthest step the job had reached).", value=snap.steps_redone)
         yield CounterMetricFamily("tfelastic_cluster_steps_lost", "Steps redone from below a checkpoint the job "

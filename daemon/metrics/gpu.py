@@ -64,6 +64,7 @@ class _Gpu:
     labels: tuple[str, str, str]
     xids: int | None = None  # None: this GPU cannot report XID events
     last_xid: int = 0  # no XID has code 0
+    xids_at_check: int = 0  # XIDs counted when the last node check looked (health_problems)
 
 
 class _Families:
@@ -116,6 +117,36 @@ class GpuCollector(Collector):
         samples = [s.value for family in self.collect() if family.name == "tfelastic_gpu_utilization_ratio"
                    for s in family.samples]
         return len(samples), (sum(samples) / len(samples) if samples else 0.0)
+
+    def health_problems(self) -> list[str]:
+        """For the node check: a GPU that reported an XID since the last check, has uncorrectable ECC errors
+        since the driver loaded, or has retired pages or remapped rows pending (a GPU reset is due). Empty
+        without NVML. Calls NVML: call it off the event loop."""
+        with self._lock:
+            if not self._ensure_nvml(self._clock()):
+                return []
+            self._drain_xid_events()
+            return [f"GPU {gpu.index} ({gpu.labels[1]}): {problem}"
+                    for gpu in self._gpus.values() for problem in self._gpu_problems(gpu)]
+
+    def _gpu_problems(self, gpu: _Gpu) -> list[str]:
+        problems = []
+        if gpu.xids is not None and gpu.xids > gpu.xids_at_check:
+            problems.append(f"{gpu.xids - gpu.xids_at_check} XID error(s) since the last check, the last XID "
+                            f"{gpu.last_xid}")
+            gpu.xids_at_check = gpu.xids
+        uncorrected = self._value(gpu, ("nvmlDeviceGetTotalEccErrors",), pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                  pynvml.NVML_VOLATILE_ECC)
+        if uncorrected:
+            problems.append(f"{uncorrected} uncorrectable ECC error(s) since the driver loaded")
+        if self._value(gpu, ("nvmlDeviceGetRetiredPagesPendingStatus",)):
+            problems.append("retired pages pending: reset the GPU")
+        remapped = self._value(gpu, ("nvmlDeviceGetRemappedRows",))
+        if remapped is not None and remapped[3]:
+            problems.append("row remapping failed: the GPU needs service")
+        elif remapped is not None and remapped[2]:
+            problems.append("row remapping pending: reset the GPU")
+        return problems
 
     def describe(self) -> list[Metric]:
         return []  # do not collect (and touch NVML) at registration

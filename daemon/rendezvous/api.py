@@ -59,6 +59,7 @@ class NodeState(enum.Enum):
     SUCCEEDED = "succeeded"  # a member whose trainer exited 0
     STOPPING = "stopping"  # a member told to stop; it has not yet confirmed its workers are gone
     LEAVING = "leaving"  # left on purpose; removed once its workers are gone and its session closed
+    QUARANTINED = "quarantined"  # set aside as a bad node: connected, runs no trainer (rendezvous/quarantine.py)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,10 @@ class Join:
     spec: JobSpec
     restart_count: int = 0  # the restart count the agent saw, so that a restarted coordinator continues it
     attached_generation: int = 0  # the generation whose worker it still runs after losing its coordinator
+    # The agent checked its node for this Join (its first, or when asked to) and listens on its worker port
+    # until answered, so that the coordinator can try to reach it there; what failed, if anything.
+    checked: bool = False
+    check_failure: str = ""
 
 
 @dataclass(frozen=True)
@@ -215,13 +220,21 @@ class DrainNode:
 
 
 @dataclass(frozen=True)
+class CheckNode:
+    """Run the node check and join again with its result: a quarantine's cooldown ended, or an operator
+    readmitted the node."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Evict:
     """Close this node's session: it was declared lost and must join again from scratch."""
 
     reason: str
 
 
-Order = Waiting | Assignment | StopWorkers | Finished | DrainNode | Evict
+Order = Waiting | Assignment | StopWorkers | Finished | DrainNode | CheckNode | Evict
 CoordinatorMessage = Order | Heartbeat  # what an agent reads off its session (an Evict closes it instead)
 
 
@@ -242,6 +255,9 @@ class NodeSnapshot:
     progress: WorkerProgress | None
     gpus: int = 0
     gpu_utilization: float = 0.0
+    quarantine_reason: str = ""  # why it is quarantined (state QUARANTINED)
+    quarantined_until: float | None = None  # on the coordinator's clock; None: not quarantined
+    quarantine_kind: str = ""  # "worker_failures" or "node_check"
 
 
 @dataclass(frozen=True)
@@ -270,6 +286,7 @@ class ClusterSnapshot:
     steps_redone: int = 0  # steps trained again after restarts, below the furthest step reached
     steps_lost: int = 0  # of those, steps below a checkpoint the job had saved
     coordinator: CoordinatorInfo | None = None
+    quarantines_by_kind: dict[str, int] = field(default_factory=dict)  # "worker_failures" or "node_check"
 
 
 @dataclass(frozen=True)
@@ -282,6 +299,10 @@ class RendezvousSettings:
     node_timeout_seconds: float = 2.0  # silence after which a node is declared lost
     restart_backoff_seconds: float = 1.0  # the wait before a generation after two failed ones in a row; doubles
     restart_backoff_max_seconds: float = 30.0  # the longest such wait
+    quarantine_after: int = 2  # first failures of one node within the window that quarantine it (0: never)
+    quarantine_window_seconds: float = 3600.0
+    quarantine_cooldown_seconds: float = 600.0  # the first quarantine of a node; each next one doubles it
+    quarantine_cooldown_max_seconds: float = 21600.0
 
 
 class RendezvousError(Exception):

@@ -44,17 +44,25 @@ async def fetch_status(endpoint: Endpoint, token: str | None, tls: TlsConfig | N
 
 async def drain_node(endpoint: Endpoint, token: str | None, tls: TlsConfig | None, node_id: str, reason: str,
                      force: bool, timeout: float = 5.0) -> str:
-    async with open_channel(endpoint, tls) as channel:
-        stub = pb_grpc.RendezvousStub(channel)  # type: ignore[no-untyped-call]
-        reply: pb.OperatorReply = await stub.Drain(pb.DrainRequest(node_id=node_id, reason=reason, force=force),
-                                                   metadata=call_metadata(token), timeout=timeout)
-        return reply.detail
+    return await _operator_call(endpoint, token, tls, "Drain",
+                                pb.DrainRequest(node_id=node_id, reason=reason, force=force), timeout)
 
 
 async def restart_job(endpoint: Endpoint, token: str | None, tls: TlsConfig | None, reason: str,
                       timeout: float = 5.0) -> str:
+    return await _operator_call(endpoint, token, tls, "RestartJob", pb.RestartJobRequest(reason=reason), timeout)
+
+
+async def readmit_node(endpoint: Endpoint, token: str | None, tls: TlsConfig | None, node_id: str,
+                       timeout: float = 5.0) -> str:
+    return await _operator_call(endpoint, token, tls, "Readmit", pb.ReadmitRequest(node_id=node_id), timeout)
+
+
+async def _operator_call(endpoint: Endpoint, token: str | None, tls: TlsConfig | None, method: str,
+                         request: object, timeout: float) -> str:
+    """One operator RPC; returns the coordinator's account of what it did."""
     async with open_channel(endpoint, tls) as channel:
         stub = pb_grpc.RendezvousStub(channel)  # type: ignore[no-untyped-call]
-        reply: pb.OperatorReply = await stub.RestartJob(pb.RestartJobRequest(reason=reason),
-                                                        metadata=call_metadata(token), timeout=timeout)
+        reply: pb.OperatorReply = await getattr(stub, method)(request, metadata=call_metadata(token),
+                                                              timeout=timeout)
         return reply.detail

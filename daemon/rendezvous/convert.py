@@ -55,7 +55,8 @@ def agent_message_to_proto(message: api.AgentMessage, now: float) -> pb.AgentMes
     return pb.AgentMessage(join=pb.Join(
         node_id=node.node_id, spec=spec_to_proto(message.spec), host=node.host, worker_port=node.worker_port,
         last_generation=node.last_generation, restart_count=message.restart_count, incarnation=node.incarnation,
-        last_rank=node.last_rank, attached_generation=message.attached_generation))
+        last_rank=node.last_rank, attached_generation=message.attached_generation, checked=message.checked,
+        check_failure=message.check_failure))
 
 
 def agent_message_from_proto(message: pb.AgentMessage, now: float) -> api.AgentMessage:
@@ -75,7 +76,8 @@ def agent_message_from_proto(message: pb.AgentMessage, now: float) -> api.AgentM
 def join_from_proto(join: pb.Join) -> api.Join:
     node = api.NodeInfo(join.node_id, join.host, join.worker_port, join.incarnation, join.last_generation,
                         join.last_rank)
-    return api.Join(node, spec_from_proto(join.spec), join.restart_count, join.attached_generation)
+    return api.Join(node, spec_from_proto(join.spec), join.restart_count, join.attached_generation, join.checked,
+                    join.check_failure)
 
 
 def report_to_proto(report: api.WorkerReport, now: float) -> pb.WorkerReport:
@@ -137,6 +139,8 @@ def order_to_proto(order: api.Order | api.Heartbeat, template: pb.Assignment | N
             joined=order.joined, min_nodes=order.min_nodes, max_nodes=order.max_nodes, detail=order.detail))
     if isinstance(order, api.DrainNode):
         return pb.CoordinatorMessage(drain=pb.DrainNode(reason=order.reason))
+    if isinstance(order, api.CheckNode):
+        return pb.CoordinatorMessage(check=pb.CheckNode(reason=order.reason))
     raise TypeError(f"{order!r} has no wire form")  # Evict closes the stream instead
 
 
@@ -161,6 +165,8 @@ def coordinator_message_from_proto(message: pb.CoordinatorMessage) -> api.Coordi
         return api.Waiting(w.joined, w.min_nodes, w.max_nodes, w.detail)
     if kind == "drain":
         return api.DrainNode(message.drain.reason)
+    if kind == "check":
+        return api.CheckNode(message.check.reason)
     raise api.ProtocolError(f"unexpected message {kind!r} from the coordinator")
 
 
@@ -190,7 +196,9 @@ def status_to_proto(snap: api.ClusterSnapshot, now: float) -> pb.ClusterStatus:
     for n in snap.nodes:
         node = pb.NodeStatus(node_id=n.node_id, rank=n.rank, host=n.host, worker_port=n.worker_port,
                              state=n.state.value, worker_pid=n.worker_pid, gpus=n.gpus,
-                             gpu_utilization=n.gpu_utilization)
+                             gpu_utilization=n.gpu_utilization, quarantine_reason=n.quarantine_reason,
+                             quarantine_seconds_left=0.0 if n.quarantined_until is None else
+                             max(0.0, n.quarantined_until - now), quarantine_kind=n.quarantine_kind)
         if n.progress is not None:
             node.progress.CopyFrom(progress_to_proto(n.progress, now))
             node.has_progress = True
@@ -204,6 +212,7 @@ def status_to_proto(snap: api.ClusterSnapshot, now: float) -> pb.ClusterStatus:
             node=snap.coordinator.node, address=snap.coordinator.address, since=snap.coordinator.since),
         restarts_by_reason=[pb.RestartCount(reason=r, count=c)
                             for r, c in sorted(snap.restarts_by_reason.items())],
+        quarantines=[pb.QuarantineCount(kind=k, count=c) for k, c in sorted(snap.quarantines_by_kind.items())],
     )
 
 
@@ -221,6 +230,8 @@ def status_from_proto(status: pb.ClusterStatus, now: float) -> api.ClusterSnapsh
     nodes = tuple(api.NodeSnapshot(
         n.node_id, n.rank, n.host, n.worker_port, _node_state(n), n.worker_pid,
         progress_from_proto(n.progress, now) if n.has_progress else None, n.gpus, n.gpu_utilization,
+        n.quarantine_reason, now + n.quarantine_seconds_left if n.state == api.NodeState.QUARANTINED.value else None,
+        n.quarantine_kind,
     ) for n in status.nodes)
     return api.ClusterSnapshot(
         job=status.job, state=JOB_STATE_NAMES.get(status.state), reason=status.reason, generation=status.generation,
@@ -229,4 +240,5 @@ def status_from_proto(status: pb.ClusterStatus, now: float) -> api.ClusterSnapsh
         restarts_by_reason={r.reason: r.count for r in status.restarts_by_reason}, nodes=nodes,
         warnings=tuple(status.warnings), steps_redone=status.steps_redone, steps_lost=status.steps_lost,
         coordinator=api.CoordinatorInfo(status.coordinator.node, status.coordinator.address, status.coordinator.since)
-        if status.HasField("coordinator") else None)
+        if status.HasField("coordinator") else None,
+        quarantines_by_kind={q.kind: q.count for q in status.quarantines})

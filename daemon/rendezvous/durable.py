@@ -36,6 +36,7 @@ class DurableState:
     steps_redone: int = 0
     steps_lost: int = 0
     warnings: tuple[str, ...] = ()
+    quarantined: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> kind, reason, until, count
 
     def to_json(self) -> bytes:
         doc: dict[str, Any] = dataclasses.asdict(self)

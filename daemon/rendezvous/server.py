@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from tfelastic.daemon.netutil import host_port
 from tfelastic.daemon.rendezvous import api, convert
 from tfelastic.daemon.rendezvous.bounds import printable
 from tfelastic.daemon.rendezvous.durable import JobStore
@@ -30,6 +31,7 @@ from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
 log = logging.getLogger("tfelastic.coordinator")
 
 SERVICE_NAME = "tfelastic.v1.Rendezvous"
+PROBE_SECONDS = 3.0  # how long the coordinator tries to reach a checked node's trainer port
 
 _ERROR_CODES: dict[type[api.RendezvousError], grpc.StatusCode] = {
     api.SpecMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
@@ -156,6 +158,15 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                                        f" from generation {self.rendezvous.generation}: every trainer checkpoints "
                                        "and stops, and the same nodes re-form")
 
+    async def Readmit(self, request: pb.ReadmitRequest,
+                      context: grpc.aio.ServicerContext[Any, Any]) -> pb.OperatorReply:
+        node_id = printable(request.node_id, 128)
+        await self._operator(context, lambda: self.rendezvous.readmit(node_id))
+        connected = node_id in self._sessions
+        return pb.OperatorReply(detail=f"node {node_id} is readmitted: " + (
+            "its agent checks the node now and, if the check passes, the node joins again" if connected else
+            "it is not connected now; it joins once its agent is back and its node check passes"))
+
     async def _operator(self, context: grpc.aio.ServicerContext[Any, Any],
                         command: Callable[[], list[api.Send]]) -> None:
         """Run an operator command on the state machine; a refusal becomes the call's status."""
@@ -169,6 +180,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def _read(self, requests: AsyncIterator[pb.AgentMessage], session: _Session) -> None:
         try:
             async for message in requests:
+                if message.HasField("join") and message.join.checked and not message.join.check_failure:
+                    await self._probe(message.join)
                 self._handle(session, message)
         except api.RendezvousError as e:
             log.warning("refused %s (%s): %s", session.node_id or session.peer, type(e).__name__, e)
@@ -182,6 +195,22 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             return
         # The agent closed its side: the session is over.
         session.outbox.put_nowait(_Close(grpc.StatusCode.OK, "session closed by the agent"))
+
+    async def _probe(self, join: pb.Join) -> None:
+        """The last part of a node check, from this side: can this coordinator reach the node's trainer port?
+        The agent listens there until the Join is answered. A firewall or a dead NIC then shows up as a
+        quarantine that names the address, not as a TensorFlow start-up that hangs. Bounded in time; one probe
+        at a time per session (its messages are read in order)."""
+        address = host_port(join.host, join.worker_port)
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(join.host, join.worker_port), PROBE_SECONDS)
+        except (OSError, asyncio.TimeoutError) as e:
+            problem = "timed out" if isinstance(e, asyncio.TimeoutError) else (e.strerror or str(e))
+            join.check_failure = f"{join.node_id} cannot be reached at {address} from the coordinator: {problem}"
+            return
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
 
     def _handle(self, session: _Session, wire: pb.AgentMessage) -> None:
         """``wire`` is within bounds: the guard checked it (bounds.check_message) before it got here."""
@@ -212,7 +241,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         if not rejoin:
             self._replace_stale_session(join.node)
         sends = self.rendezvous.join(join.node, join.spec, rejoin=rejoin, restart_count=join.restart_count,
-                                     attached_generation=join.attached_generation)
+                                     attached_generation=join.attached_generation, checked=join.checked,
+                                     check_failure=printable(join.check_failure, 500))
         if not rejoin:
             session.node_id, session.incarnation = node_id, join.node.incarnation
             self._sessions[node_id] = session

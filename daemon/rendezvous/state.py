@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from tfelastic.daemon.rendezvous.api import (
     Assignment,
+    CheckNode,
     ClusterSnapshot,
     DrainNode,
     DuplicateNodeError,
@@ -57,6 +58,7 @@ from tfelastic.daemon.rendezvous.api import (
 )
 from tfelastic.daemon.rendezvous.durable import DurableState
 from tfelastic.daemon.rendezvous.membership import Membership, Node
+from tfelastic.daemon.rendezvous.quarantine import COOLDOWN_OVER, QuarantineBook
 from tfelastic.daemon.rendezvous.restarts import RestartBook
 from tfelastic.daemon.rendezvous.round_timers import RoundTimers
 
@@ -81,6 +83,7 @@ class Rendezvous:
         self._seen_generation = 0  # the newest generation any joining agent took part in
         self.restarts = RestartBook(settings, clock)
         self.drained: set[str] = set()  # drained by an operator (and not back since)
+        self.quarantine = QuarantineBook(settings)
 
     @property
     def restarts_total(self) -> int:
@@ -89,13 +92,14 @@ class Rendezvous:
     # ----------------------------------------------------------------------------------------------- inputs
 
     def join(self, info: NodeInfo, spec: JobSpec, *, restart_count: int = 0, rejoin: bool = False,
-             attached_generation: int = 0) -> list[Send]:
+             attached_generation: int = 0, checked: bool = False, check_failure: str = "") -> list[Send]:
         """A node enters the rendezvous.
 
         ``rejoin`` marks a Join on a session that is already registered: the agent sends it after it confirmed
         that every process of its previous worker is gone, so it doubles as that confirmation.
         ``attached_generation``: the agent still runs a worker of that generation (it lost its coordinator, and
         etcd said its generation was current): a coordinator that took the job over keeps it running.
+        ``checked``: the agent ran its node check for this Join; ``check_failure``: what failed (quarantined).
         """
         if self.state.is_terminal:
             if rejoin:  # a member that confirmed its stop after the verdict: tell it again
@@ -123,7 +127,19 @@ class Rendezvous:
         self.restarts.continue_from(restart_count)
         self.nodes.add(info.node_id, Node(info, NodeState.WAITING, now, now))
         self.drained.discard(info.node_id)
-        return lost + self._after_join(info.node_id, now)
+        held = self._admission(info.node_id, checked, check_failure, now)
+        return lost + (held if held is not None else self._after_join(info.node_id, now))
+
+    def _admission(self, node_id: str, checked: bool, failure: str, now: float) -> list[Send] | None:
+        """None: the joining node may take part. Otherwise it is (now, or still) quarantined: the orders."""
+        held = self.quarantine.admit(node_id, checked, failure, now)
+        if held is None:
+            return None
+        self.nodes.set_state(self.nodes[node_id], NodeState.QUARANTINED)  # WAITING -> QUARANTINED
+        sends = [self._waiting_notice(node_id, held.notice(now))]
+        if held.checking and not failure:  # it was asked to check, and joined without: ask again
+            sends.append(Send(node_id, CheckNode(COOLDOWN_OVER)))
+        return sends + self._try_close_round(now)
 
     def _attach(self, info: NodeInfo, member: Node | None, generation: int, now: float) -> list[Send]:
         """A Join from an agent whose worker of ``generation`` still runs. A member of the running generation is
@@ -151,7 +167,7 @@ class Rendezvous:
                         for rank, n in enumerate(self._members) if n in self.nodes)
         return DurableState(self.spec, self.state, self.reason, self.generation, members,
                             chief_succeeded=self._chief_succeeded, drained=tuple(sorted(self.drained)),
-                            **self.restarts.export(wall_offset))
+                            **self.restarts.export(wall_offset), **self.quarantine.export(wall_offset))
 
     def take_over(self, recorded: DurableState, wall_offset: float, grace: float,
                   graces: dict[str, float] | None = None) -> None:
@@ -165,6 +181,7 @@ class Rendezvous:
         self._chief_succeeded = recorded.chief_succeeded
         self.drained = set(recorded.drained)
         self.restarts.take_over(recorded, wall_offset)
+        self.quarantine.take_over(recorded.quarantined, wall_offset)
         self.state = JobState.WAITING if recorded.state is JobState.RESTARTING else recorded.state
         if self.state is JobState.RUNNING:
             for m in recorded.members:
@@ -227,14 +244,29 @@ class Rendezvous:
         """A member's trainer exited non-zero or stalled. Stale reports (older generations) are ignored."""
         if self._member_of(node_id, generation) is None:
             return []
-        return self._restart(reason, f"{node_id}: {detail}")
+        set_aside = ""
+        if self.state is JobState.RUNNING:  # its failure is the one that stops the generation
+            others = sum(1 for n, node in self.nodes.items()
+                         if n != node_id and node.state is not NodeState.LEAVING and not self.quarantine.is_held(n))
+            set_aside = self.quarantine.failed_first(node_id, detail, self._clock(), others,
+                                                     self._require_spec().min_nodes)
+        return self._restart(reason, f"{node_id}: {detail}{set_aside}")
+
+    def readmit(self, node_id: str) -> list[Send]:
+        """An operator lifts a quarantine: the node checks itself at once and, if the check passes, joins."""
+        if not self.quarantine.is_held(node_id):
+            held = ", ".join(sorted(self.quarantine.held)) or "none"
+            raise OperatorRefusedError(f"node {node_id!r} is not quarantined (quarantined nodes: {held})")
+        self.quarantine.readmit(node_id)
+        log.info("operator readmits node %s", node_id)
+        return [Send(node_id, CheckNode("readmitted by an operator"))] if node_id in self.nodes else []
 
     def leave(self, node_id: str, reason: str) -> list[Send]:
         """A planned leave: the job re-forms without the node at once, and it is not counted as a failure."""
         node = self.nodes.get(node_id)
         if node is None:
             return []
-        if node.state is NodeState.WAITING:  # no worker to wait for: gone at once
+        if node.state in (NodeState.WAITING, NodeState.QUARANTINED):  # no worker to wait for: gone at once
             self.nodes.remove(node_id)
             return self._try_close_round(self._clock())
         was_member = node.state in (NodeState.RUNNING, NodeState.SUCCEEDED) and node_id in self._ranks
@@ -268,7 +300,7 @@ class Rendezvous:
         if node.state is NodeState.LEAVING:
             return []
         spec = self._require_spec()
-        remaining = len(self.nodes) - self.nodes.count(NodeState.LEAVING) - 1
+        remaining = len(self.nodes) - self.nodes.count(NodeState.LEAVING) - self.nodes.count(NodeState.QUARANTINED) - 1
         if remaining < spec.min_nodes and not force:
             raise OperatorRefusedError(
                 f"draining {node_id!r} would leave {remaining} node(s), below min_nodes={spec.min_nodes}: the job "
@@ -293,6 +325,8 @@ class Rendezvous:
         for node_id, node, silent in self.nodes.expire(now):
             sends.append(Send(node_id, Evict(f"no message for {silent:.1f}s")))
             sends += self._lost(node_id, node, f"silent for {silent:.1f}s")
+        sends += [Send(n, CheckNode(COOLDOWN_OVER))
+                  for n in self.quarantine.due(now) if n in self.nodes]
         if self._scale_up_due(now):
             waiting = self.nodes.count(NodeState.WAITING)
             sends += self._restart(RestartReason.SCALE_UP, f"{waiting} node(s) waiting to join")
@@ -302,7 +336,8 @@ class Rendezvous:
     def next_deadline(self) -> float | None:
         """A clock time by which :meth:`tick` must run (it may find nothing due yet), or None if no timer is
         armed. O(1): the server asks after every message."""
-        deadlines = [d for d in (self.nodes.lease_deadline, self.restarts.not_before) if d is not None]
+        deadlines = [d for d in (self.nodes.lease_deadline, self.restarts.not_before,
+                                 self.quarantine.next_deadline()) if d is not None]
         deadlines += self._timers.deadlines(round_open=self.spec is not None and self.state is JobState.WAITING)
         return min(deadlines, default=None)
 
@@ -312,10 +347,11 @@ class Rendezvous:
         nodes = []
         for node_id, node in self.nodes.items():
             rank = self._ranks[node_id] if self._is_current_member(node_id) else -1
-            progress = node.progress
+            held = self.quarantine.held.get(node_id) if node.state is NodeState.QUARANTINED else None
             nodes.append(NodeSnapshot(
                 node_id, rank, node.info.host, node.info.worker_port, node.state,
-                node.worker_pid if rank >= 0 else 0, progress, node.gpus, node.gpu_utilization,
+                node.worker_pid if rank >= 0 else 0, node.progress, node.gpus, node.gpu_utilization,
+                held.reason if held else "", held.until if held else None, held.kind if held else "",
             ))
         nodes.sort(key=lambda n: (n.rank < 0, n.rank, n.node_id))
         spec = self.spec
@@ -335,6 +371,7 @@ class Rendezvous:
             steps_redone=self.restarts.resumes.steps_redone,
             steps_lost=self.restarts.resumes.steps_lost,
             nodes=tuple(nodes),
+            quarantines_by_kind=dict(self.quarantine.by_kind),
         )
 
     # ------------------------------------------------------------------------------------------ internals
@@ -447,10 +484,12 @@ class Rendezvous:
         waiting = self.nodes.count(NodeState.WAITING)
         if waiting < spec.min_nodes:
             if self._timers.below_min(now):
+                held = [n for n, node in self.nodes.items() if node.state is NodeState.QUARANTINED]
                 return self._finish(
                     JobState.FAILED,
                     f"only {waiting} of min_nodes={spec.min_nodes} nodes joined within "
-                    f"join_timeout={self.settings.join_timeout_seconds:g}s",
+                    f"join_timeout={self.settings.join_timeout_seconds:g}s"
+                    + (f" ({len(held)} quarantined: {', '.join(sorted(held))})" if held else ""),
                 )
             return []
         # After a restart no old member is still stopping (checked above): every one still here has rejoined.

@@ -60,7 +60,7 @@ class JobSpec(_message.Message):
     def __init__(self, job: _Optional[str] = ..., command_digest: _Optional[bytes] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., stall_timeout_seconds: _Optional[float] = ..., backup_dir: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., node_timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("node_id", "spec", "host", "worker_port", "last_generation", "restart_count", "incarnation", "last_rank", "attached_generation")
+    __slots__ = ("node_id", "spec", "host", "worker_port", "last_generation", "restart_count", "incarnation", "last_rank", "attached_generation", "checked", "check_failure")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,8 @@ class Join(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     LAST_RANK_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FAILURE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     spec: JobSpec
     host: str
@@ -79,7 +81,9 @@ class Join(_message.Message):
     incarnation: str
     last_rank: int
     attached_generation: int
-    def __init__(self, node_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., last_generation: _Optional[int] = ..., restart_count: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_rank: _Optional[int] = ..., attached_generation: _Optional[int] = ...) -> None: ...
+    checked: bool
+    check_failure: str
+    def __init__(self, node_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., last_generation: _Optional[int] = ..., restart_count: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_rank: _Optional[int] = ..., attached_generation: _Optional[int] = ..., checked: bool = ..., check_failure: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ()
@@ -205,28 +209,36 @@ class DrainNode(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class CheckNode(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("heartbeat", "waiting", "assignment", "stop", "finished", "drain")
+    __slots__ = ("heartbeat", "waiting", "assignment", "stop", "finished", "drain", "check")
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FIELD_NUMBER: _ClassVar[int]
     heartbeat: Heartbeat
     waiting: Waiting
     assignment: Assignment
     stop: StopWorkers
     finished: JobFinished
     drain: DrainNode
-    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., stop: _Optional[_Union[StopWorkers, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ..., drain: _Optional[_Union[DrainNode, _Mapping]] = ...) -> None: ...
+    check: CheckNode
+    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., stop: _Optional[_Union[StopWorkers, _Mapping]] = ..., finished: _Optional[_Union[JobFinished, _Mapping]] = ..., drain: _Optional[_Union[DrainNode, _Mapping]] = ..., check: _Optional[_Union[CheckNode, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "rank", "host", "worker_port", "state", "worker_pid", "progress", "has_progress", "gpus", "gpu_utilization")
+    __slots__ = ("node_id", "rank", "host", "worker_port", "state", "worker_pid", "progress", "has_progress", "gpus", "gpu_utilization", "quarantine_reason", "quarantine_seconds_left", "quarantine_kind")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +249,9 @@ class NodeStatus(_message.Message):
     HAS_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     GPU_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_KIND_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     rank: int
     host: str
@@ -247,7 +262,10 @@ class NodeStatus(_message.Message):
     has_progress: bool
     gpus: int
     gpu_utilization: float
-    def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., state: _Optional[str] = ..., worker_pid: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., has_progress: bool = ..., gpus: _Optional[int] = ..., gpu_utilization: _Optional[float] = ...) -> None: ...
+    quarantine_reason: str
+    quarantine_seconds_left: float
+    quarantine_kind: str
+    def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., state: _Optional[str] = ..., worker_pid: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., has_progress: bool = ..., gpus: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., quarantine_reason: _Optional[str] = ..., quarantine_seconds_left: _Optional[float] = ..., quarantine_kind: _Optional[str] = ...) -> None: ...
 
 class RestartCount(_message.Message):
     __slots__ = ("reason", "count")
@@ -258,7 +276,7 @@ class RestartCount(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes", "restarts_total", "restarts_by_reason", "max_restarts", "nodes", "warnings", "steps_redone", "steps_lost", "coordinator")
+    __slots__ = ("job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes", "restarts_total", "restarts_by_reason", "max_restarts", "nodes", "warnings", "steps_redone", "steps_lost", "coordinator", "quarantines")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +292,7 @@ class ClusterStatus(_message.Message):
     STEPS_REDONE_FIELD_NUMBER: _ClassVar[int]
     STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINES_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: JobState
     reason: str
@@ -289,7 +308,16 @@ class ClusterStatus(_message.Message):
     steps_redone: int
     steps_lost: int
     coordinator: CoordinatorInfo
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., restarts_total: _Optional[int] = ..., restarts_by_reason: _Optional[_Iterable[_Union[RestartCount, _Mapping]]] = ..., max_restarts: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., steps_redone: _Optional[int] = ..., steps_lost: _Optional[int] = ..., coordinator: _Optional[_Union[CoordinatorInfo, _Mapping]] = ...) -> None: ...
+    quarantines: _containers.RepeatedCompositeFieldContainer[QuarantineCount]
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., restarts_total: _Optional[int] = ..., restarts_by_reason: _Optional[_Iterable[_Union[RestartCount, _Mapping]]] = ..., max_restarts: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., steps_redone: _Optional[int] = ..., steps_lost: _Optional[int] = ..., coordinator: _Optional[_Union[CoordinatorInfo, _Mapping]] = ..., quarantines: _Optional[_Iterable[_Union[QuarantineCount, _Mapping]]] = ...) -> None: ...
+
+class QuarantineCount(_message.Message):
+    __slots__ = ("kind", "count")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    count: int
+    def __init__(self, kind: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class CoordinatorInfo(_message.Message):
     __slots__ = ("node", "address", "since")
@@ -316,6 +344,12 @@ class RestartJobRequest(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ReadmitRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class OperatorReply(_message.Message):
     __slots__ = ("detail",)

@@ -54,6 +54,11 @@ class RendezvousStub(object):
                 request_serializer=tfelastic_dot_v1_dot_rendezvous__pb2.RestartJobRequest.SerializeToString,
                 response_deserializer=tfelastic_dot_v1_dot_rendezvous__pb2.OperatorReply.FromString,
                 _registered_method=True)
+        self.Readmit = channel.unary_unary(
+                '/tfelastic.v1.Rendezvous/Readmit',
+                request_serializer=tfelastic_dot_v1_dot_rendezvous__pb2.ReadmitRequest.SerializeToString,
+                response_deserializer=tfelastic_dot_v1_dot_rendezvous__pb2.OperatorReply.FromString,
+                _registered_method=True)
 
 
 class RendezvousServicer(object):
@@ -89,6 +94,14 @@ class RendezvousServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Readmit(self, request, context):
+        """Readmit a quarantined node (`tfelastic readmit`): its agent checks the node at once and, if the check
+        passes, the node joins again; its history of failures is forgotten.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendezvousServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +123,11 @@ def add_RendezvousServicer_to_server(servicer, server):
             'RestartJob': grpc.unary_unary_rpc_method_handler(
                     servicer.RestartJob,
                     request_deserializer=tfelastic_dot_v1_dot_rendezvous__pb2.RestartJobRequest.FromString,
+                    response_serializer=tfelastic_dot_v1_dot_rendezvous__pb2.OperatorReply.SerializeToString,
+            ),
+            'Readmit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Readmit,
+                    request_deserializer=tfelastic_dot_v1_dot_rendezvous__pb2.ReadmitRequest.FromString,
                     response_serializer=tfelastic_dot_v1_dot_rendezvous__pb2.OperatorReply.SerializeToString,
             ),
     }
@@ -220,6 +238,33 @@ class Rendezvous(object):
             target,
             '/tfelastic.v1.Rendezvous/RestartJob',
             tfelastic_dot_v1_dot_rendezvous__pb2.RestartJobRequest.SerializeToString,
+            tfelastic_dot_v1_dot_rendezvous__pb2.OperatorReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Readmit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tfelastic.v1.Rendezvous/Readmit',
+            tfelastic_dot_v1_dot_rendezvous__pb2.ReadmitRequest.SerializeToString,
             tfelastic_dot_v1_dot_rendezvous__pb2.OperatorReply.FromString,
             options,
             channel_credentials,

@@ -11,7 +11,9 @@ COUNTER_DONE_AT (a step at which it reports that training completed, and goes on
 COUNTER_RAISE_AT (a step at which the chief divides by zero, every time: an uncaught ZeroDivisionError),
 COUNTER_PRINT=1 (print a line per step, without flushing: what a custom loop's print does),
 COUNTER_LOSE_BACKUP_AT (a step at which the chief deletes its step file and exits 3, once: a backup deleted
-after training, as tf_keras' BackupAndRestore does on success, then a failure).
+after training, as tf_keras' BackupAndRestore does on success, then a failure),
+COUNTER_BAD_WHILE (a path: while it exists, this rank, whatever its rank, exits 1 after COUNTER_STEP_SECONDS with
+a "bad GPU" error, every time: a bad node; set it for one agent only).
 
 COUNTER_SAVE_EVERY (the chief saves its step file every N steps, default 1) and COUNTER_CHECKPOINT_ON_TERM=1 (on
 SIGTERM the chief saves the step it reached, each rank records a "checkpointed" event and exits 42,
@@ -88,6 +90,12 @@ def main() -> int:
     recorded = [name for name in os.environ.get("COUNTER_RECORD_ENV", "").split(",") if name]
     event("start", tf_config=os.environ["TF_CONFIG"], legacy_keras=os.environ.get("TF_USE_LEGACY_KERAS"),
           stale=stale_workers(backup, generation), env={name: os.environ.get(name) for name in recorded})
+    bad_while = os.environ.get("COUNTER_BAD_WHILE")
+    if bad_while and os.path.exists(bad_while):
+        time.sleep(pause)
+        event("bad")
+        print("RuntimeError: CUDA error: an illegal memory access was encountered (a bad GPU)", file=sys.stderr)
+        return 1
     if os.environ.get("COUNTER_EXIT_ON_TERM"):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     hang_at = int(os.environ.get("COUNTER_HANG_AT", "-1"))

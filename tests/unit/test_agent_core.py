@@ -7,7 +7,18 @@ import signal
 
 import pytest
 from prometheus_client import CollectorRegistry
-from tfelastic.daemon.agent.api import Action, Announce, DropSession, HangUp, Launch, Send, Stop, StopResult
+from tfelastic.daemon.agent.api import (
+    Action,
+    Announce,
+    DropSession,
+    HangUp,
+    Launch,
+    ListenForProbe,
+    RunNodeCheck,
+    Send,
+    Stop,
+    StopResult,
+)
 from tfelastic.daemon.agent.core import AgentCore, Identity, Timing
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
@@ -520,3 +531,44 @@ def test_with_etcd_the_agent_waits_for_etcd_only_until_it_must_decide_whether_to
     assert h.core.etcd_patience() == pytest.approx(0.25)
     h.clock.now += 5.0
     assert h.core.etcd_patience() == 0.1
+
+
+# ------------------------------------------------------------------------------------------------ node check
+
+
+def test_the_first_join_carries_the_node_check_and_listens_for_the_coordinators_probe() -> None:
+    h = Harness()
+    assert h.core.check_owed
+    assert h.core.node_checked("") == []  # no session yet: it goes out with the first Join
+    assert not h.core.check_owed
+    actions = h.core.session_opened()
+    assert actions == [ListenForProbe(5555), Send(api.Join(
+        api.NodeInfo("n1", "10.0.0.1", 5555, "incarnation-1"), SPEC, checked=True))]
+    h.core.session_ended("lost")
+    assert joins(h.core.session_opened())[0].checked is False  # a later session: no check
+
+
+def test_a_failed_check_goes_out_with_the_join(caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness()
+    h.core.node_checked("backup dir /backup is not writable: Read-only file system")
+    [join] = joins(h.core.session_opened())
+    assert (join.checked, join.check_failure) == (True, "backup dir /backup is not writable: Read-only file system")
+    assert "node check failed: backup dir /backup is not writable" in caplog.text
+
+
+def test_a_quarantined_node_asked_for_a_check_runs_it_and_joins_again_with_its_result() -> None:
+    h = Harness()
+    h.core.node_checked("")
+    h.core.session_opened()
+    assert h.core.received(api.Waiting(1, 1, 2, "quarantined for 600s more: ...")) != []
+    assert h.core.received(api.CheckNode("the quarantine's cooldown is over")) == [
+        RunNodeCheck("the quarantine's cooldown is over")]
+    actions = h.core.node_checked("")
+    assert actions[0] == ListenForProbe(5555)
+    assert [(j.checked, j.check_failure) for j in joins(actions)] == [(True, "")]
+
+
+def test_a_check_order_is_ignored_while_a_worker_runs() -> None:
+    h = Harness()
+    h.running()
+    assert h.core.received(api.CheckNode("readmitted by an operator")) == []

@@ -13,14 +13,16 @@ from tfelastic.daemon.status import SCHEMA_VERSION, render_table, status_to_json
 
 TOP_KEYS = ["schema_version", "job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes",
             "max_restarts", "restarts_total", "restarts_by_reason", "nodes", "warnings", "steps_redone", "steps_lost",
-            "coordinator"]
+            "coordinator", "quarantines_by_kind"]
 NODE_KEYS = ["node_id", "rank", "address", "state", "worker_pid", "step", "loss", "last_checkpoint_step",
-             "progress_age_seconds", "steps_per_second", "last_checkpoint_age_seconds", "gpus", "gpu_utilization"]
+             "progress_age_seconds", "steps_per_second", "last_checkpoint_age_seconds", "gpus", "gpu_utilization",
+             "quarantine"]
+WALL = 1795000000.0
 
 
 def to_json(status: pb.ClusterStatus, now: float = 0.0) -> dict[str, Any]:
     """What `tfelastic status` prints for what the coordinator sent: through the border, on the client's clock."""
-    return status_to_json(convert.status_from_proto(status, now), now)
+    return status_to_json(convert.status_from_proto(status, now), now, WALL)
 
 
 def cluster_status(**overrides: Any) -> pb.ClusterStatus:
@@ -67,18 +69,22 @@ def test_status_to_json_has_exactly_the_documented_keys_and_values() -> None:
         "nodes": [
             {"node_id": "node-a", "rank": 0, "address": "10.0.0.1:2222", "state": "running", "worker_pid": 4242,
              "step": 120, "loss": 0.25, "last_checkpoint_step": 100, "progress_age_seconds": 1.235,
-             "steps_per_second": 12.5, "last_checkpoint_age_seconds": 30.25, "gpus": 8, "gpu_utilization": 0.875},
+             "steps_per_second": 12.5, "last_checkpoint_age_seconds": 30.25, "gpus": 8, "gpu_utilization": 0.875,
+             "quarantine": None},
             {"node_id": "node-b", "rank": 1, "address": "10.0.0.2:2223", "state": "running", "worker_pid": 4343,
              "step": 119, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": 0.5,
-             "steps_per_second": 0.0, "last_checkpoint_age_seconds": None, "gpus": 0, "gpu_utilization": None},
+             "steps_per_second": 0.0, "last_checkpoint_age_seconds": None, "gpus": 0, "gpu_utilization": None,
+             "quarantine": None},
             {"node_id": "spare", "rank": None, "address": "10.0.0.3:0", "state": "waiting", "worker_pid": None,
              "step": None, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": None,
-             "steps_per_second": None, "last_checkpoint_age_seconds": None, "gpus": 0, "gpu_utilization": None},
+             "steps_per_second": None, "last_checkpoint_age_seconds": None, "gpus": 0, "gpu_utilization": None,
+             "quarantine": None},
         ],
         "warnings": [],
         "steps_redone": 0,
         "steps_lost": 0,
         "coordinator": {"node": "gpu-01", "address": "10.0.0.1:29400", "since": 1795000000.25},
+        "quarantines_by_kind": {},
     }
     assert SCHEMA_VERSION == 1
     json.dumps(doc)  # serialisable as it is
@@ -119,7 +125,7 @@ def test_an_empty_status_is_a_complete_document() -> None:
     assert doc == {"schema_version": 1, "job": "", "state": "unknown", "reason": "", "generation": 0,
                    "world_size": 0, "min_nodes": 0, "max_nodes": 0, "max_restarts": 0, "restarts_total": 0,
                    "restarts_by_reason": {}, "nodes": [], "warnings": [], "steps_redone": 0, "steps_lost": 0,
-                   "coordinator": None}
+                   "coordinator": None, "quarantines_by_kind": {}}
 
 
 def test_render_table() -> None:
@@ -135,6 +141,33 @@ def test_render_table() -> None:
         "node-b  1     10.0.0.2:2223  running  4343  119   0.0      0.5s ago       -                -",
         "spare   -     10.0.0.3:0     waiting  -     -     -        -              -                -",
     ]
+
+
+def _quarantined(seconds_left: float) -> pb.ClusterStatus:
+    return cluster_status(nodes=[pb.NodeStatus(
+        node_id="bad", rank=-1, host="10.0.0.9", worker_port=2222, state="quarantined", quarantine_kind="node_check",
+        quarantine_reason="node check failed: backup dir /b is not writable", quarantine_seconds_left=seconds_left)],
+        quarantines=[pb.QuarantineCount(kind="node_check", count=2)])
+
+
+def test_a_quarantined_node_says_why_and_until_when() -> None:
+    doc = to_json(_quarantined(599.5), now=100.0)
+    assert doc["nodes"][0]["state"] == "quarantined"
+    assert doc["nodes"][0]["quarantine"] == {"kind": "node_check",
+                                             "reason": "node check failed: backup dir /b is not writable",
+                                             "seconds_left": 599.5, "until": WALL + 599.5}
+    assert doc["quarantines_by_kind"] == {"node_check": 2}
+    lines = render_table(doc).splitlines()
+    assert lines[4].startswith("QUARANTINED: bad until ")
+    assert lines[4].endswith(" (600s): node check failed: backup dir /b is not writable "
+                             "(lift: tfelastic readmit bad)")
+    assert lines[-1].split()[:4] == ["bad", "-", "10.0.0.9:2222", "quarantined"]
+
+
+def test_a_quarantined_node_past_its_cooldown_waits_for_its_check() -> None:
+    lines = render_table(to_json(_quarantined(0.0))).splitlines()
+    assert lines[4] == ("QUARANTINED: bad waiting for its node check: node check failed: backup dir /b is not "
+                        "writable (lift: tfelastic readmit bad)")
 
 
 def test_render_table_has_a_header_and_one_row_per_node() -> None:
