@@ -92,7 +92,9 @@ class NodeCheck:
         except OSError as e:
             return [f"cannot run the {devices} matmul check: {e}"]
         if done.returncode != 0:
-            last = (done.stdout + done.stderr).strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
+            # Its own verdict is the last line on stdout; a crash leaves only stderr (TensorFlow logs there too).
+            last = done.stdout.strip().splitlines()[-1:] or done.stderr.strip().splitlines()[-1:] or \
+                [f"exit code {done.returncode}"]
             return [f"the {devices} matmul check failed: {last[0][:300]}"]
         return []
 

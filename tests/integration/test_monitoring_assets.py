@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from tfelastic.daemon.metrics.gpu import THROTTLE_REASONS
 from tfelastic.daemon.rendezvous.api import JobState, NodeState, RestartReason
+from tfelastic.daemon.rendezvous.quarantine import QUARANTINE_KINDS
 from tfelastic.daemon.worker.states import WorkerState
 
 pytestmark = [
@@ -55,7 +56,8 @@ KNOWN_METRICS = frozenset({
     # coordinator
     "tfelastic_cluster_info", "tfelastic_cluster_generation", "tfelastic_cluster_members",
     "tfelastic_cluster_desired_nodes", "tfelastic_cluster_nodes", "tfelastic_cluster_job_state",
-    "tfelastic_cluster_restarts_total", "tfelastic_cluster_max_restarts",
+    "tfelastic_cluster_restarts_total", "tfelastic_cluster_max_restarts", "tfelastic_cluster_node_quarantined",
+    "tfelastic_cluster_quarantines_total",
     # etcd (daemon/etcd/metrics.py)
     "tfelastic_coordinator_leader_changes_total", "tfelastic_coordinator_elections_won_total",
     "tfelastic_coordinator_leading", "tfelastic_etcd_request_errors_total",
@@ -77,6 +79,7 @@ METRIC_LABELS: dict[str, tuple[str, ...]] = {
     "tfelastic_worker_state": ("state",), "tfelastic_restarts_total": ("reason",),
     "tfelastic_cluster_desired_nodes": ("bound",), "tfelastic_cluster_nodes": ("state",),
     "tfelastic_cluster_job_state": ("state",), "tfelastic_cluster_restarts_total": ("reason",),
+    "tfelastic_cluster_node_quarantined": ("node", "kind"), "tfelastic_cluster_quarantines_total": ("kind",),
     **{f"{h}_bucket": ("le",) for h in _HISTOGRAMS},
     **{m: _GPU for m in KNOWN_METRICS if m.startswith("tfelastic_gpu_") and m != "tfelastic_gpu_nvml_up"},
     "tfelastic_gpu_ecc_errors_total": (*_GPU, "type"), "tfelastic_gpu_throttle_reason": (*_GPU, "reason"),
@@ -89,6 +92,8 @@ LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ("tfelastic_restarts_total", "reason"): frozenset(r.value for r in RestartReason),
     ("tfelastic_cluster_restarts_total", "reason"): frozenset(r.value for r in RestartReason),
     ("tfelastic_cluster_desired_nodes", "bound"): frozenset({"min", "max"}),
+    ("tfelastic_cluster_node_quarantined", "kind"): frozenset(QUARANTINE_KINDS),
+    ("tfelastic_cluster_quarantines_total", "kind"): frozenset(QUARANTINE_KINDS),
     ("tfelastic_gpu_ecc_errors_total", "type"): frozenset({"corrected", "uncorrected"}),
     ("tfelastic_gpu_throttle_reason", "reason"): frozenset(reason for reason, _ in THROTTLE_REASONS),
 }

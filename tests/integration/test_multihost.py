@@ -86,3 +86,33 @@ def test_partitioned_host_is_lost_fences_itself_and_rejoins_after_healing(
     stale = [e for e in cluster.events() if e["event"] == "start" and e["stale"]]
     assert not stale, stale
     assert "Traceback" not in cluster.logs()  # evicting the lost host's session is routine, not an error
+
+
+def test_a_host_whose_trainer_address_cannot_be_reached_is_set_aside_naming_it(
+        hosts: None, make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    """n3 advertises a second address of its host that the coordinator's host has no route to (a firewall or a
+    dead NIC on the path): the coordinator's probe names it, instead of a TensorFlow start-up that would hang."""
+    token = tmp_path / "token"
+    token.write_text("multi-host-secret\n")
+    token.chmod(0o600)
+    cluster = make_cluster([sys.executable, COUNTER], endpoint=Endpoint(f"{SUBNET}.1", 29400), nodes="2:3",
+                           extra_args=["--token-file", str(token), "--last-call", "5"],
+                           env={"COUNTER_STEPS": "200", "COUNTER_STEP_SECONDS": "0.05"})
+    cluster.start("n1", netns=ns(1))
+    cluster.start("n2", netns=ns(2))
+    hidden = f"{SUBNET}.33"
+    subprocess.run(["ip", "-n", ns(3), "addr", "add", f"{hidden}/24", "dev", "eth0"], check=True)
+    subprocess.run(["ip", "-n", ns(1), "route", "add", "unreachable", f"{hidden}/32"], check=True)
+    cluster.start("n3", netns=ns(3), extra=["--advertise-address", hidden])
+
+    def quarantined(doc: dict[str, Any]) -> bool:
+        return doc["world_size"] == 2 and any(n["state"] == "quarantined" for n in doc["nodes"])
+
+    doc = wait_for(lambda: (d := status_from(cluster, 1, str(token))) is not None and quarantined(d) and d, 60,
+                   "n1 and n2 running, n3 set aside", interval=0.2)
+    [n3] = [n for n in doc["nodes"] if n["node_id"] == "n3"]
+    assert n3["quarantine"]["kind"] == "node_check"
+    assert n3["quarantine"]["reason"].startswith(f"node check failed: n3 cannot be reached at {hidden}:")
+    assert n3["quarantine"]["reason"].endswith(" from the coordinator: No route to host")
+    assert {n["node_id"] for n in members(doc)} == {"n1", "n2"}
+    assert cluster.wait_all(120) == [0, 0, 0], cluster.logs()

@@ -83,6 +83,24 @@ def test_cluster_collector_reads_the_published_snapshot() -> None:
     assert value("tfelastic_cluster_info", {"tfelastic_job": "mnist"}) == 1
 
 
+def test_cluster_collector_names_each_quarantined_node_and_counts_quarantines_by_kind() -> None:
+    snap = ClusterSnapshot(
+        job="mnist", state=JobState.RUNNING, reason="", generation=3, world_size=2, min_nodes=2, max_nodes=3,
+        max_restarts=3, restarts_total=2, restarts_by_reason={"worker_exit": 2},
+        nodes=(NodeSnapshot("a", 0, "h", 1, NodeState.RUNNING, 10, None),
+               NodeSnapshot("c", -1, "h", 3, NodeState.QUARANTINED, 0, None, quarantine_reason="x",
+                            quarantined_until=700.0, quarantine_kind="worker_failures")),
+        quarantines_by_kind={"worker_failures": 1})
+    registry = CollectorRegistry()
+    register_cluster_collector(registry, lambda: snap)
+    value = registry.get_sample_value
+    assert value("tfelastic_cluster_node_quarantined", {"node": "c", "kind": "worker_failures"}) == 1
+    assert value("tfelastic_cluster_node_quarantined", {"node": "a", "kind": ""}) is None
+    assert value("tfelastic_cluster_nodes", {"state": "quarantined"}) == 1
+    assert value("tfelastic_cluster_quarantines_total", {"kind": "worker_failures"}) == 1
+    assert value("tfelastic_cluster_quarantines_total", {"kind": "node_check"}) == 0
+
+
 def test_host_collector_measures_the_worker_tree(tmp_path: Path) -> None:
     registry = CollectorRegistry()
     register_host_collector(registry, os.getpid, str(tmp_path))
