@@ -101,7 +101,8 @@ class AgentCore:
         self._trainer = (0, 0)  # (generation, pid) of the running trainer, told again to a new coordinator
         self.gpus: tuple[int, float] = (0, 0.0)  # the node's GPU count and mean utilization, for reports
         self._check_owed = True  # the first Join of the process carries a node check; so does one asked for
-        self._check_result: str | None = None  # a check's result not sent yet ("": passed)
+        self._check_result: str | None = None  # a check's result the coordinator has not answered yet ("": passed)
+        self._check_sent_on: int | None = None  # the session whose Join carries it
 
     @property
     def winding_down(self) -> bool:
@@ -126,8 +127,10 @@ class AgentCore:
         return self._checked_join()
 
     def _checked_join(self) -> list[Action]:
-        failure, self._check_result = self._check_result or "", None
-        join = self._join(checked=True, failure=failure)
+        """The Join with the check's result. It stays owed until the coordinator answers that session: a Join on
+        a session that breaks first (the coordinator not up yet) is sent again on the next one."""
+        self._check_sent_on = self._contact.session
+        join = self._join(checked=True, failure=self._check_result or "")
         return [ListenForProbe(join.node.worker_port), Send(join)]
 
     def session_opened(self) -> list[Action]:
@@ -147,6 +150,8 @@ class AgentCore:
     def received(self, message: api.CoordinatorMessage) -> list[Action]:
         """Any message on the session, heartbeats included: each renews the coordinator's lease."""
         self._contact.heard(self.identity.coordinator)
+        if self._check_sent_on == self._contact.session:  # the coordinator has read the checked Join
+            self._check_result = self._check_sent_on = None
         if isinstance(message, api.Assignment):
             return [Announce("", ready=True), *self._assigned(message)]
         if isinstance(message, api.StopWorkers):

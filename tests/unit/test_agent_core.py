@@ -544,8 +544,21 @@ def test_the_first_join_carries_the_node_check_and_listens_for_the_coordinators_
     actions = h.core.session_opened()
     assert actions == [ListenForProbe(5555), Send(api.Join(
         api.NodeInfo("n1", "10.0.0.1", 5555, "incarnation-1"), SPEC, checked=True))]
+    h.core.received(api.Heartbeat())  # answered
     h.core.session_ended("lost")
     assert joins(h.core.session_opened())[0].checked is False  # a later session: no check
+
+
+def test_a_checked_join_on_a_session_that_breaks_before_an_answer_is_sent_again() -> None:
+    h = Harness()
+    h.core.node_checked("")
+    assert joins(h.core.session_opened())[0].checked
+    h.core.session_ended("UNAVAILABLE: Connection refused")  # the coordinator was not up yet
+    actions = h.core.session_opened()
+    assert actions[0] == ListenForProbe(5555) and joins(actions)[0].checked
+    h.core.received(api.Waiting(1, 1, 2, "waiting for the round to close"))  # answered
+    h.core.session_ended("lost")
+    assert not joins(h.core.session_opened())[0].checked
 
 
 def test_a_failed_check_goes_out_with_the_join(caplog: pytest.LogCaptureFixture) -> None:

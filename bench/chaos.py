@@ -1,0 +1,372 @@
+"""A chaos soak: one long job under many random faults of every kind, checked for exact correctness at the end.
+
+    python -m bench.chaos [--faults 200] [--seed 1]
+
+On localhost: a one-member etcd, three agents (``--nodes 2:3``, rendezvous on etcd, so any node may die, the
+coordinator's included), and the ledger trainer (tests/trainers/ledger.py: a ring collective between the ranks and
+a hash-chain state). The backup directory is a 32 MiB tmpfs, so that it can be filled. Faults come one at a time;
+each waits for the job to be back to three members training past where it was, and for the quarantine window to
+pass (so that two faults never add up to a quarantine by chance). The kinds:
+
+  worker_kill      SIGKILL one trainer                              worker_exit
+  agent_kill       SIGKILL an agent that does not lead; restart it  node_lost, then scale_up when it is back
+                   once the others re-formed (systemd would)
+  leader_kill      the same to the agent that leads (the coordinator's node)
+  hang             one trainer stops stepping, alive (a live hang)  stalled
+  agent_stop       SIGSTOP an agent that does not lead; SIGCONT     node_lost, scale_up
+                   once the others re-formed
+  drain            tfelastic drain; restart the agent after it      node_left, scale_up
+                   exited 0
+  torn_checkpoint  truncate the newest checkpoint, kill a trainer   worker_exit (restores an older one)
+  full_backup      fill the backup filesystem until a save fails,   worker_exit (1 or 2; a second failure of
+                   then free it                                     the chief's node quarantines it: scale_up)
+  bad_node         a node whose trainer dies at start: quarantined  worker_exit x2, scale_up after the
+                   after its second failure, back after its check  3 s cooldown
+
+Afterwards: the job runs to exactly its target step, and the digest equals the chain's (no step applied twice,
+none skipped, no torn checkpoint restored); every agent exits 0 (and every exit along the way is a documented
+code); no process of the job is left; each fault's restarts are the ones its kind causes, and the coordinator's
+/metrics counts what status counts. One line per fault (kind, node, time to recover, restarts), then a summary;
+exit code 1 on any violation. Every wait is bounded; all traffic stays on loopback. Needs root for the tmpfs
+(without it, full_backup is left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tfelastic.daemon.endpoint import Endpoint
+from tfelastic.daemon.exit_codes import ExitCode
+
+from bench.common import read_events
+from tests.cluster import Agent, Cluster, members, processes_of, scrape, wait_for
+from tests.etcd import EtcdCluster, leader_of
+from tests.trainers.ledger import chain, checkpoints
+
+LEDGER = [sys.executable, str(Path(__file__).resolve().parent.parent / "tests" / "trainers" / "ledger.py")]
+NODES = ("a", "b", "c")
+QUARANTINE_WINDOW = 4.0
+FLAGS = ["--stall-timeout", "5", "--stop-grace", "3", "--last-call", "0.5", "--settle", "1",
+         "--max-restarts", "100000", "--quarantine-window", str(QUARANTINE_WINDOW), "--quarantine-cooldown", "3",
+         "--check-min-free-mb", "1", "--log-level", "info"]
+RECOVERY_TIMEOUT = 120.0
+KINDS = ("worker_kill", "agent_kill", "leader_kill", "hang", "agent_stop", "drain", "torn_checkpoint",
+         "full_backup", "bad_node")
+STRIKES = {"worker_kill", "hang", "torn_checkpoint", "full_backup", "bad_node"}  # a worker of a node fails first
+BACKUP_MIB = 32
+
+
+@dataclass
+class Result:
+    kind: str
+    node: str
+    seconds: float
+    restarts: Counter[str]
+
+
+@dataclass
+class Soak:
+    tmp: Path
+    etcd: EtcdCluster
+    rng: random.Random
+    cluster: Cluster = field(init=False)
+    agents: dict[str, Agent] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+    exits: list[tuple[str, int]] = field(default_factory=list)  # agents that ended by themselves
+    torn_restores: int = 0
+
+    def __post_init__(self) -> None:
+        env: dict[str, str | None] = {"LEDGER_EVENTS": str(self.events), "LEDGER_CONTROL_DIR": str(self.control),
+               "LEDGER_TARGET_FILE": str(self.target_file), "LEDGER_STEPS": "1000000000"}
+        self.control.mkdir()
+        self.cluster = Cluster(self.tmp, Endpoint("127.0.0.1", 1), LEDGER, nodes="2:3", etcd=self.etcd.url,
+                               extra_args=FLAGS, env=env)
+
+    @property
+    def events(self) -> Path:
+        return self.tmp / "ledger-events.jsonl"
+
+    @property
+    def control(self) -> Path:
+        return self.tmp / "control"
+
+    @property
+    def target_file(self) -> Path:
+        return self.tmp / "target"
+
+    @property
+    def backup(self) -> Path:
+        return self.tmp / "backup"
+
+    # ------------------------------------------------------------------------------------------ the job
+
+    def start(self, node: str) -> None:
+        old = self.agents.get(node)
+        if old is not None and old.proc.poll() is None:
+            raise AssertionError(f"agent {node} is still running")
+        self.agents[node] = self.cluster.start(node)
+
+    def status(self) -> dict[str, Any]:
+        doc = wait_for(self.cluster.status, 30, "a coordinator to answer", interval=0.05)
+        return dict(doc)
+
+    def leader(self) -> str:
+        found = wait_for(lambda: leader_of(self.etcd.url), 30, "a leader in etcd", interval=0.05)
+        return str(found.node)
+
+    def training(self, past: int, world: int = 3) -> Callable[[dict[str, Any]], bool]:
+        return lambda d: (d["state"] == "running" and d["world_size"] == world and len(members(d)) == world
+                          and all(n["step"] is not None and n["step"] > past for n in members(d)))
+
+    def wait(self, predicate: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
+        return self.cluster.wait_status(predicate, RECOVERY_TIMEOUT, what)
+
+    def furthest(self, doc: dict[str, Any]) -> int:
+        return max((n["step"] or 0) for n in members(doc))
+
+    def worker_pid(self, doc: dict[str, Any], node: str) -> int:
+        return int(next(n["worker_pid"] for n in members(doc) if n["node_id"] == node))
+
+    def reformed_without(self, node: str, generation: int) -> None:
+        self.wait(lambda d: d["state"] == "running" and d["generation"] > generation and d["world_size"] == 2
+                  and node not in {n["node_id"] for n in members(d)}, f"the job re-formed without {node}")
+
+    def ended(self, node: str, timeout: float = 60.0) -> int:
+        code = self.agents[node].wait(timeout)
+        self.exits.append((node, code))
+        return code
+
+    # ------------------------------------------------------------------------------------------ faults
+
+    def worker_kill(self, doc: dict[str, Any]) -> str:
+        node = self.rng.choice(NODES)
+        os.kill(self.worker_pid(doc, node), signal.SIGKILL)
+        return node
+
+    def agent_kill(self, doc: dict[str, Any], *, leader: bool = False) -> str:
+        lead = self.leader()
+        node = lead if leader else self.rng.choice([n for n in NODES if n != lead])
+        self.agents[node].proc.send_signal(signal.SIGKILL)
+        self.agents[node].wait(30)
+        self.reformed_without(node, doc["generation"])
+        self.start(node)  # systemd's Restart=on-failure, after the others moved on
+        return node
+
+    def leader_kill(self, doc: dict[str, Any]) -> str:
+        return self.agent_kill(doc, leader=True)
+
+    def hang(self, doc: dict[str, Any]) -> str:
+        node = self.rng.choice(NODES)
+        (self.control / f"hang-{node}").write_text(str(doc["generation"]))
+        return node
+
+    def agent_stop(self, doc: dict[str, Any]) -> str:
+        lead = self.leader()
+        node = self.rng.choice([n for n in NODES if n != lead])
+        self.agents[node].proc.send_signal(signal.SIGSTOP)
+        try:
+            self.reformed_without(node, doc["generation"])
+        finally:
+            self.agents[node].proc.send_signal(signal.SIGCONT)
+        return node
+
+    def drain(self, doc: dict[str, Any]) -> str:
+        node = self.rng.choice(NODES)
+        result = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "drain", node, "--rendezvous",
+                                 self.etcd.url, "--reason", "chaos"], capture_output=True, text=True, timeout=60)
+        if result.returncode != 0:
+            self.violations.append(f"drain {node} refused: {result.stderr.strip()}")
+            return node
+        if (code := self.ended(node)) != 0:
+            self.violations.append(f"drained agent {node} exited {code}, not 0")
+        self.reformed_without(node, doc["generation"])
+        self.start(node)
+        return node
+
+    def torn_checkpoint(self, doc: dict[str, Any]) -> str:
+        newest = checkpoints(self.backup)[0]
+        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+        return self.worker_kill(doc)
+
+    def full_backup(self, doc: dict[str, Any]) -> str:
+        ballast = self.tmp / "backup" / "ballast"
+        with open(ballast, "wb", buffering=0) as f:
+            for chunk in (1 << 20, 1 << 12, 1):  # to the last byte: a small save must not fit in a leftover page
+                try:
+                    while True:
+                        f.write(b"\0" * chunk)
+                except OSError:
+                    pass
+        try:
+            self.cluster.wait_status(lambda d: d["generation"] > doc["generation"], RECOVERY_TIMEOUT,
+                                     "a save to fail")
+        finally:
+            ballast.unlink()
+        return str(members(doc)[0]["node_id"])
+
+    def bad_node(self, doc: dict[str, Any]) -> str:
+        node = self.rng.choice(NODES)
+        bad = self.control / f"bad-{node}"
+        bad.touch()
+        try:
+            os.kill(self.worker_pid(doc, node), signal.SIGKILL)
+            self.wait(lambda d: any(n["node_id"] == node and n["state"] == "quarantined" for n in d["nodes"]),
+                      f"{node} quarantined")
+        finally:
+            bad.unlink()  # repaired: after its cooldown it is checked and taken in again
+        return node
+
+
+def expected_restarts(kind: str, restarts: Counter[str]) -> bool:
+    if kind in ("worker_kill", "torn_checkpoint"):
+        return restarts == Counter(worker_exit=1)
+    if kind == "hang":
+        return restarts == Counter(stalled=1)
+    if kind in ("agent_kill", "leader_kill", "agent_stop"):
+        return restarts == Counter(node_lost=1, scale_up=1)
+    if kind == "drain":
+        return restarts == Counter(node_left=1, scale_up=1)
+    if kind == "full_backup":  # one failed save, or two (its node is then quarantined, and back after 3 s)
+        return restarts in (Counter(worker_exit=1), Counter(worker_exit=2, scale_up=1))
+    return restarts == Counter(worker_exit=2, scale_up=1)  # bad_node
+
+
+def inject(soak: Soak, kind: str, last_strike: float) -> Result:
+    wait = QUARANTINE_WINDOW + 0.5 - (time.monotonic() - last_strike)
+    if kind in STRIKES and wait > 0:
+        time.sleep(wait)  # two faults must not add up to a quarantine by chance
+    before = soak.status()
+    started = time.monotonic()
+    node = getattr(soak, kind)(before)
+    after = soak.wait(lambda d: d["generation"] > before["generation"] and soak.training(soak.furthest(before))(d),
+                      f"recovery from {kind} of {node}")
+    seconds = time.monotonic() - started
+    restarts = Counter(after["restarts_by_reason"]) - Counter(before["restarts_by_reason"])
+    if not expected_restarts(kind, restarts):
+        soak.violations.append(f"{kind} of {node}: restarts {dict(restarts)} are not what this fault causes")
+    if kind == "hang":
+        (soak.control / f"hang-{node}").unlink(missing_ok=True)
+    return Result(kind, node, seconds, restarts)
+
+
+def schedule(rng: random.Random, count: int, kinds: tuple[str, ...]) -> list[str]:
+    """Every kind once in a random order, then random kinds: a short run still has each one."""
+    first = list(kinds)
+    rng.shuffle(first)
+    return (first + [rng.choice(kinds) for _ in range(max(0, count - len(kinds)))])[:count]
+
+
+def metrics_url(soak: Soak, node: str) -> str:
+    found = re.findall(r"metrics on http://(\S+)/metrics", soak.agents[node].log())
+    return f"http://{found[-1]}/metrics"  # the log holds every incarnation of the agent: the last is the live one
+
+
+def finish(soak: Soak) -> None:
+    """Let the job end at a known step, then check everything the soak promises."""
+    doc = soak.status()
+    samples = scrape(metrics_url(soak, soak.leader()))[1]
+    counted = {r: int(v) for (name, labels), v in samples.items() if name == "tfelastic_cluster_restarts_total"
+               and v for r in [dict(labels)["reason"]]}
+    if counted != doc["restarts_by_reason"]:
+        soak.violations.append(f"/metrics counts restarts {counted}, status {doc['restarts_by_reason']}")
+    target = soak.furthest(doc) + 50
+    soak.target_file.write_text(str(target))
+    for node in NODES:
+        if (code := soak.ended(node, timeout=RECOVERY_TIMEOUT)) != 0:
+            soak.violations.append(f"agent {node} exited {code} at the end, not 0")
+    ends = [e for e in read_events(soak.events) if e["event"] == "end"]
+    expected = chain(target)
+    if not ends or any((e["step"], e["digest"]) != (target, expected) for e in ends):
+        soak.violations.append(f"the job did not end at step {target} with the chain's digest: {ends}")
+    soak.torn_restores = sum(1 for e in read_events(soak.events) if e["event"] == "start" and e["torn"])
+    documented = {int(code) for code in ExitCode}
+    for node, code in soak.exits:
+        if code not in documented:
+            soak.violations.append(f"agent {node} exited {code}, which is not a documented exit code")
+    if (left := [p for p in processes_of(str(soak.tmp)) if p.name() != "etcd"]):
+        soak.violations.append(f"processes left: {[(p.pid, p.name()) for p in left]}")
+        for p in left:
+            p.kill()
+
+
+def run(faults: int, seed: int, tmp: Path) -> int:
+    rng = random.Random(seed)
+    (tmp / "etcd").mkdir()
+    etcd = EtcdCluster(tmp / "etcd", size=1).start()
+    mounted = os.geteuid() == 0
+    (tmp / "backup").mkdir()
+    if mounted:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={BACKUP_MIB}m", "tfelastic-chaos", str(tmp / "backup")],
+                       check=True)
+    kinds = KINDS if mounted else tuple(k for k in KINDS if k != "full_backup")
+    soak = Soak(tmp, etcd, rng)
+    results: list[Result] = []
+    try:
+        for node in NODES:
+            soak.start(node)
+        soak.wait(soak.training(0), "three members training")
+        last_strike = 0.0
+        for i, kind in enumerate(schedule(rng, faults, kinds), 1):
+            result = inject(soak, kind, last_strike)
+            if kind in STRIKES:
+                last_strike = time.monotonic()
+            results.append(result)
+            print(f"{i:4d} {kind:16s} {result.node}  recovered in {result.seconds:6.2f}s  restarts "
+                  f"{dict(result.restarts)}", flush=True)
+            if soak.violations:
+                break
+        if not soak.violations:
+            finish(soak)
+    except AssertionError as e:  # a wait that ran out: the job did not recover
+        soak.violations.append(str(e))
+    finally:
+        soak.cluster.stop()
+        etcd.stop()
+        if mounted:
+            subprocess.run(["umount", "-l", str(tmp / "backup")], check=False)
+    report(results, soak)
+    return 1 if soak.violations else 0
+
+
+def report(results: list[Result], soak: Soak) -> None:
+    print(f"\n{len(results)} faults; torn checkpoints skipped at restore: {soak.torn_restores}")
+    by_kind: dict[str, list[float]] = {}
+    for r in results:
+        by_kind.setdefault(r.kind, []).append(r.seconds)
+    for kind, times in sorted(by_kind.items()):
+        print(f"  {kind:16s} n={len(times):3d}  recovery median {statistics.median(times):6.2f}s  "
+              f"max {max(times):6.2f}s")
+    total = sum((r.restarts for r in results), Counter())
+    print(f"restarts: {dict(sorted(total.items()))}")
+    print("violations: none" if not soak.violations else "VIOLATIONS:\n  " + "\n  ".join(soak.violations))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--faults", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--keep", default="", help="keep the job's files (logs) in this directory")
+    args = parser.parse_args()
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+        sys.exit(run(args.faults, args.seed, Path(tempfile.mkdtemp(dir=args.keep))))
+    with tempfile.TemporaryDirectory() as d:
+        sys.exit(run(args.faults, args.seed, Path(d)))
+
+
+if __name__ == "__main__":
+    main()

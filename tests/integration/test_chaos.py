@@ -1,0 +1,29 @@
+"""The chaos soak (bench/chaos.py) as a test: 20 random faults, every kind at least once, on one running job. It
+fails on any violation the soak checks: the final step and digest, exit codes, leftover processes, and restarts
+that are not the ones each fault causes. The 200-fault figures are in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.cluster import ROOT
+from tests.etcd import require_etcd
+
+pytestmark = [pytest.mark.integration, pytest.mark.netns]  # netns: it needs root (a tmpfs for the full backup)
+
+
+def test_twenty_random_faults_leave_an_exactly_correct_job() -> None:
+    require_etcd()
+    result = subprocess.run([sys.executable, "-m", "bench.chaos", "--faults", "20", "--seed", "7"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=1200)
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "violations: none" in result.stdout
+    lines = [line for line in result.stdout.splitlines() if "recovered in" in line]
+    assert len(lines) == 20
+    kinds = {line.split()[1] for line in lines}
+    assert kinds == {"worker_kill", "agent_kill", "leader_kill", "hang", "agent_stop", "drain", "torn_checkpoint",
+                     "full_backup", "bad_node"}
