@@ -17,7 +17,7 @@ pass (so that two faults never add up to a quarantine by chance). The kinds:
                    once the others re-formed
   drain            tfelastic drain; restart the agent after it      node_left, scale_up
                    exited 0
-  torn_checkpoint  truncate the newest checkpoint, kill a trainer   worker_exit (restores an older one)
+  torn_checkpoint  truncate the newest checkpoint, SIGKILL the chief worker_exit (restores an older one)
   full_backup      fill the backup filesystem until a save fails,   worker_exit (1 or 2; a second failure of
                    then free it                                     the chief's node quarantines it: scale_up)
   bad_node         a node whose trainer dies at start: quarantined  worker_exit x2, scale_up after the
@@ -198,9 +198,12 @@ class Soak:
         return node
 
     def torn_checkpoint(self, doc: dict[str, Any]) -> str:
+        """The chief dies (SIGKILL: it cannot save on the way out) right after its newest checkpoint was torn."""
+        chief = str(members(doc)[0]["node_id"])
         newest = checkpoints(self.backup)[0]
         newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
-        return self.worker_kill(doc)
+        os.kill(self.worker_pid(doc, chief), signal.SIGKILL)
+        return chief
 
     def full_backup(self, doc: dict[str, Any]) -> str:
         ballast = self.tmp / "backup" / "ballast"
