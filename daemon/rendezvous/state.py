@@ -40,7 +40,6 @@ from tfelastic.daemon.rendezvous.api import (
     JobState,
     Member,
     NodeInfo,
-    NodeSnapshot,
     NodeState,
     OperatorRefusedError,
     Order,
@@ -61,6 +60,7 @@ from tfelastic.daemon.rendezvous.membership import Membership, Node
 from tfelastic.daemon.rendezvous.quarantine import COOLDOWN_OVER, QuarantineBook
 from tfelastic.daemon.rendezvous.restarts import RestartBook
 from tfelastic.daemon.rendezvous.round_timers import RoundTimers
+from tfelastic.daemon.rendezvous.snapshot import cluster_snapshot
 
 log = logging.getLogger("tfelastic.coordinator")
 
@@ -344,35 +344,15 @@ class Rendezvous:
     # ------------------------------------------------------------------------------------------- snapshot
 
     def snapshot(self) -> ClusterSnapshot:
-        nodes = []
-        for node_id, node in self.nodes.items():
-            rank = self._ranks[node_id] if self._is_current_member(node_id) else -1
-            held = self.quarantine.held.get(node_id) if node.state is NodeState.QUARANTINED else None
-            nodes.append(NodeSnapshot(
-                node_id, rank, node.info.host, node.info.worker_port, node.state,
-                node.worker_pid if rank >= 0 else 0, node.progress, node.gpus, node.gpu_utilization,
-                held.reason if held else "", held.until if held else None, held.kind if held else "",
-            ))
-        nodes.sort(key=lambda n: (n.rank < 0, n.rank, n.node_id))
-        spec = self.spec
-        running = self.state in (JobState.RUNNING, JobState.SUCCEEDED)
-        return ClusterSnapshot(
-            job=self._job_name(),
-            state=self.state,
-            reason=self.reason,
-            generation=self.generation,
-            world_size=len(self._members) if running else 0,
-            min_nodes=spec.min_nodes if spec else 0,
-            max_nodes=spec.max_nodes if spec else 0,
-            max_restarts=spec.max_restarts if spec else 0,
-            restarts_total=self.restarts.total,
-            restarts_by_reason=dict(self.restarts.by_reason),
-            warnings=tuple(self.restarts.resumes.warnings),
-            steps_redone=self.restarts.resumes.steps_redone,
-            steps_lost=self.restarts.resumes.steps_lost,
-            nodes=tuple(nodes),
-            quarantines_by_kind=dict(self.quarantine.by_kind),
-        )
+        return cluster_snapshot(self)
+
+    def rank_of(self, node_id: str) -> int:
+        """The node's rank in the running (or just succeeded) generation; -1 for any other node."""
+        return self._ranks[node_id] if self._is_current_member(node_id) else -1
+
+    @property
+    def world_size(self) -> int:
+        return len(self._members) if self.state in (JobState.RUNNING, JobState.SUCCEEDED) else 0
 
     # ------------------------------------------------------------------------------------------ internals
 

@@ -1,0 +1,42 @@
+"""The job as status and /metrics show it: a read-only view of the rendezvous state machine, built on demand."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tfelastic.daemon.rendezvous.api import ClusterSnapshot, NodeSnapshot, NodeState
+
+if TYPE_CHECKING:
+    from tfelastic.daemon.rendezvous.state import Rendezvous
+
+
+def cluster_snapshot(rv: Rendezvous) -> ClusterSnapshot:
+    nodes = sorted((_node(rv, node_id) for node_id in rv.nodes), key=lambda n: (n.rank < 0, n.rank, n.node_id))
+    spec = rv.spec
+    resumes = rv.restarts.resumes
+    return ClusterSnapshot(
+        job=spec.job if spec else "",
+        state=rv.state,
+        reason=rv.reason,
+        generation=rv.generation,
+        world_size=rv.world_size,
+        min_nodes=spec.min_nodes if spec else 0,
+        max_nodes=spec.max_nodes if spec else 0,
+        max_restarts=spec.max_restarts if spec else 0,
+        restarts_total=rv.restarts.total,
+        restarts_by_reason=dict(rv.restarts.by_reason),
+        warnings=tuple(resumes.warnings),
+        steps_redone=resumes.steps_redone,
+        steps_lost=resumes.steps_lost,
+        nodes=tuple(nodes),
+        quarantines_by_kind=dict(rv.quarantine.by_kind),
+    )
+
+
+def _node(rv: Rendezvous, node_id: str) -> NodeSnapshot:
+    node, rank = rv.nodes[node_id], rv.rank_of(node_id)
+    held = rv.quarantine.held.get(node_id) if node.state is NodeState.QUARANTINED else None
+    return NodeSnapshot(
+        node_id, rank, node.info.host, node.info.worker_port, node.state, node.worker_pid if rank >= 0 else 0,
+        node.progress, node.gpus, node.gpu_utilization, held.reason if held else "",
+        held.until if held else None, held.kind if held else "")
