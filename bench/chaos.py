@@ -1,8 +1,9 @@
 """A chaos soak: one long job under many random faults of every kind, checked for exact correctness at the end.
 
-    python -m bench.chaos [--faults 200] [--seed 1]
+    python -m bench.chaos [--faults 200] [--seed 1] [--netns]
 
-On localhost: a one-member etcd, three agents (``--nodes 2:3``, rendezvous on etcd, so any node may die, the
+On localhost (or, with --netns, on three hosts in network namespaces on a bridge, with etcd on the bridge's own
+address): a one-member etcd, three agents (``--nodes 2:3``, rendezvous on etcd, so any node may die, the
 coordinator's included), and the ledger trainer (tests/trainers/ledger.py: a ring collective between the ranks and
 a hash-chain state). The backup directory is a 32 MiB tmpfs, so that it can be filled. Faults come one at a time;
 each waits for the job to be back to three members training past where it was, and for the quarantine window to
@@ -22,13 +23,15 @@ pass (so that two faults never add up to a quarantine by chance). The kinds:
                    then free it                                     the chief's node quarantines it: scale_up)
   bad_node         a node whose trainer dies at start: quarantined  worker_exit x2, scale_up after the
                    after its second failure, back after its check  3 s cooldown
+  partition        (--netns) a host's link down until the others    node_lost, scale_up
+                   re-formed, then up again
 
 Afterwards: the job runs to exactly its target step, and the digest equals the chain's (no step applied twice,
 none skipped, no torn checkpoint restored); every agent exits 0 (and every exit along the way is a documented
 code); no process of the job is left; each fault's restarts are the ones its kind causes, and the coordinator's
 /metrics counts what status counts. One line per fault (kind, node, time to recover, restarts), then a summary;
-exit code 1 on any violation. Every wait is bounded; all traffic stays on loopback. Needs root for the tmpfs
-(without it, full_backup is left out).
+exit code 1 on any violation. Every wait is bounded; all traffic stays on loopback and on the namespace hosts it
+made. Needs root for the tmpfs (without it, full_backup is left out) and for --netns.
 """
 
 from __future__ import annotations
@@ -43,17 +46,19 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.exit_codes import ExitCode
 
 from bench.common import read_events
-from tests.cluster import Agent, Cluster, members, processes_of, scrape, wait_for
+from tests.cluster import Agent, Cluster, members, processes_of, wait_for
 from tests.etcd import EtcdCluster, leader_of
 from tests.trainers.ledger import chain, checkpoints
 
@@ -68,6 +73,24 @@ KINDS = ("worker_kill", "agent_kill", "leader_kill", "hang", "agent_stop", "drai
          "full_backup", "bad_node")
 STRIKES = {"worker_kill", "hang", "torn_checkpoint", "full_backup", "bad_node"}  # a worker of a node fails first
 BACKUP_MIB = 32
+NETNS = Path(__file__).resolve().parent.parent / "tests" / "netns-hosts.sh"
+PREFIX, SUBNET = "tfec", "10.231.13"
+NETNS_ENV = {"TFE_NETNS_PREFIX": PREFIX, "TFE_NETNS_SUBNET": SUBNET}
+TOKEN = "chaos-soak-secret"
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """Where the agents run: all on localhost, or node i on namespace host i (then with a token, as any job whose
+    listeners are not on loopback)."""
+
+    netns: bool
+
+    def namespace(self, node: str) -> str:
+        return f"{PREFIX}-h{NODES.index(node) + 1}" if self.netns else ""
+
+    def address(self, node: str) -> str:
+        return f"{SUBNET}.{NODES.index(node) + 1}" if self.netns else "127.0.0.1"
 
 
 @dataclass
@@ -83,6 +106,7 @@ class Soak:
     tmp: Path
     etcd: EtcdCluster
     rng: random.Random
+    hosts: Hosts
     cluster: Cluster = field(init=False)
     agents: dict[str, Agent] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
@@ -93,8 +117,17 @@ class Soak:
         env: dict[str, str | None] = {"LEDGER_EVENTS": str(self.events), "LEDGER_CONTROL_DIR": str(self.control),
                "LEDGER_TARGET_FILE": str(self.target_file), "LEDGER_STEPS": "1000000000"}
         self.control.mkdir()
+        flags = list(FLAGS)
+        if self.hosts.netns:
+            self.token_file.write_text(TOKEN + "\n")
+            self.token_file.chmod(0o600)
+            flags += ["--token-file", str(self.token_file), "--metrics-token-file", str(self.token_file)]
         self.cluster = Cluster(self.tmp, Endpoint("127.0.0.1", 1), LEDGER, nodes="2:3", etcd=self.etcd.url,
-                               extra_args=FLAGS, env=env)
+                               extra_args=flags, env=env, token=TOKEN if self.hosts.netns else None)
+
+    @property
+    def token_file(self) -> Path:
+        return self.tmp / "token"
 
     @property
     def events(self) -> Path:
@@ -118,7 +151,8 @@ class Soak:
         old = self.agents.get(node)
         if old is not None and old.proc.poll() is None:
             raise AssertionError(f"agent {node} is still running")
-        self.agents[node] = self.cluster.start(node)
+        metrics = ["--metrics-address", self.hosts.address(node)] if self.hosts.netns else []
+        self.agents[node] = self.cluster.start(node, netns=self.hosts.namespace(node), extra=metrics)
 
     def status(self) -> dict[str, Any]:
         doc = wait_for(self.cluster.status, 30, "a coordinator to answer", interval=0.05)
@@ -186,8 +220,10 @@ class Soak:
 
     def drain(self, doc: dict[str, Any]) -> str:
         node = self.rng.choice(NODES)
+        token = ["--token-file", str(self.token_file)] if self.hosts.netns else []
         result = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "drain", node, "--rendezvous",
-                                 self.etcd.url, "--reason", "chaos"], capture_output=True, text=True, timeout=60)
+                                 self.etcd.url, "--reason", "chaos", *token], capture_output=True, text=True,
+                                timeout=60)
         if result.returncode != 0:
             self.violations.append(f"drain {node} refused: {result.stderr.strip()}")
             return node
@@ -221,6 +257,16 @@ class Soak:
             ballast.unlink()
         return str(members(doc)[0]["node_id"])
 
+    def partition(self, doc: dict[str, Any]) -> str:
+        node = self.rng.choice(NODES)
+        link = ["ip", "-n", self.hosts.namespace(node), "link", "set", "eth0"]
+        subprocess.run([*link, "down"], check=True)
+        try:
+            self.reformed_without(node, doc["generation"])
+        finally:
+            subprocess.run([*link, "up"], check=True)
+        return node
+
     def bad_node(self, doc: dict[str, Any]) -> str:
         node = self.rng.choice(NODES)
         bad = self.control / f"bad-{node}"
@@ -239,7 +285,7 @@ def expected_restarts(kind: str, restarts: Counter[str]) -> bool:
         return restarts == Counter(worker_exit=1)
     if kind == "hang":
         return restarts == Counter(stalled=1)
-    if kind in ("agent_kill", "leader_kill", "agent_stop"):
+    if kind in ("agent_kill", "leader_kill", "agent_stop", "partition"):
         return restarts == Counter(node_lost=1, scale_up=1)
     if kind == "drain":
         return restarts == Counter(node_left=1, scale_up=1)
@@ -273,17 +319,22 @@ def schedule(rng: random.Random, count: int, kinds: tuple[str, ...]) -> list[str
     return (first + [rng.choice(kinds) for _ in range(max(0, count - len(kinds)))])[:count]
 
 
-def metrics_url(soak: Soak, node: str) -> str:
+def restarts_on_metrics(soak: Soak, node: str) -> dict[str, int]:
+    """tfelastic_cluster_restarts_total by reason, off the /metrics of the agent on ``node``."""
     found = re.findall(r"metrics on http://(\S+)/metrics", soak.agents[node].log())
-    return f"http://{found[-1]}/metrics"  # the log holds every incarnation of the agent: the last is the live one
+    request = urllib.request.Request(f"http://{found[-1]}/metrics")  # the log's last incarnation is the live one
+    if soak.hosts.netns:
+        request.add_header("Authorization", f"Bearer {TOKEN}")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        text = response.read().decode()
+    return {s.labels["reason"]: int(s.value) for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "tfelastic_cluster_restarts_total" and s.value}
 
 
 def finish(soak: Soak) -> None:
     """Let the job end at a known step, then check everything the soak promises."""
     doc = soak.status()
-    samples = scrape(metrics_url(soak, soak.leader()))[1]
-    counted = {r: int(v) for (name, labels), v in samples.items() if name == "tfelastic_cluster_restarts_total"
-               and v for r in [dict(labels)["reason"]]}
+    counted = restarts_on_metrics(soak, soak.leader())
     if counted != doc["restarts_by_reason"]:
         soak.violations.append(f"/metrics counts restarts {counted}, status {doc['restarts_by_reason']}")
     target = soak.furthest(doc) + 50
@@ -306,17 +357,29 @@ def finish(soak: Soak) -> None:
             p.kill()
 
 
-def run(faults: int, seed: int, tmp: Path) -> int:
+def run(faults: int, seed: int, tmp: Path, netns: bool) -> int:
+    if not netns:
+        return run_soak(faults, seed, tmp, Hosts(netns=False))
+    subprocess.run(["bash", str(NETNS), "down", str(len(NODES))], env=NETNS_ENV, capture_output=True)
+    try:
+        subprocess.run(["bash", str(NETNS), "up", str(len(NODES))], env=NETNS_ENV, check=True)
+        subprocess.run(["ip", "addr", "add", f"{SUBNET}.254/24", "dev", f"{PREFIX}br0"], check=True)
+        return run_soak(faults, seed, tmp, Hosts(netns=True))
+    finally:
+        subprocess.run(["bash", str(NETNS), "down", str(len(NODES))], env=NETNS_ENV, check=True)
+
+
+def run_soak(faults: int, seed: int, tmp: Path, hosts: Hosts) -> int:
     rng = random.Random(seed)
     (tmp / "etcd").mkdir()
-    etcd = EtcdCluster(tmp / "etcd", size=1).start()
+    etcd = EtcdCluster(tmp / "etcd", size=1, hosts=[f"{SUBNET}.254"] if hosts.netns else []).start()
     mounted = os.geteuid() == 0
     (tmp / "backup").mkdir()
     if mounted:
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={BACKUP_MIB}m", "tfelastic-chaos", str(tmp / "backup")],
                        check=True)
-    kinds = KINDS if mounted else tuple(k for k in KINDS if k != "full_backup")
-    soak = Soak(tmp, etcd, rng)
+    kinds = tuple(k for k in KINDS if k != "full_backup" or mounted) + (("partition",) if hosts.netns else ())
+    soak = Soak(tmp, etcd, rng, hosts)
     results: list[Result] = []
     try:
         for node in NODES:
@@ -362,13 +425,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--faults", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--netns", action="store_true", help="three hosts in network namespaces (root), with "
+                        "partitions among the faults")
     parser.add_argument("--keep", default="", help="keep the job's files (logs) in this directory")
     args = parser.parse_args()
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)
-        sys.exit(run(args.faults, args.seed, Path(tempfile.mkdtemp(dir=args.keep))))
+        sys.exit(run(args.faults, args.seed, Path(tempfile.mkdtemp(dir=args.keep)), args.netns))
     with tempfile.TemporaryDirectory() as d:
-        sys.exit(run(args.faults, args.seed, Path(d)))
+        sys.exit(run(args.faults, args.seed, Path(d), args.netns))
 
 
 if __name__ == "__main__":
