@@ -35,7 +35,7 @@ from tfelastic.daemon.agent.api import (
     StopResult,
 )
 from tfelastic.daemon.agent.core import AgentCore, Identity, Timing
-from tfelastic.daemon.agent.nodecheck import NodeCheck, PortListener
+from tfelastic.daemon.agent.nodecheck import MATMUL_TIMEOUT_SECONDS, NodeCheck, PortListener
 from tfelastic.daemon.agent.placement import EmbeddedPlacement, EtcdPlacement
 from tfelastic.daemon.agent.runner import WorkerRunner, agent_environment, trainer_env
 from tfelastic.daemon.agent.session import CoordinatorSession, open_session
@@ -58,6 +58,7 @@ log = logging.getLogger("tfelastic.agent")
 
 RETRY_SECONDS = 0.2  # between attempts to reach the coordinator
 GPU_POLL_SECONDS = 5.0
+NODE_CHECK_SECONDS = MATMUL_TIMEOUT_SECONDS + 30.0  # the matmul's own bound, and the rest of the check
 # A terminal closed under `tfelastic run` (SIGHUP) or Ctrl-\ (SIGQUIT) is a request to stop, like SIGTERM and
 # Ctrl-C: the agent leaves the job cleanly. SIGUSR1 logs what the agent is doing; SIGUSR2 is ignored.
 LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -187,8 +188,15 @@ class Agent:
         self._apply(self.core.received(message))
 
     async def _check_node(self) -> None:
+        """The node check, off the loop and bounded: a hung mount must not keep the node out of the job
+        silently (the thread it hangs in stays behind; the check says why it failed)."""
         self.on_status("checking this node")
-        self._apply(self.core.node_checked(await asyncio.to_thread(self._node_check.run)))
+        try:
+            failure = await asyncio.wait_for(asyncio.to_thread(self._node_check.run), NODE_CHECK_SECONDS)
+        except asyncio.TimeoutError:
+            failure = f"the node check did not finish within {NODE_CHECK_SECONDS:g}s (a hung mount of the " \
+                      f"backup dir {self.config.resolved_backup_dir()}? a wedged GPU?)"
+        self._apply(self.core.node_checked(failure))
 
     async def _leave_a_deposed_coordinator(self, endpoint: Endpoint, session: CoordinatorSession) -> None:
         """With etcd: a coordinator cut off from etcd but not from us is no longer the job's once etcd names

@@ -56,11 +56,13 @@ class RestartBook:
         """Records a restart; returns how long the next generation must wait (0: at once)."""
         self.by_reason[reason.value] += 1
         self.total += 1
-        if not reason.counts_against_budget:
-            return 0.0
         now = self._clock()
+        # A healthy generation resets the count however it ends: a scale-up after it must not leave the failures
+        # before it counted "in a row" with the next one.
         if self._progressed or (self._formed_at is not None and now - self._formed_at >= HEALTHY_RUN_SECONDS):
             self.failed_in_a_row = 0
+        if not reason.counts_against_budget:
+            return 0.0
         self.failed_in_a_row += 1
         delay = self.backoff(self.failed_in_a_row)
         self.not_before = now + delay if delay > 0 else None

@@ -663,6 +663,23 @@ def test_a_generation_that_trained_resets_the_backoff() -> None:
     assert _fail_and_rejoin(rv, clock, 8.0, ids) == assignments(4, ids, restarts=3)
 
 
+def test_a_generation_that_trained_resets_the_backoff_even_when_a_planned_restart_ends_it() -> None:
+    clock = FakeClock()
+    ids = ["a", "b"]
+    rv = Rendezvous(BACKOFF, clock, spec(max_nodes=2, max_restarts=10))
+    join(rv, *ids)
+    _fail_and_rejoin(rv, clock, 5.0, ids)
+    assert _fail_and_rejoin(rv, clock, 6.0, ids) == []  # second in a row: waits
+    at(clock, rv, 7.0)
+    rv.tick()
+    rv.progress("a", 3, WorkerProgress(step=100))
+    rv.progress("a", 3, WorkerProgress(step=101))  # generation 3 trains...
+    rv.restart_job("maintenance")  # ...and ends by a planned restart
+    rejoin_all(rv, *ids)
+    assert rv.generation == 4
+    assert _fail_and_rejoin(rv, clock, 8.0, ids) == assignments(5, ids, restarts=4)  # a first failure: at once
+
+
 def test_a_long_run_resets_the_backoff_and_planned_restarts_never_wait() -> None:
     clock = FakeClock()
     ids = ["a", "b"]
