@@ -346,7 +346,9 @@ def finish(soak: Soak) -> None:
     expected = chain(target)
     if not ends or any((e["step"], e["digest"]) != (target, expected) for e in ends):
         soak.violations.append(f"the job did not end at step {target} with the chain's digest: {ends}")
-    soak.torn_restores = sum(1 for e in read_events(soak.events) if e["event"] == "start" and e["torn"])
+    events = read_events(soak.events)
+    soak.torn_restores = sum(1 for e in events if e["event"] == "start" and e["torn"])
+    soak.violations += stale_saves(events)
     documented = {int(code) for code in ExitCode}
     for node, code in soak.exits:
         if code not in documented:
@@ -355,6 +357,19 @@ def finish(soak: Soak) -> None:
         soak.violations.append(f"processes left: {[(p.pid, p.name()) for p in left]}")
         for p in left:
             p.kill()
+
+
+def stale_saves(events: list[dict[str, Any]]) -> list[str]:
+    """Checkpoints written by a worker of an older generation after a newer generation had started: a stale
+    worker that went on training (the digest alone cannot tell: its state is a valid one)."""
+    newest, problems = 0, []
+    for e in sorted(events, key=lambda e: e["time"]):
+        if e["event"] == "start":
+            newest = max(newest, e["generation"])
+        elif e["event"] == "saved" and e["generation"] < newest:
+            problems.append(f"generation {e['generation']} saved step {e['step']} after generation {newest} had "
+                            "started")
+    return problems
 
 
 def run(faults: int, seed: int, tmp: Path, netns: bool) -> int:

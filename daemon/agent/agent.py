@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -91,6 +92,8 @@ class Agent:
                                      config.node.check_min_free_mb << 20, gpu_problems=self._gpus.health_problems,
                                      gpu_count=lambda: self._gpus.utilization()[0])
         self._probe_port = PortListener()
+        self._checking: asyncio.Task[None] | None = None  # the node check under way: never two at once
+        self._listen_problem = ""  # why the last ListenForProbe could not listen, for the Join that follows
         self._listener: ProgressListener | None = None
         self._metrics_server: MetricsServer | None = None
         self._session: CoordinatorSession | None = None
@@ -130,7 +133,7 @@ class Agent:
             self._ticked_at = self._clock()
             endpoint = await self._placement.coordinator()
             if endpoint is not None and self.core.check_owed:
-                await self._check_node()
+                await self._start_check()
             if endpoint is not None:
                 attached_before = self.core.sessions_opened
                 try:
@@ -187,6 +190,11 @@ class Agent:
             self._probe_port.close()  # the Join is answered; and the trainer may need the port now
         self._apply(self.core.received(message))
 
+    def _start_check(self) -> asyncio.Task[None]:
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.create_task(self._check_node())
+        return self._checking
+
     async def _check_node(self) -> None:
         """The node check, off the loop and bounded: a hung mount must not keep the node out of the job
         silently (the thread it hangs in stays behind; the check says why it failed)."""
@@ -218,8 +226,12 @@ class Agent:
     def _apply(self, actions: Iterable[Action]) -> None:
         for action in actions:
             if isinstance(action, Send):
+                message = action.message
+                if isinstance(message, api.Join) and message.checked and self._listen_problem:
+                    message = dataclasses.replace(message, check_failure="; ".join(
+                        p for p in (message.check_failure, self._listen_problem) if p))
                 if self._session is not None:
-                    self._session.send(action.message)
+                    self._session.send(message)
             elif isinstance(action, Launch):
                 self._launch(action.assignment)
             elif isinstance(action, Stop):
@@ -231,9 +243,9 @@ class Agent:
                 if self._session is not None:
                     self._session.drop(action.reason)
             elif isinstance(action, RunNodeCheck):
-                self._spawn(self._check_node())
+                self._start_check()
             elif isinstance(action, ListenForProbe):
-                self._probe_port.open(action.port)
+                self._listen_problem = self._probe_port.open(action.port)
             elif isinstance(action, Announce):
                 if action.ready:
                     self.on_ready()
@@ -287,6 +299,7 @@ class Agent:
         self._apply(self.core.worker_exited(generation, code, output))
 
     def worker_stopped(self, result: StopResult) -> None:
+        self._spawn(asyncio.to_thread(self._gpus.forget_xids))
         self._apply(self.core.worker_stopped(result))
 
     def _on_progress(self, message: ProgressMessage) -> None:

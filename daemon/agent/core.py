@@ -150,7 +150,8 @@ class AgentCore:
     def received(self, message: api.CoordinatorMessage) -> list[Action]:
         """Any message on the session, heartbeats included: each renews the coordinator's lease."""
         self._contact.heard(self.identity.coordinator)
-        if self._check_sent_on == self._contact.session:  # the coordinator has read the checked Join
+        if self._check_sent_on == self._contact.session and not isinstance(message, api.Heartbeat):
+            # The coordinator answered the checked Join; a heartbeat may have been on its way before it read it.
             self._check_result = self._check_sent_on = None
         if isinstance(message, api.Assignment):
             return [Announce("", ready=True), *self._assigned(message)]

@@ -17,6 +17,7 @@ The coordinator adds the last part from its side: it tries to reach the node's t
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -24,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -58,7 +60,7 @@ class NodeCheck:
         path = self.backup_dir
         if not path:
             return []
-        probe = os.path.join(path, f".tfelastic-check-{self.node_id}-{os.getpid()}")
+        probe = os.path.join(path, f".tfelastic-check-{self.node_id}-{uuid.uuid4().hex}")
         try:
             os.makedirs(path, exist_ok=True)
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -67,7 +69,8 @@ class NodeCheck:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-                os.unlink(probe)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(probe)
             stat = os.statvfs(path)
         except OSError as e:
             return [f"backup dir {path} is not writable: {e.strerror or e}"]
@@ -106,7 +109,8 @@ class PortListener:
     def __init__(self) -> None:
         self._socket: socket.socket | None = None
 
-    def open(self, port: int) -> None:
+    def open(self, port: int) -> str:
+        """Listens; returns what keeps it from listening ("" if nothing): the trainer would not bind either."""
         self.close()
         try:
             self._socket = socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)
@@ -114,7 +118,9 @@ class PortListener:
             try:
                 self._socket = socket.create_server(("0.0.0.0", port))
             except OSError as e:
-                log.warning("cannot listen on the worker port %d for the coordinator's probe: %s", port, e)
+                return f"cannot listen on the worker port {port}: {e.strerror or e} (another process holds it? " \
+                       "free it, or choose another --worker-port)"
+        return ""
 
     def close(self) -> None:
         if self._socket is not None:

@@ -129,6 +129,16 @@ class GpuCollector(Collector):
             return [f"GPU {gpu.index} ({gpu.labels[1]}): {problem}"
                     for gpu in self._gpus.values() for problem in self._gpu_problems(gpu)]
 
+    def forget_xids(self) -> None:
+        """The node's worker ended: XIDs until now belong to that generation's failure, already counted against
+        the node. The next check looks only at what comes after (with no trainer running: the GPU itself)."""
+        with self._lock:
+            if not self._ensure_nvml(self._clock()):
+                return
+            self._drain_xid_events()
+            for gpu in self._gpus.values():
+                gpu.xids_at_check = gpu.xids or 0
+
     def _gpu_problems(self, gpu: _Gpu) -> list[str]:
         problems = []
         if gpu.xids is not None and gpu.xids > gpu.xids_at_check:
@@ -138,7 +148,8 @@ class GpuCollector(Collector):
         uncorrected = self._value(gpu, ("nvmlDeviceGetTotalEccErrors",), pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
                                   pynvml.NVML_VOLATILE_ECC)
         if uncorrected:
-            problems.append(f"{uncorrected} uncorrectable ECC error(s) since the driver loaded")
+            problems.append(f"{uncorrected} uncorrectable ECC error(s) since the driver loaded: reset the GPU or "
+                            "reload the driver, and replace it if they come back")
         if self._value(gpu, ("nvmlDeviceGetRetiredPagesPendingStatus",)):
             problems.append("retired pages pending: reset the GPU")
         remapped = self._value(gpu, ("nvmlDeviceGetRemappedRows",))

@@ -63,9 +63,19 @@ class DurableState:
         if spec is not None:
             spec = JobSpec(**{**spec, "command_digest": bytes.fromhex(spec["command_digest"])})
         members = tuple(Member(**m) for m in doc.pop("members"))
+        quarantined = {str(node): _quarantine_entry(entry) for node, entry in doc.pop("quarantined", {}).items()}
         state = JobState(doc.pop("state"))
         rest: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()}
-        return cls(spec=spec, state=state, members=members, **rest)
+        return cls(spec=spec, state=state, members=members, quarantined=quarantined, **rest)
+
+
+def _quarantine_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """One quarantined node as etcd holds it, with its types checked (KeyError, TypeError: malformed)."""
+    kind = str(entry["kind"])
+    if kind not in ("worker_failures", "node_check"):
+        raise TypeError(f"unknown quarantine kind {kind[:32]!r}")
+    return {"kind": kind, "reason": str(entry["reason"]), "until": float(entry["until"]),
+            "checking": bool(entry["checking"]), "quarantines": int(entry["quarantines"])}
 
 
 @dataclass(frozen=True)

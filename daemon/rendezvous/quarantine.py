@@ -129,12 +129,16 @@ class QuarantineBook:
             self.held[node_id].checking = True
         return ready
 
-    def readmit(self, node_id: str) -> None:
+    def readmit(self, node_id: str, now: float) -> None:
         """An operator lifts the quarantine: the node is checked at once, and its history is forgotten."""
         self._records.pop(node_id, None)
         held = self.held.get(node_id)
         if held is not None:
-            held.checking = True
+            held.checking, held.until = True, now
+
+    def times_quarantined(self, node_id: str) -> int:
+        record = self._records.get(node_id)
+        return record.quarantines if record is not None else 0
 
     def release(self, node_id: str) -> None:
         """The node passed its check: admitted again. Its quarantine count stays, for the next cooldown."""
@@ -149,11 +153,11 @@ class QuarantineBook:
         """The quarantined nodes for etcd, their ``until`` as wall-clock seconds. Strikes are not kept: a new
         coordinator starts counting them afresh."""
         return {"quarantined": {n: {"kind": q.kind, "reason": q.reason, "until": q.until + wall_offset,
-                                    "quarantines": self._records[n].quarantines if n in self._records else 1}
+                                    "checking": q.checking, "quarantines": self.times_quarantined(n)}
                                 for n, q in self.held.items()}}
 
     def take_over(self, recorded: dict[str, dict[str, Any]], wall_offset: float) -> None:
         for node_id, entry in recorded.items():
-            self.held[node_id] = Quarantined(str(entry["kind"]), str(entry["reason"]),
-                                             float(entry["until"]) - wall_offset)
+            self.held[node_id] = Quarantined(entry["kind"], entry["reason"], entry["until"] - wall_offset,
+                                             entry["checking"])
             self._records[node_id] = _Record(quarantines=int(entry["quarantines"]))

@@ -31,7 +31,8 @@ from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
 log = logging.getLogger("tfelastic.coordinator")
 
 SERVICE_NAME = "tfelastic.v1.Rendezvous"
-PROBE_SECONDS = 3.0  # how long the coordinator tries to reach a checked node's trainer port
+PROBE_SECONDS = 3.0  # the most the coordinator tries to reach a checked node's trainer port
+MAX_PROBES = 32  # at once, for the whole coordinator: each may resolve a name on the default thread pool
 
 _ERROR_CODES: dict[type[api.RendezvousError], grpc.StatusCode] = {
     api.SpecMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
@@ -75,6 +76,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         # What other threads (the /metrics server) may read: republished by the ticker, never mutated.
         self.published = rendezvous.snapshot()
         self.finished = asyncio.Event()
+        self._probes = asyncio.Semaphore(MAX_PROBES)
 
     def start(self) -> None:
         if self.rendezvous.state.is_terminal:  # a job taken over from etcd after its verdict: nothing to run
@@ -180,9 +182,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def _read(self, requests: AsyncIterator[pb.AgentMessage], session: _Session) -> None:
         try:
             async for message in requests:
-                if message.HasField("join") and message.join.checked and not message.join.check_failure:
-                    await self._probe(message.join)
-                self._handle(session, message)
+                unreachable = await self._probe(message.join) if self._probes_join(message) else ""
+                self._handle(session, message, unreachable)
         except api.RendezvousError as e:
             log.warning("refused %s (%s): %s", session.node_id or session.peer, type(e).__name__, e)
             session.outbox.put_nowait(_Close(_ERROR_CODES.get(type(e), grpc.StatusCode.INVALID_ARGUMENT), str(e)))
@@ -196,29 +197,45 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         # The agent closed its side: the session is over.
         session.outbox.put_nowait(_Close(grpc.StatusCode.OK, "session closed by the agent"))
 
-    async def _probe(self, join: pb.Join) -> None:
-        """The last part of a node check, from this side: can this coordinator reach the node's trainer port?
-        The agent listens there until the Join is answered. A firewall or a dead NIC then shows up as a
-        quarantine that names the address, not as a TensorFlow start-up that hangs. Bounded in time; one probe
-        at a time per session (its messages are read in order)."""
-        address = host_port(join.host, join.worker_port)
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(join.host, join.worker_port), PROBE_SECONDS)
-        except (OSError, asyncio.TimeoutError) as e:
-            problem = "timed out" if isinstance(e, asyncio.TimeoutError) else (e.strerror or str(e))
-            join.check_failure = f"{join.node_id} cannot be reached at {address} from the coordinator: {problem}"
-            return
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+    def _probes_join(self, message: pb.AgentMessage) -> bool:
+        """A checked Join that passed the agent's own checks, of a job that would take it: the others are
+        refused, or quarantined already, without a connection made on their behalf."""
+        if not message.HasField("join") or not message.join.checked or message.join.check_failure:
+            return False
+        rdzv = self.rendezvous
+        return not rdzv.state.is_terminal and (rdzv.spec is None or
+                                               not rdzv.spec.differences(convert.spec_from_proto(message.join.spec)))
 
-    def _handle(self, session: _Session, wire: pb.AgentMessage) -> None:
+    async def _probe(self, join: pb.Join) -> str:
+        """The last part of a node check, from this side: can this coordinator reach the node's trainer port?
+        The agent listens there until the Join is answered, so a firewall or a dead NIC shows up as a quarantine
+        that names the address, not as a TensorFlow start-up that hangs. Returns what failed ("" if nothing).
+
+        The session's reader waits for it, so it must end well before either side's liveness timeout: the agent
+        hears nothing on a session whose Join is unanswered, and fences after node_timeout - heartbeat."""
+        spec = join.spec
+        timeout = min(PROBE_SECONDS, (spec.node_timeout_seconds - spec.heartbeat_interval_seconds) / 2)
+        address = host_port(join.host, join.worker_port)
+        async with self._probes:
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(join.host, join.worker_port), timeout)
+            except (OSError, asyncio.TimeoutError) as e:
+                problem = f"no answer within {timeout:g}s" if isinstance(e, asyncio.TimeoutError) \
+                    else (e.strerror or str(e))
+                return f"{join.node_id} cannot be reached at {address} from the coordinator: {problem} (a " \
+                       "firewall, a dead NIC, or a wrong --advertise-address?)"
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        return ""
+
+    def _handle(self, session: _Session, wire: pb.AgentMessage, unreachable: str = "") -> None:
         """``wire`` is within bounds: the guard checked it (bounds.check_message) before it got here."""
         if not session.node_id and not wire.HasField("join"):
             raise api.ProtocolError("the first message of a session must be a Join")
         message = convert.agent_message_from_proto(wire, self._clock())
         if isinstance(message, api.Join):
-            self._join(session, message)
+            self._join(session, dataclasses.replace(message, check_failure=unreachable) if unreachable else message)
             return
         if self._sessions.get(session.node_id) is not session:
             return  # evicted or replaced: it is being closed, and nothing it says counts any more

@@ -244,20 +244,21 @@ class Rendezvous:
         """A member's trainer exited non-zero or stalled. Stale reports (older generations) are ignored."""
         if self._member_of(node_id, generation) is None:
             return []
-        set_aside = ""
-        if self.state is JobState.RUNNING:  # its failure is the one that stops the generation
+        first = self.state is JobState.RUNNING  # its failure is the one that stops the generation
+        sends = self._restart(reason, f"{node_id}: {detail}")
+        if first and self.state is JobState.RESTARTING:  # not when it ended the job (budget, chief done)
             others = sum(1 for n, node in self.nodes.items()
                          if n != node_id and node.state is not NodeState.LEAVING and not self.quarantine.is_held(n))
-            set_aside = self.quarantine.failed_first(node_id, detail, self._clock(), others,
-                                                     self._require_spec().min_nodes)
-        return self._restart(reason, f"{node_id}: {detail}{set_aside}")
+            self.reason += self.quarantine.failed_first(node_id, detail, self._clock(), others,
+                                                        self._require_spec().min_nodes)
+        return sends
 
     def readmit(self, node_id: str) -> list[Send]:
         """An operator lifts a quarantine: the node checks itself at once and, if the check passes, joins."""
         if not self.quarantine.is_held(node_id):
             held = ", ".join(sorted(self.quarantine.held)) or "none"
             raise OperatorRefusedError(f"node {node_id!r} is not quarantined (quarantined nodes: {held})")
-        self.quarantine.readmit(node_id)
+        self.quarantine.readmit(node_id, self._clock())
         log.info("operator readmits node %s", node_id)
         return [Send(node_id, CheckNode("readmitted by an operator"))] if node_id in self.nodes else []
 
@@ -300,7 +301,9 @@ class Rendezvous:
         if node.state is NodeState.LEAVING:
             return []
         spec = self._require_spec()
-        remaining = len(self.nodes) - self.nodes.count(NodeState.LEAVING) - self.nodes.count(NodeState.QUARANTINED) - 1
+        set_aside = self.nodes.count(NodeState.QUARANTINED)
+        remaining = len(self.nodes) - self.nodes.count(NodeState.LEAVING) - set_aside - \
+            (node.state is not NodeState.QUARANTINED)
         if remaining < spec.min_nodes and not force:
             raise OperatorRefusedError(
                 f"draining {node_id!r} would leave {remaining} node(s), below min_nodes={spec.min_nodes}: the job "
@@ -335,7 +338,7 @@ class Rendezvous:
 
     def next_deadline(self) -> float | None:
         """A clock time by which :meth:`tick` must run (it may find nothing due yet), or None if no timer is
-        armed. O(1): the server asks after every message."""
+        armed. O(1) in the nodes (O(quarantined nodes) besides): the server asks after every message."""
         deadlines = [d for d in (self.nodes.lease_deadline, self.restarts.not_before,
                                  self.quarantine.next_deadline()) if d is not None]
         deadlines += self._timers.deadlines(round_open=self.spec is not None and self.state is JobState.WAITING)

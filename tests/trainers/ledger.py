@@ -10,7 +10,9 @@ collectives block until TensorFlow's own timeout; after LEDGER_PEER_TIMEOUT (def
 worker of an old generation can never train on with the new one's peers, and a worker whose agent is SIGSTOPped
 cannot advance the job's state.
 
-Checkpoints: the chief writes ckpt-<step>.json every LEDGER_SAVE_EVERY steps (default 10), at the end, and on
+Checkpoints (each one a "saved" event with its generation, so that a soak can tell that no worker of an old
+generation wrote one once a newer generation had started): the chief writes ckpt-<step>.json every
+LEDGER_SAVE_EVERY steps (default 10), at the end, and on
 SIGTERM (then every rank exits 42, CHECKPOINTED_AND_STOPPED): written to a temporary file, fsynced, renamed, with
 a checksum; the 2 newest are kept. At start every rank restores the newest checkpoint that verifies: a torn one
 is skipped (its start event names it).
@@ -194,6 +196,7 @@ def main() -> int:
         saving = rank == 0 and (step % save_every == 0 or stopping)
         if saving:
             save(backup, step, digest)
+            event("saved", step=step)
         reporter.report(step, examples=step, loss=1.0 / step, checkpoint_step=step if saving else None)
         if stopping:
             event("checkpointed", step=step)
@@ -202,6 +205,7 @@ def main() -> int:
             goal = target()
     if rank == 0:
         save(backup, step, digest)
+        event("saved", step=step)
     reporter.report(step, done=True)
     event("end", step=step, digest=digest)
     return 0

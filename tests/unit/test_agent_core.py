@@ -544,7 +544,8 @@ def test_the_first_join_carries_the_node_check_and_listens_for_the_coordinators_
     actions = h.core.session_opened()
     assert actions == [ListenForProbe(5555), Send(api.Join(
         api.NodeInfo("n1", "10.0.0.1", 5555, "incarnation-1"), SPEC, checked=True))]
-    h.core.received(api.Heartbeat())  # answered
+    h.core.received(api.Heartbeat())  # on its way before the coordinator read the Join: not an answer
+    h.core.received(api.Waiting(1, 1, 2, "waiting for the round to close"))  # answered
     h.core.session_ended("lost")
     assert joins(h.core.session_opened())[0].checked is False  # a later session: no check
 

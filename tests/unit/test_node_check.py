@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pynvml  # type: ignore[import-untyped]
@@ -60,6 +61,23 @@ def test_a_new_xid_fails_one_check_and_is_not_counted_again() -> None:
     assert check.run() == ""
 
 
+def test_xids_of_a_generation_that_already_failed_do_not_fail_the_next_check() -> None:
+    nvml = FakeNvml(1)
+    check, collector = gpu_check(nvml)
+    check.run()
+    nvml.xid(0, 31)  # the failing trainer's illegal memory access
+    collector.forget_xids()  # its worker stopped: that failure was already counted against the node
+    assert check.run() == ""
+    nvml.xid(0, 79)  # with no trainer running: the GPU itself
+    assert "the last XID 79" in check.run()
+
+
+def test_two_checks_at_once_do_not_trip_over_each_others_probe_file(tmp_path: Path) -> None:
+    check = NodeCheck(str(tmp_path), "n1", min_free_bytes=1)
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(lambda _: check.backup_dir_problems(), range(64))) == [[]] * 64
+
+
 def test_an_xid_drained_by_a_scrape_still_fails_the_next_check() -> None:
     nvml = FakeNvml(1)
     check, collector = gpu_check(nvml)
@@ -70,7 +88,8 @@ def test_an_xid_drained_by_a_scrape_still_fails_the_next_check() -> None:
 
 
 @pytest.mark.parametrize(("gpu", "problem"), [
-    (FakeGpu(ecc_volatile=(5, 2)), "2 uncorrectable ECC error(s) since the driver loaded"),
+    (FakeGpu(ecc_volatile=(5, 2)), "2 uncorrectable ECC error(s) since the driver loaded: reset the GPU or reload the "
+                                   "driver, and replace it if they come back"),
     (FakeGpu(retired_pages_pending=1), "retired pages pending: reset the GPU"),
     (FakeGpu(remapped_rows=(0, 1, 1, 0)), "row remapping pending: reset the GPU"),
     (FakeGpu(remapped_rows=(0, 1, 0, 1)), "row remapping failed: the GPU needs service"),

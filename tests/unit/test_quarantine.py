@@ -5,11 +5,13 @@ readmit, and the quarantine's way through etcd. Pure logic over a fake clock; ev
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 
 import pytest
 from tfelastic.daemon.rendezvous.api import (
     CheckNode,
+    DrainNode,
     JobState,
     NodeState,
     OperatorRefusedError,
@@ -204,6 +206,21 @@ def test_a_failed_check_sets_a_node_aside_even_below_min_nodes() -> None:
     assert rv.tick() == finished(["a", "b"], JobState.FAILED, reason)
 
 
+def test_a_readmit_survives_a_coordinator_failover() -> None:
+    clock = FakeClock()
+    rv = quarantined_c(clock)
+    at(clock, rv, 30.0)
+    rv.readmit("c")
+    assert rv.snapshot().nodes[-1].quarantined_until == 30.0  # no cooldown left: it waits for its check
+    recorded = DurableState.from_json(rv.durable(wall_offset=1000.0).to_json())
+    successor = Rendezvous(SETTINGS, FakeClock(30.0))
+    successor.take_over(recorded, wall_offset=1000.0, grace=2.0)
+    sends = successor.join(info("c"), spec())  # the readmitted node reconnects to the new coordinator
+    assert sends[-1] == Send("c", CheckNode("the quarantine's cooldown is over"))
+    assert checked(successor, "c") == waiting("c", 1, SCALE_UP)
+    assert successor.quarantine.times_quarantined("c") == 0  # the readmit forgot its history, on etcd too
+
+
 def test_an_operator_readmits_a_node_which_joins_once_its_check_passes() -> None:
     clock = FakeClock()
     rv = quarantined_c(clock)
@@ -227,6 +244,22 @@ def test_a_quarantined_node_does_not_count_for_a_drain() -> None:
         rv.drain("a", "maintenance")
 
 
+def test_a_quarantined_node_can_be_drained_for_good() -> None:
+    clock = FakeClock()
+    rv = quarantined_c(clock)
+    assert rv.drain("c", "the GPU goes back to the vendor") == [Send("c", DrainNode("the GPU goes back to the vendor"))]
+
+
+def test_no_quarantine_is_recorded_when_the_failure_ends_the_job() -> None:
+    clock = FakeClock()
+    rv = running(clock, IDS, max_restarts=1)
+    fail(rv, clock, 10.0, "c")
+    rejoin_each(rv, IDS)
+    fail(rv, clock, 20.0, "c")  # the second failure exhausts the budget: nothing is left to set c aside from
+    assert rv.state is JobState.FAILED and "quarantined" not in rv.reason
+    assert rv.quarantine.held == {} and rv.snapshot().quarantines_by_kind == {}
+
+
 def test_a_quarantined_node_leaves_at_once() -> None:
     clock = FakeClock()
     rv = quarantined_c(clock)
@@ -243,7 +276,22 @@ def test_a_quarantine_survives_a_coordinator_failover() -> None:
     successor = Rendezvous(SETTINGS, successor_clock)
     successor.take_over(recorded, wall_offset=1015.0, grace=2.0)
     assert successor.quarantine.held["c"].until == 5.0 + COOLDOWN
-    assert successor.quarantine.cooldown(1) == 2 * COOLDOWN  # c was quarantined once: the next one doubles
     assert successor.join(info("c"), spec()) == waiting(
         "c", 0, f"quarantined for {COOLDOWN:.0f}s more: its worker failed first in 2 generations within 3600s; "
                 "last: trainer exited with code 1")
+    successor.quarantine.quarantine("c", "node_check", "again", now=10.0)
+    assert successor.quarantine.held["c"].until == 10.0 + 2 * COOLDOWN  # c had been set aside once: it doubles
+
+
+@pytest.mark.parametrize("entry", [
+    {"kind": "worker_failures", "reason": "x", "until": 1.0, "checking": False},  # no count
+    {"kind": "cosmic_rays", "reason": "x", "until": 1.0, "checking": False, "quarantines": 1},
+    {"kind": "node_check", "reason": "x", "until": "soon", "checking": False, "quarantines": 1},
+    "not an object",
+])
+def test_a_malformed_quarantine_in_etcd_is_refused_as_malformed(entry: object) -> None:
+    clock = FakeClock()
+    doc = json.loads(running(clock, IDS).durable(wall_offset=0.0).to_json())
+    doc["quarantined"] = {"c": entry}
+    with pytest.raises(ValueError):
+        DurableState.from_json(json.dumps(doc).encode())
