@@ -127,3 +127,11 @@ def test_the_probe_listener_accepts_connections_until_closed() -> None:
     with socket.socket() as s:  # the trainer can bind the port right away
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("0.0.0.0", port))
+
+
+def test_a_worker_port_held_by_another_process_fails_the_check() -> None:
+    port = free_port()
+    with socket.create_server(("0.0.0.0", port)):
+        problem = PortListener().open(port)
+    assert problem.startswith(f"cannot listen on the worker port {port}: Address already in use")
+    assert problem.endswith("free it, or choose another --worker-port)")

@@ -295,3 +295,12 @@ def test_a_malformed_quarantine_in_etcd_is_refused_as_malformed(entry: object) -
     doc["quarantined"] = {"c": entry}
     with pytest.raises(ValueError):
         DurableState.from_json(json.dumps(doc).encode())
+
+
+def test_a_node_readmitted_while_away_is_checked_when_it_comes_back() -> None:
+    clock = FakeClock()
+    rv = quarantined_c(clock)
+    rv.disconnect("c")
+    at(clock, rv, 30.0)
+    assert rv.readmit("c") == []  # nobody to ask now
+    assert checked(rv, "c", again=False) == waiting("c", 1, SCALE_UP)  # its agent's first Join carries a check
