@@ -334,7 +334,10 @@ def restarts_on_metrics(soak: Soak, node: str) -> dict[str, int]:
 def finish(soak: Soak) -> None:
     """Let the job end at a known step, then check everything the soak promises."""
     doc = soak.status()
-    counted = restarts_on_metrics(soak, soak.leader())
+    deadline = time.monotonic() + 5.0  # /metrics shows what the coordinator published at its last heartbeat
+    while (counted := restarts_on_metrics(soak, soak.leader())) != doc["restarts_by_reason"] and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
     if counted != doc["restarts_by_reason"]:
         soak.violations.append(f"/metrics counts restarts {counted}, status {doc['restarts_by_reason']}")
     target = soak.furthest(doc) + 50
