@@ -648,9 +648,8 @@ def test_a_backoff_is_named_in_the_reason_and_to_the_waiting_nodes() -> None:
                                              "1.0s", hi=2)
 
 
-def test_a_generation_that_trained_resets_the_backoff() -> None:
-    clock = FakeClock()
-    ids = ["a", "b"]
+def _trained_after_two_failures(clock: FakeClock, ids: Sequence[str]) -> Rendezvous:
+    """Two failed generations in a row, then generation 3 trains (a healthy generation)."""
     rv = Rendezvous(BACKOFF, clock, spec(max_nodes=2, max_restarts=10))
     join(rv, *ids)
     _fail_and_rejoin(rv, clock, 5.0, ids)
@@ -659,22 +658,20 @@ def test_a_generation_that_trained_resets_the_backoff() -> None:
     rv.tick()
     assert rv.generation == 3
     rv.progress("a", 3, WorkerProgress(step=100))
-    rv.progress("a", 3, WorkerProgress(step=101))  # training moved on: a healthy generation
+    rv.progress("a", 3, WorkerProgress(step=101))  # training moved on
+    return rv
+
+
+def test_a_generation_that_trained_resets_the_backoff() -> None:
+    clock, ids = FakeClock(), ["a", "b"]
+    rv = _trained_after_two_failures(clock, ids)
     assert _fail_and_rejoin(rv, clock, 8.0, ids) == assignments(4, ids, restarts=3)
 
 
 def test_a_generation_that_trained_resets_the_backoff_even_when_a_planned_restart_ends_it() -> None:
-    clock = FakeClock()
-    ids = ["a", "b"]
-    rv = Rendezvous(BACKOFF, clock, spec(max_nodes=2, max_restarts=10))
-    join(rv, *ids)
-    _fail_and_rejoin(rv, clock, 5.0, ids)
-    assert _fail_and_rejoin(rv, clock, 6.0, ids) == []  # second in a row: waits
-    at(clock, rv, 7.0)
-    rv.tick()
-    rv.progress("a", 3, WorkerProgress(step=100))
-    rv.progress("a", 3, WorkerProgress(step=101))  # generation 3 trains...
-    rv.restart_job("maintenance")  # ...and ends by a planned restart
+    clock, ids = FakeClock(), ["a", "b"]
+    rv = _trained_after_two_failures(clock, ids)
+    rv.restart_job("maintenance")  # generation 3 ends by a planned restart
     rejoin_all(rv, *ids)
     assert rv.generation == 4
     assert _fail_and_rejoin(rv, clock, 8.0, ids) == assignments(5, ids, restarts=4)  # a first failure: at once
