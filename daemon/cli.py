@@ -33,7 +33,7 @@ _UNSET: Any = object()  # the default of every option flag: not given (the confi
 _SECURITY = ("token_file", "tls_cert", "tls_key", "tls_ca")
 _TIMING = ("last_call", "settle", "join_timeout", "heartbeat_interval", "node_timeout", "restart_backoff",
            "restart_backoff_max", "quarantine_after", "quarantine_window", "quarantine_cooldown",
-           "quarantine_cooldown_max")
+           "quarantine_cooldown_max", "node_probe")
 _METRICS = ("metrics_port", "metrics_address", "metrics_token_file", "metrics_linger")
 _RUN = tuple(name for name, option in OPTIONS.items() if option.flag and name != "max_nodes")
 _ETCD = ("etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file")
@@ -83,7 +83,7 @@ def _flag_type(name: str) -> Any:
 def _add_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
     for name in names:
         flag, dest = OPTIONS[name].flag, "nodes" if name == "min_nodes" else name
-        if name == "instrument":
+        if name in ("instrument", "node_probe"):
             parser.add_argument(flag, dest=dest, action="store_const", const=False, default=_UNSET, help=_help(name))
         elif name == "log_level":
             parser.add_argument(flag, dest=dest, default=_UNSET, help=_help(name),

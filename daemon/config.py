@@ -79,6 +79,7 @@ class RendezvousConfig:
     quarantine_window: float = 3600.0
     quarantine_cooldown: float = 600.0  # doubles with each quarantine of the same node
     quarantine_cooldown_max: float = 21600.0
+    node_probe: bool = True  # the coordinator tries to reach each checked node's trainer port
     coordinator_port: int = 0  # etcd: where this agent serves the job when it is elected (0: a free port)
     lease_ttl: int = 2  # etcd: the coordinator's lease; a dead one is replaced after about this long
     etcd_ca: str = ""
@@ -137,7 +138,8 @@ class AgentConfig:
                                   restart_backoff_max_seconds=r.restart_backoff_max,
                                   quarantine_after=r.quarantine_after, quarantine_window_seconds=r.quarantine_window,
                                   quarantine_cooldown_seconds=r.quarantine_cooldown,
-                                  quarantine_cooldown_max_seconds=r.quarantine_cooldown_max)
+                                  quarantine_cooldown_max_seconds=r.quarantine_cooldown_max,
+                                  probe_nodes=r.node_probe)
 
     def value(self, name: str) -> Any:
         """An option's value by name (see :data:`OPTIONS`): ``config.value("node_id")`` is ``config.node.id``."""
@@ -231,6 +233,9 @@ _OPTIONS = [
            "how long a node stays quarantined the first time; each next time twice as long", "S"),
     Option("quarantine_cooldown_max", "rendezvous.quarantine_cooldown_max", "--quarantine-cooldown-max",
            "the longest quarantine", "S"),
+    Option("node_probe", "rendezvous.node_probe", "--no-node-probe",
+           "the coordinator does not try to reach a node's trainer port in its node check (a coordinator outside "
+           "the nodes' trainer network)"),
     Option("coordinator_port", "rendezvous.coordinator_port", "--coordinator-port",
            "with etcd: the port this agent serves the job on when it is elected coordinator (0: a free port)",
            "PORT"),

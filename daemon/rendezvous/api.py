@@ -303,6 +303,7 @@ class RendezvousSettings:
     quarantine_window_seconds: float = 3600.0
     quarantine_cooldown_seconds: float = 600.0  # the first quarantine of a node; each next one doubles it
     quarantine_cooldown_max_seconds: float = 21600.0
+    probe_nodes: bool = True  # try to reach each checked node's trainer port (server.py)
 
 
 class RendezvousError(Exception):

@@ -203,7 +203,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         if not message.HasField("join") or not message.join.checked or message.join.check_failure:
             return False
         rdzv = self.rendezvous
-        return not rdzv.state.is_terminal and (rdzv.spec is None or
+        return rdzv.settings.probe_nodes and not rdzv.state.is_terminal and (rdzv.spec is None or
                                                not rdzv.spec.differences(convert.spec_from_proto(message.join.spec)))
 
     async def _probe(self, join: pb.Join) -> str:

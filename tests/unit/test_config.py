@@ -502,3 +502,29 @@ def test_load_toml_max_nodes_defaults_to_min_nodes(tmp_path: Path) -> None:
     job.write_text('[job]\ncommand = ["true"]\nmin_nodes = 3\n[rendezvous]\nendpoint = "127.0.0.1:29400"\n')
     config = load_toml(str(job))
     assert (config.job.min_nodes, config.job.max_nodes) == (3, 3)
+
+
+def test_quarantine_and_node_check_options_reach_the_coordinators_settings(tmp_path: Path) -> None:
+    from tfelastic.daemon.cli import build_parser, config_from_run_args
+
+    args = build_parser().parse_args(["run", "--rendezvous", "127.0.0.1:29400", "--quarantine-after", "3",
+                                      "--quarantine-window", "60", "--quarantine-cooldown", "30",
+                                      "--quarantine-cooldown-max", "120", "--no-node-probe", "--check-min-free-mb",
+                                      "10", "--", "python", "train.py"])
+    config = config_from_run_args(args, None)
+    settings = config.rendezvous_settings()
+    assert (settings.quarantine_after, settings.quarantine_window_seconds, settings.quarantine_cooldown_seconds,
+            settings.quarantine_cooldown_max_seconds, settings.probe_nodes) == (3, 60.0, 30.0, 120.0, False)
+    assert config.node.check_min_free_mb == 10
+    defaults = load_toml(write(tmp_path, 'rendezvous.endpoint = "127.0.0.1:29400"\njob.command = ["python"]\n'))
+    assert defaults.rendezvous_settings().probe_nodes and defaults.rendezvous_settings().quarantine_after == 2
+    file = load_toml(write(tmp_path, 'rendezvous.endpoint = "127.0.0.1:29400"\njob.command = ["python"]\n'
+                                     "rendezvous.node_probe = false\n", "probe.toml"))
+    assert not file.rendezvous_settings().probe_nodes
+
+
+def test_a_quarantine_count_out_of_range_names_the_option() -> None:
+    config = from_values({"command": ("python",), "rendezvous": Endpoint("127.0.0.1", 29400),
+                          "quarantine_after": -1})
+    with pytest.raises(ConfigError, match="--quarantine-after: -1 is out of range 0-1000"):
+        validate(config)

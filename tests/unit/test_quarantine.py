@@ -304,3 +304,25 @@ def test_a_node_readmitted_while_away_is_checked_when_it_comes_back() -> None:
     at(clock, rv, 30.0)
     assert rv.readmit("c") == []  # nobody to ask now
     assert checked(rv, "c", again=False) == waiting("c", 1, SCALE_UP)  # its agent's first Join carries a check
+
+
+@pytest.mark.parametrize(("probe_nodes", "checked", "failure", "probed"), [
+    (True, True, "", True),
+    (True, False, "", False),  # no check, no listener: nothing to reach
+    (True, True, "backup dir /b is not writable", False),  # set aside already
+    (False, True, "", False),  # --no-node-probe
+])
+def test_which_joins_the_coordinator_probes(probe_nodes: bool, checked: bool, failure: str, probed: bool) -> None:
+    from tfelastic.daemon.rendezvous import convert
+    from tfelastic.daemon.rendezvous.server import RendezvousServicer
+    from tfelastic.daemon.rpc import rendezvous_pb2 as pb
+
+    clock = FakeClock()
+    settings = dataclasses.replace(SETTINGS, probe_nodes=probe_nodes)
+    servicer = RendezvousServicer(Rendezvous(settings, clock, spec()), clock, 0.5)
+    join = pb.Join(node_id="c", spec=convert.spec_to_proto(spec()), host="10.0.0.3", worker_port=2222,
+                   checked=checked, check_failure=failure)
+    assert servicer._probes_join(pb.AgentMessage(join=join)) is probed
+    other_job = pb.Join(node_id="c", spec=convert.spec_to_proto(spec(job="other")), host="10.0.0.3",
+                        worker_port=2222, checked=True)
+    assert servicer._probes_join(pb.AgentMessage(join=other_job)) is False  # refused anyway: no connection for it
