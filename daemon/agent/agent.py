@@ -246,6 +246,8 @@ class Agent:
                 self._start_check()
             elif isinstance(action, ListenForProbe):
                 self._listen_problem = self._probe_port.open(action.port)
+                if self._listen_problem:
+                    log.error("node check failed: %s", self._listen_problem)
             elif isinstance(action, Announce):
                 if action.ready:
                     self.on_ready()

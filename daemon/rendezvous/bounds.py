@@ -75,6 +75,9 @@ def spec_problems(spec: api.JobSpec) -> list[Problem]:
         problems.append(Problem("max_restarts", f"{spec.max_restarts} is more than {MAX_NODES}, the most a "
                                                 "coordinator accepts"))
     problems += [p for p in (seconds_problem(name, getattr(spec, name)) for name in _TIMINGS) if p]
+    if not spec.node_timeout_seconds > spec.heartbeat_interval_seconds:
+        problems.append(Problem("node_timeout_seconds", f"{spec.node_timeout_seconds}s must exceed "
+                                                        f"heartbeat_interval {spec.heartbeat_interval_seconds}s"))
     if len(spec.backup_dir) > MAX_PATH_CHARS:
         problems.append(Problem("backup_dir", f"has {len(spec.backup_dir)} characters, more than {MAX_PATH_CHARS}"))
     return problems

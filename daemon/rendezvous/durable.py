@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,7 +52,7 @@ class DurableState:
         """Raises ValueError for anything that is not a state this version wrote."""
         try:
             return cls._parse(data)
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, OverflowError) as e:
             raise ValueError(f"malformed: {type(e).__name__}: {e}") from None
 
     @classmethod
@@ -71,11 +72,13 @@ class DurableState:
 
 def _quarantine_entry(entry: dict[str, Any]) -> dict[str, Any]:
     """One quarantined node as etcd holds it, with its types checked (KeyError, TypeError: malformed)."""
-    kind = str(entry["kind"])
+    kind, until, count = str(entry["kind"]), float(entry["until"]), int(entry["quarantines"])
+    checking = entry.get("checking", False)  # not in the first records written
     if kind not in ("worker_failures", "node_check"):
         raise TypeError(f"unknown quarantine kind {kind[:32]!r}")
-    return {"kind": kind, "reason": str(entry["reason"]), "until": float(entry["until"]),
-            "checking": bool(entry["checking"]), "quarantines": int(entry["quarantines"])}
+    if not math.isfinite(until) or count < 0 or not isinstance(checking, bool):
+        raise TypeError(f"a quarantine until {until}, counted {count}, checking {checking!r}")
+    return {"kind": kind, "reason": str(entry["reason"]), "until": until, "checking": checking, "quarantines": count}
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ log = logging.getLogger("tfelastic.coordinator")
 
 SERVICE_NAME = "tfelastic.v1.Rendezvous"
 PROBE_SECONDS = 3.0  # the most the coordinator tries to reach a checked node's trainer port
+MIN_PROBE_SECONDS = 0.2  # below this (a job whose liveness timing leaves no room) no probe is tried
 MAX_PROBES = 32  # at once, for the whole coordinator: each may resolve a name on the default thread pool
 
 _ERROR_CODES: dict[type[api.RendezvousError], grpc.StatusCode] = {
@@ -215,18 +216,31 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         hears nothing on a session whose Join is unanswered, and fences after node_timeout - heartbeat."""
         spec = join.spec
         timeout = min(PROBE_SECONDS, (spec.node_timeout_seconds - spec.heartbeat_interval_seconds) / 2)
+        deadline = asyncio.get_running_loop().time() + timeout
+        try:  # the wait for a slot counts against the same deadline: many probes at once must not add up
+            await asyncio.wait_for(self._probes.acquire(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("no probe of %s: %d others are under way", join.node_id, MAX_PROBES)
+            return ""
+        try:
+            left = deadline - asyncio.get_running_loop().time()
+            return "" if left < MIN_PROBE_SECONDS else await self._connect(join, left)
+        finally:
+            self._probes.release()
+
+    @staticmethod
+    async def _connect(join: pb.Join, timeout: float) -> str:
         address = host_port(join.host, join.worker_port)
-        async with self._probes:
-            try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(join.host, join.worker_port), timeout)
-            except (OSError, asyncio.TimeoutError) as e:
-                problem = f"no answer within {timeout:g}s" if isinstance(e, asyncio.TimeoutError) \
-                    else (e.strerror or str(e))
-                return f"{join.node_id} cannot be reached at {address} from the coordinator: {problem} (a " \
-                       "firewall, a dead NIC, or a wrong --advertise-address?)"
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(join.host, join.worker_port), timeout)
+        except (OSError, asyncio.TimeoutError) as e:
+            problem = f"no answer within {timeout:.2g}s" if isinstance(e, asyncio.TimeoutError) \
+                else (e.strerror or str(e))
+            return f"{join.node_id} cannot be reached at {address} from the coordinator: {problem} (a " \
+                   "firewall, a dead NIC, or a wrong --advertise-address?)"
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
         return ""
 
     def _handle(self, session: _Session, wire: pb.AgentMessage, unreachable: str = "") -> None:

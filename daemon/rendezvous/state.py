@@ -246,7 +246,7 @@ class Rendezvous:
             return []
         first = self.state is JobState.RUNNING  # its failure is the one that stops the generation
         sends = self._restart(reason, f"{node_id}: {detail}")
-        if first and self.state is JobState.RESTARTING:  # not when it ended the job (budget, chief done)
+        if first and not self.state.is_terminal:  # not when it ended the job (budget spent, chief done)
             others = sum(1 for n, node in self.nodes.items()
                          if n != node_id and node.state is not NodeState.LEAVING and not self.quarantine.is_held(n))
             self.reason += self.quarantine.failed_first(node_id, detail, self._clock(), others,
@@ -301,10 +301,10 @@ class Rendezvous:
         if node.state is NodeState.LEAVING:
             return []
         spec = self._require_spec()
-        set_aside = self.nodes.count(NodeState.QUARANTINED)
-        remaining = len(self.nodes) - self.nodes.count(NodeState.LEAVING) - set_aside - \
-            (node.state is not NodeState.QUARANTINED)
-        if remaining < spec.min_nodes and not force:
+        remaining = len(self.nodes) - self.nodes.count(NodeState.LEAVING) - self.nodes.count(NodeState.QUARANTINED) \
+            - 1
+        # Draining a node that is set aside takes away nothing the job has.
+        if remaining < spec.min_nodes and not force and node.state is not NodeState.QUARANTINED:
             raise OperatorRefusedError(
                 f"draining {node_id!r} would leave {remaining} node(s), below min_nodes={spec.min_nodes}: the job "
                 f"would wait up to join_timeout={self.settings.join_timeout_seconds:g}s for another node. Start "

@@ -45,6 +45,7 @@ def test_a_valid_join_passes() -> None:
     ({"spec": {"min_nodes": 3, "max_nodes": 2}}, "node range 3:2"),
     ({"spec": {"node_timeout_seconds": -1}}, "spec.node_timeout_seconds timing -1.0"),
     ({"spec": {"stall_timeout_seconds": float("nan")}}, "spec.stall_timeout_seconds timing nan"),
+    ({"spec": {"node_timeout_seconds": 0.5}}, "spec.node_timeout_seconds 0.5s must exceed heartbeat_interval 0.5s"),
 ])
 def test_out_of_range_values_are_refused_naming_them(changes: dict[str, Any], named: str) -> None:
     with pytest.raises(ProtocolError, match=r"^invalid Join: .*" + named):

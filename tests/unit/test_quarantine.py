@@ -247,7 +247,15 @@ def test_a_quarantined_node_does_not_count_for_a_drain() -> None:
 def test_a_quarantined_node_can_be_drained_for_good() -> None:
     clock = FakeClock()
     rv = quarantined_c(clock)
+    rv.disconnect("b")  # even with the job below min_nodes now: draining c takes away nothing it has
     assert rv.drain("c", "the GPU goes back to the vendor") == [Send("c", DrainNode("the GPU goes back to the vendor"))]
+
+
+def test_a_quarantine_recorded_before_checking_was_kept_is_read_as_not_checking() -> None:
+    clock = FakeClock()
+    doc = json.loads(quarantined_c(clock).durable(wall_offset=0.0).to_json())
+    del doc["quarantined"]["c"]["checking"]
+    assert DurableState.from_json(json.dumps(doc).encode()).quarantined["c"]["checking"] is False
 
 
 def test_no_quarantine_is_recorded_when_the_failure_ends_the_job() -> None:
@@ -287,6 +295,10 @@ def test_a_quarantine_survives_a_coordinator_failover() -> None:
     {"kind": "worker_failures", "reason": "x", "until": 1.0, "checking": False},  # no count
     {"kind": "cosmic_rays", "reason": "x", "until": 1.0, "checking": False, "quarantines": 1},
     {"kind": "node_check", "reason": "x", "until": "soon", "checking": False, "quarantines": 1},
+    {"kind": "node_check", "reason": "x", "until": float("nan"), "checking": False, "quarantines": 1},
+    {"kind": "node_check", "reason": "x", "until": 1.0, "checking": False, "quarantines": -1},
+    {"kind": "node_check", "reason": "x", "until": 1.0, "checking": False, "quarantines": float("inf")},
+    {"kind": "node_check", "reason": "x", "until": 1.0, "checking": "yes", "quarantines": 1},
     "not an object",
 ])
 def test_a_malformed_quarantine_in_etcd_is_refused_as_malformed(entry: object) -> None:
@@ -326,3 +338,18 @@ def test_which_joins_the_coordinator_probes(probe_nodes: bool, checked: bool, fa
     other_job = pb.Join(node_id="c", spec=convert.spec_to_proto(spec(job="other")), host="10.0.0.3",
                         worker_port=2222, checked=True)
     assert servicer._probes_join(pb.AgentMessage(join=other_job)) is False  # refused anyway: no connection for it
+
+
+def test_a_standalone_coordinator_probes_its_first_join_but_not_after_the_verdict() -> None:
+    from tfelastic.daemon.rendezvous import convert
+    from tfelastic.daemon.rendezvous.server import RendezvousServicer
+    from tfelastic.daemon.rpc import rendezvous_pb2 as pb
+
+    clock = FakeClock()
+    rv = Rendezvous(SETTINGS, clock)  # no spec until the first Join brings one
+    servicer = RendezvousServicer(rv, clock, 0.5)
+    message = pb.AgentMessage(join=pb.Join(node_id="a", spec=convert.spec_to_proto(spec()), host="10.0.0.1",
+                                           worker_port=2222, checked=True))
+    assert servicer._probes_join(message)
+    rv.state = JobState.SUCCEEDED
+    assert not servicer._probes_join(message)
