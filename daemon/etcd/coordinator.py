@@ -108,6 +108,8 @@ class ElectedCoordinator:
             if self.host.finished.is_set():
                 self.finished.set()
                 await self.host.wait_agents_gone()
+            elif not leadership.lost.is_set():  # stepping down on purpose: a drain, SIGTERM, a head node
+                await self.host.hand_over(c.settings.node_timeout_seconds)
         finally:
             keep_alive.cancel()
             await self.host.close()

@@ -70,6 +70,11 @@ class CoordinatorHost:
         """The job's view in ``registry`` (tfelastic_cluster_*), until :meth:`close`."""
         self._collector = (registry, register_cluster_collector(registry, lambda: self._servicer.published))
 
+    async def hand_over(self, timeout: float) -> None:
+        """Before stepping down on purpose (etcd): the orders waiting for their state to be written go out."""
+        if self._servicer.persistence is not None:
+            await self._servicer.persistence.flush(timeout)
+
     async def wait_agents_gone(self, timeout: float = AGENTS_GONE_SECONDS) -> None:
         """After the job ended: give the agents time to read the verdict and hang up."""
         deadline = time.monotonic() + timeout

@@ -69,6 +69,14 @@ class Persistence:
         """A formed generation waits to be written before it may start."""
         return any(isinstance(send.order, api.Assignment) for _, sends in self._held for send in sends)
 
+    async def flush(self, timeout: float) -> None:
+        """Before a leader steps down on purpose: until the orders it holds are written and delivered (or it is
+        deposed, or ``timeout``). A successor that took over a generation whose members were never told of it
+        would count each of them lost, for no fault."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._held and not self.deposed.is_set() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+
     async def run(self) -> None:
         """Writes every change; returns when deposed."""
         while True:

@@ -133,3 +133,42 @@ def test_a_coordinator_that_takes_over_a_finished_job_is_finished_at_once() -> N
             await host.close()
 
     asyncio.run(scenario())
+
+
+class SlowStore(InMemoryStore):
+    """etcd answering a write only when the test lets it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
+
+    async def save(self, state: DurableState) -> None:
+        await self.answer.wait()
+        await super().save(state)
+
+
+def test_a_leader_stepping_down_first_delivers_the_generation_it_recorded() -> None:
+    """A drained leader that formed a generation must not leave before its members hear of it: its successor
+    would count each of them lost (the chaos soak found it)."""
+    async def scenario() -> None:
+        store = SlowStore()
+        writer, delivered = await failure_then_rejoin(store)
+        assert kinds(delivered) == ["StopWorkers", "StopWorkers"] and writer.holding_assignments
+        flushing = asyncio.get_running_loop().create_task(writer.flush(timeout=5.0))
+        await settle()
+        assert not flushing.done()  # it waits for the write...
+        store.answer.set()
+        await asyncio.wait_for(flushing, 1.0)
+        assert kinds(delivered) == ["StopWorkers", "StopWorkers", "Assignment", "Assignment"]  # ...and delivers
+
+    asyncio.run(scenario())
+
+
+def test_a_flush_gives_up_after_its_timeout() -> None:
+    async def scenario() -> None:
+        writer, delivered = await failure_then_rejoin(SlowStore())
+        await asyncio.wait_for(writer.flush(timeout=0.05), 1.0)
+        assert writer.holding_assignments  # etcd never answered: nothing went out, and the leader may leave
+        assert kinds(delivered) == ["StopWorkers", "StopWorkers"]
+
+    asyncio.run(scenario())
