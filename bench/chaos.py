@@ -375,19 +375,19 @@ def stale_saves(events: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
-def run(faults: int, seed: int, tmp: Path, netns: bool) -> int:
+def run(faults: int, seed: int, tmp: Path, netns: bool, only: tuple[str, ...] = ()) -> int:
     if not netns:
-        return run_soak(faults, seed, tmp, Hosts(netns=False))
+        return run_soak(faults, seed, tmp, Hosts(netns=False), only)
     subprocess.run(["bash", str(NETNS), "down", str(len(NODES))], env=NETNS_ENV, capture_output=True)
     try:
         subprocess.run(["bash", str(NETNS), "up", str(len(NODES))], env=NETNS_ENV, check=True)
         subprocess.run(["ip", "addr", "add", f"{SUBNET}.254/24", "dev", f"{PREFIX}br0"], check=True)
-        return run_soak(faults, seed, tmp, Hosts(netns=True))
+        return run_soak(faults, seed, tmp, Hosts(netns=True), only)
     finally:
         subprocess.run(["bash", str(NETNS), "down", str(len(NODES))], env=NETNS_ENV, check=True)
 
 
-def run_soak(faults: int, seed: int, tmp: Path, hosts: Hosts) -> int:
+def run_soak(faults: int, seed: int, tmp: Path, hosts: Hosts, only: tuple[str, ...] = ()) -> int:
     rng = random.Random(seed)
     (tmp / "etcd").mkdir()
     etcd = EtcdCluster(tmp / "etcd", size=1, hosts=[f"{SUBNET}.254"] if hosts.netns else []).start()
@@ -397,6 +397,7 @@ def run_soak(faults: int, seed: int, tmp: Path, hosts: Hosts) -> int:
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={BACKUP_MIB}m", "tfelastic-chaos", str(tmp / "backup")],
                        check=True)
     kinds = tuple(k for k in KINDS if k != "full_backup" or mounted) + (("partition",) if hosts.netns else ())
+    kinds = tuple(k for k in kinds if k in only) if only else kinds
     soak = Soak(tmp, etcd, rng, hosts)
     results: list[Result] = []
     try:
@@ -445,13 +446,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--netns", action="store_true", help="three hosts in network namespaces (root), with "
                         "partitions among the faults")
+    parser.add_argument("--kinds", default="", help="only these kinds, comma-separated (default: every kind)")
     parser.add_argument("--keep", default="", help="keep the job's files (logs) in this directory")
     args = parser.parse_args()
+    only = tuple(k for k in args.kinds.split(",") if k)
+    if unknown := set(only) - set(KINDS) - {"partition"}:
+        parser.error(f"--kinds: unknown {sorted(unknown)}; the kinds are {', '.join(KINDS)}, partition")
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)
-        sys.exit(run(args.faults, args.seed, Path(tempfile.mkdtemp(dir=args.keep)), args.netns))
+        sys.exit(run(args.faults, args.seed, Path(tempfile.mkdtemp(dir=args.keep)), args.netns, only))
     with tempfile.TemporaryDirectory() as d:
-        sys.exit(run(args.faults, args.seed, Path(d), args.netns))
+        sys.exit(run(args.faults, args.seed, Path(d), args.netns, only))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # A connection of its own per channel, so a new session is a new TCP connection: after a partition heals,
+    # the old one may still hold the coordinator's replies in TCP's retransmission backoff for seconds, long
+    # enough for the agent to give the new session up (the network-namespace chaos soak saw it).
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 
