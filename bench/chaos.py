@@ -180,7 +180,13 @@ class Soak:
                   and node not in {n["node_id"] for n in members(d)}, f"the job re-formed without {node}")
 
     def ended(self, node: str, timeout: float = 60.0) -> int:
-        code = self.agents[node].wait(timeout)
+        """The agent's exit code; one that does not exit in time is a violation, and is killed."""
+        try:
+            code = self.agents[node].wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.violations.append(f"agent {node} did not exit within {timeout:g}s")
+            self.agents[node].proc.kill()
+            code = self.agents[node].wait(10)
         self.exits.append((node, code))
         return code
 

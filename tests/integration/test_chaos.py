@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,10 +17,11 @@ from tests.etcd import require_etcd
 pytestmark = [pytest.mark.integration, pytest.mark.netns]
 
 
-def test_twenty_random_faults_leave_an_exactly_correct_job() -> None:
+def test_twenty_random_faults_leave_an_exactly_correct_job(tmp_path: Path) -> None:
     require_etcd()
-    result = subprocess.run([sys.executable, "-m", "bench.chaos", "--faults", "20", "--seed", "7", "--netns"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=1200)
+    # --keep: the agents' logs stay in pytest's tmp_path, for whoever looks into a failure.
+    result = subprocess.run([sys.executable, "-m", "bench.chaos", "--faults", "20", "--seed", "7", "--netns",
+                             "--keep", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     print(result.stdout)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert "violations: none" in result.stdout
