@@ -14,6 +14,7 @@ from tfelastic.daemon import commands
 from tfelastic.daemon.config import (
     METRICS_OFF,
     OPTIONS,
+    STALL_AUTO,
     AgentConfig,
     default_of,
     from_values,
@@ -47,6 +48,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(ExitCode.CONFIG, f"tfelastic: error: {message}\n")
 
 
+def _stall_timeout(text: str) -> float | None:
+    if text == STALL_AUTO:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a number of seconds") from None
+
+
 def _metrics_port(text: str) -> int | None:
     if text == METRICS_OFF:
         return None
@@ -62,6 +72,8 @@ _DEFAULT_IN_HELP = frozenset({"job", "min_nodes", "node_id", "worker_port", "ren
 
 def _help(name: str) -> str:
     option, default = OPTIONS[name], default_of(name)
+    if name == "stall_timeout":
+        return f"{option.help} (default {STALL_AUTO})"
     if name in _DEFAULT_IN_HELP or default in ("", None) or isinstance(default, bool):
         return option.help
     shown = f"{default:g}" if isinstance(default, float) else str(default)
@@ -73,6 +85,8 @@ def _flag_type(name: str) -> Any:
     default = default_of(name)
     if name == "metrics_port":
         return _metrics_port
+    if name == "stall_timeout":
+        return _stall_timeout
     if isinstance(default, float):
         return float
     if isinstance(default, int) and not isinstance(default, bool) and name != "min_nodes":

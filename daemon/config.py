@@ -25,7 +25,8 @@ from tfelastic.daemon.endpoint import Endpoint, TlsConfig, is_loopback_host
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.etcd.url import EtcdTarget, is_etcd_url, parse_etcd_url
 from tfelastic.daemon.rendezvous import bounds
-from tfelastic.daemon.rendezvous.api import JobSpec, RendezvousSettings
+from tfelastic.daemon.rendezvous.api import STALL_LEARNED, JobSpec, RendezvousSettings
+from tfelastic.daemon.worker.stall import StallLimits
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,7 +44,9 @@ class JobConfig:
     max_nodes: int = 1
     max_restarts: int = 3
     restart_window: float = 3600.0
-    stall_timeout: float = 300.0  # 0 disables hang detection
+    stall_timeout: float | None = None  # None ("auto"): learned from the step times; 0 disables hang detection
+    stall_floor: float = 20.0  # the least a learned limit can be
+    stall_allowance: float = 600.0  # start-up, restore, the first step, a save, an evaluation (learned mode)
     backup_dir: str = ""  # "": ./tfelastic-backup/<job> in the working directory
     workdir: str = ""
     env: tuple[tuple[str, str], ...] = ()
@@ -123,11 +126,16 @@ class AgentConfig:
     def command_digest(self) -> bytes:
         return hashlib.sha256(shlex.join(self.job.command).encode()).digest()
 
+    def stall_limits(self) -> StallLimits:
+        job = self.job
+        return StallLimits(job.stall_timeout, floor=job.stall_floor, allowance=job.stall_allowance)
+
     def job_spec(self) -> JobSpec:
         """What the coordinator compares across agents (and checks against its bounds)."""
         job, rdzv = self.job, self.rendezvous
         return JobSpec(job.name, self.command_digest(), job.min_nodes, job.max_nodes, job.max_restarts,
-                       job.restart_window, job.stall_timeout, self.resolved_backup_dir(), rdzv.heartbeat_interval,
+                       job.restart_window, STALL_LEARNED if job.stall_timeout is None else job.stall_timeout,
+                       self.resolved_backup_dir(), rdzv.heartbeat_interval,
                        rdzv.node_timeout)
 
     def rendezvous_settings(self) -> RendezvousSettings:
@@ -185,7 +193,12 @@ _OPTIONS = [
     Option("max_restarts", "job.max_restarts", "--max-restarts", "failures allowed per restart window", "N"),
     Option("restart_window", "job.restart_window", "--restart-window", "restart budget window in seconds", "S"),
     Option("stall_timeout", "job.stall_timeout", "--stall-timeout",
-           "no progress for this long is a hang; 0 disables", "SECONDS"),
+           "no progress for this long is a hang: 'auto' learns it from the job's step times; 0 disables",
+           "auto|SECONDS"),
+    Option("stall_floor", "job.stall_floor", "--stall-floor", "the least a learned stall limit can be", "SECONDS"),
+    Option("stall_allowance", "job.stall_allowance", "--stall-allowance",
+           "with a learned stall limit: the time allowed for start-up, restore, the first step, a checkpoint save "
+           "and an evaluation", "SECONDS"),
     Option("backup_dir", "job.backup_dir", "--backup-dir",
            "BackupAndRestore directory on shared storage (default ./tfelastic-backup/JOB)", "DIR"),
     Option("workdir", "job.workdir", "--workdir", "trainer working directory (default: cwd)", "DIR"),
@@ -261,6 +274,7 @@ _OPTIONS = [
 OPTIONS = {option.name: option for option in _OPTIONS}
 _SECTIONS = {"job": JobConfig, "node": NodeConfig, "metrics": MetricsConfig, "rendezvous": RendezvousConfig}
 METRICS_OFF = "off"
+STALL_AUTO = "auto"  # --stall-timeout auto (the default): a learned limit
 
 
 def default_of(name: str) -> Any:
@@ -290,7 +304,8 @@ def label(name: str, where: str = "") -> str:
 
 # ------------------------------------------------------------------------------------------------ validation
 
-_DURATIONS = ("restart_window", "stall_timeout", "stop_grace", "failure_stop_grace", "last_call", "settle",
+_DURATIONS = ("restart_window", "stall_timeout", "stall_floor", "stall_allowance", "stop_grace", "failure_stop_grace",
+              "last_call", "settle",
               "join_timeout", "heartbeat_interval", "node_timeout", "restart_backoff", "restart_backoff_max",
               "quarantine_window", "quarantine_cooldown", "quarantine_cooldown_max", "metrics_linger")
 _SPEC_OPTIONS = {"job": "job", "min_nodes": "min_nodes", "max_nodes": "max_nodes", "max_restarts": "max_restarts",
@@ -328,6 +343,8 @@ def validate(config: AgentConfig, where: str = "") -> AgentConfig:
         raise ConfigError(f"{opt('check_min_free_mb')}: {node.check_min_free_mb} must be 0 or more")
     for name in _DURATIONS:
         value = config.value(name)
+        if value is None:  # stall_timeout "auto"
+            continue
         if value < 0 or value != value:
             raise ConfigError(f"{opt(name)}: {value} seconds must be 0 or more")
         if (problem := bounds.seconds_problem(name, value)) is not None:  # inf, or a typo's extra digits
@@ -483,6 +500,8 @@ def _toml_value(option: Option, value: Any, where: str) -> Any:
         return tuple(sorted(value.items()))
     if option.name == "metrics_port" and value == METRICS_OFF:
         return None
+    if option.name == "stall_timeout":
+        return None if value == STALL_AUTO else float(_expect(value, (int, float), where))
     default = default_of(option.name)
     if isinstance(default, bool):
         if not isinstance(value, bool):

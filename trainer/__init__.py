@@ -10,6 +10,6 @@ The modules that need TensorFlow set ``TF_USE_LEGACY_KERAS=1`` before importing 
 ``checkpoint``, ``data``, ``preemption`` (the graceful stop, exit 42) and ``export``. See docs/trainer.md.
 """
 
-from tfelastic.trainer.progress import ProgressReporter, report
+from tfelastic.trainer.progress import Phase, ProgressReporter, report
 
-__all__ = ["ProgressReporter", "report"]
+__all__ = ["Phase", "ProgressReporter", "report"]

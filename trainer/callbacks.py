@@ -17,7 +17,7 @@ from typing import Any, Literal
 import tf_keras as keras
 from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.preemption import STOP, preemption_guard
-from tfelastic.trainer.progress import ProgressReporter
+from tfelastic.trainer.progress import Phase, ProgressReporter
 from tfelastic.trainer.tfkeras import check_keras, check_model
 
 
@@ -64,20 +64,20 @@ class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
         return 1.0 / strategy.num_replicas_in_sync if method == "sum" else 1.0
 
     def _send(self, logs: dict[str, Any] | None, *, force: bool = False, done: bool = False,
-              loss_scale: float = 1.0) -> None:
+              loss_scale: float = 1.0, phase: Phase = Phase.TRAIN) -> None:
         step = self._step()
         loss = (logs or {}).get("loss")
         loss = None if loss is None else float(loss) * loss_scale
         examples = step * self._global_batch_size if self._global_batch_size else None
         saved = self._saved_checkpoint()
         self._reporter.report(step, examples=examples, loss=loss,
-                              checkpoint_step=step if saved else None, force=force, done=done)
+                              checkpoint_step=step if saved else None, force=force, done=done, phase=phase)
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         if self._reporter.enabled:
             self._batch_loss_scale = self._per_batch_loss_scale()
             self._saved_checkpoint()  # a checkpoint restored at start is not a new save
-            self._send(None, force=True)
+            self._send(None, force=True, phase=Phase.SETUP)  # the first step traces and compiles
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self._reporter.due() or (self._reporter.enabled and self._latest_checkpoint() != self._last_checkpoint):
@@ -88,17 +88,70 @@ class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
             self._send(logs, done=True)
 
     # Evaluation and prediction are progress too: the agent's hang detection keeps watching after training
-    # (pass this callback to evaluate/predict), and a long evaluation must not look like a stalled trainer.
+    # (pass this callback to evaluate/predict), and a long evaluation (validation in fit too) gets the eval
+    # phase's allowance rather than the training steps' limit.
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._alive(force=True)
+
+    def on_predict_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._alive(force=True)
+
     def on_test_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._alive()
 
     def on_predict_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._alive()
 
-    def _alive(self) -> None:
-        if self._reporter.due():
+    def _alive(self, force: bool = False) -> None:
+        if force or self._reporter.due():
             optimizer = getattr(self.model, "optimizer", None)  # predict() needs no compiled model
-            self._reporter.report(int(optimizer.iterations.numpy()) if optimizer is not None else 0)
+            self._reporter.report(int(optimizer.iterations.numpy()) if optimizer is not None else 0,
+                                  phase=Phase.EVAL)
+
+
+class SavePhaseCallback(keras.callbacks.Callback):  # type: ignore[misc]
+    """Tells the agent before a checkpoint callback of the same ``fit`` saves, so that a long save gets the save
+    phase's allowance instead of looking like a stalled step. Put it first, before the savers (its hooks run
+    before theirs): ``fit_callbacks`` and the automatic instrumentation do. Knows tf_keras's BackupAndRestore
+    and ModelCheckpoint; at an epoch's end (where savers with ``save_freq="epoch"`` save, and the next epoch's
+    input pipeline starts) it reports the setup phase."""
+
+    def __init__(self, reporter: ProgressReporter, savers: list[Any]) -> None:
+        super().__init__()
+        self._reporter = reporter
+        self._savers = [s for s in savers if isinstance(s, (keras.callbacks.BackupAndRestore,
+                                                            keras.callbacks.ModelCheckpoint))]
+        self._supports_tf_logs = True
+
+    def _implements_train_batch_hooks(self) -> bool:
+        return any(_saves_at_batches(s) for s in self._savers)
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._reporter.enabled and any(_will_save(s, batch) for s in self._savers):
+            self._reporter.report(int(self.model.optimizer.iterations.numpy()), phase=Phase.SAVE)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._reporter.enabled:
+            self._reporter.report(int(self.model.optimizer.iterations.numpy()), phase=Phase.SETUP)
+
+
+def _saves_at_batches(saver: Any) -> bool:
+    return isinstance(getattr(saver, "save_freq", None), int)
+
+
+def _will_save(saver: Any, batch: int) -> bool:
+    """Whether ``saver`` saves in its ``on_train_batch_end`` for ``batch``, read from tf_keras's own counters
+    without changing them (a private detail: a version that renames them makes this say no, never fail)."""
+    if not _saves_at_batches(saver):
+        return False
+    every = int(saver.save_freq)
+    if isinstance(saver, keras.callbacks.BackupAndRestore):
+        return int(getattr(saver, "_batches_count", -every)) + 1 >= every
+    last = getattr(saver, "_last_batch_seen", None)
+    seen = getattr(saver, "_batches_seen_since_last_saving", None)
+    if last is None or seen is None:
+        return False
+    return int(seen) + (batch + 1 if batch <= int(last) else batch - int(last)) >= every
 
 
 class GracefulStopCallback(keras.callbacks.Callback):  # type: ignore[misc]
@@ -137,6 +190,7 @@ class GracefulStopCallback(keras.callbacks.Callback):  # type: ignore[misc]
         self._training.__exit__(None, None, None)  # raises Preempted if a SIGTERM came in the last steps
 
     def _save(self, training_done: bool = False) -> int:
+        self._reporter.report(int(self.model.optimizer.iterations.numpy()), phase=Phase.SAVE)
         self._state.back_up(epoch=0)  # the epoch and batch saved are those BackupAndRestore tracks
         step = int(self.model.optimizer.iterations.numpy())
         self._reporter.report(step, checkpoint_step=step, done=training_done)
@@ -148,7 +202,8 @@ def fit_callbacks(backup_dir: str | None = None, *, save_every: int | Literal["e
                   graceful_stop: bool = True, delete_checkpoint: bool = False,
                   env: TrainerEnvironment | None = None, reporter: ProgressReporter | None = None
                   ) -> list[keras.callbacks.Callback]:
-    """BackupAndRestore + ProgressCallback + GracefulStopCallback + TensorBoard (chief only), in that order.
+    """SavePhaseCallback + BackupAndRestore + ProgressCallback + GracefulStopCallback + TensorBoard (chief only),
+    in that order.
 
     ``backup_dir``: default ``TFELASTIC_BACKUP_DIR/fit``, or ``./tfelastic-backup/JOB/fit`` without an agent.
     ``save_every``: steps between backups (default 100), or "epoch", which needs ``graceful_stop=False``:
@@ -165,10 +220,10 @@ def fit_callbacks(backup_dir: str | None = None, *, save_every: int | Literal["e
                          "steps, or pass graceful_stop=False")
     environment = env or TrainerEnvironment.from_env()
     reporter = reporter or ProgressReporter.from_env()
+    backup = keras.callbacks.BackupAndRestore(backup_dir or environment.backup_path("fit"), save_freq=save_every,
+                                              delete_checkpoint=delete_checkpoint)
     callbacks: list[keras.callbacks.Callback] = [
-        keras.callbacks.BackupAndRestore(backup_dir or environment.backup_path("fit"), save_freq=save_every,
-                                         delete_checkpoint=delete_checkpoint),
-        ProgressCallback(reporter, global_batch_size=global_batch_size),
+        SavePhaseCallback(reporter, [backup]), backup, ProgressCallback(reporter, global_batch_size=global_batch_size),
     ]
     if graceful_stop:
         callbacks.append(GracefulStopCallback(reporter, final_save=not delete_checkpoint))

@@ -28,7 +28,7 @@ from tfelastic.trainer.batching import epoch_steps
 from tfelastic.trainer.checkpoint import ChiefCheckpointManager, RestoreResult
 from tfelastic.trainer.data import ExamplesFn, distribute_epoch
 from tfelastic.trainer.preemption import STOP, preemption_guard
-from tfelastic.trainer.progress import ProgressReporter
+from tfelastic.trainer.progress import Phase, ProgressReporter
 from tfelastic.trainer.tfkeras import check_model, ensure_legacy_keras
 
 ensure_legacy_keras()
@@ -121,6 +121,7 @@ class TrainLoop:
 
     def restore(self) -> RestoreResult:
         """Restores the newest checkpoint that restores and checks that every worker restored the same step."""
+        self._reporter.report(self.step, phase=Phase.SETUP)
         result = self.checkpoints.restore()
         self.step = int(self.optimizer.iterations.numpy())
         self.epoch, self.examples_done = int(self._epoch.numpy()), int(self._examples_done.numpy())
@@ -140,6 +141,7 @@ class TrainLoop:
         """Saves at the current step (every worker must call it); returns the step. When it returns, the chief's
         checkpoint is complete on every worker: the save ends with a barrier."""
         if self._last_saved != self.step:
+            self._reporter.report(self.step, examples=self._examples_seen(), phase=Phase.SAVE)
             self._epoch.assign(self.epoch)
             self._examples_done.assign(self.examples_done)
             self.checkpoints.save(self.step)
@@ -152,7 +154,7 @@ class TrainLoop:
         """Trains until the optimizer step reaches ``steps``, then saves. Raises
         :class:`~tfelastic.trainer.preemption.Preempted` (exit 42) after saving on a stop request."""
         initial, loss = self.step, None
-        self._reporter.report(self.step, examples=self._examples_seen(), force=True)
+        self._reporter.report(self.step, examples=self._examples_seen(), phase=Phase.SETUP)  # the first step traces
         guard = preemption_guard(self.strategy) if self._graceful_stop else None
         with STOP.training():
             while self.step < steps:
@@ -160,6 +162,7 @@ class TrainLoop:
                 if left == 0:
                     self.epoch, self.examples_done = self.epoch + 1, 0
                     continue
+                self._reporter.report(self.step, phase=Phase.SETUP)  # an epoch's input pipeline starts (shuffle)
                 iterator = iter(distribute_epoch(self.strategy, self._examples, epoch=self.epoch,
                                                  global_batch=self.global_batch, skip=self.examples_done))
                 for _ in range(min(left, steps - self.step)):
@@ -175,7 +178,7 @@ class TrainLoop:
         """A progress report at the current step, when one is due: call it from work after training (a test
         loop, an export) so that the agent's hang detection does not take it for a stalled trainer."""
         if self._reporter.due():
-            self._reporter.report(self.step, examples=self._examples_seen())
+            self._reporter.report(self.step, examples=self._examples_seen(), phase=Phase.EVAL)
 
     def _after_step(self, loss: Any, guard: Any) -> None:
         if self._on_step is not None:

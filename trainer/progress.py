@@ -4,8 +4,10 @@ The agent sets ``TFELASTIC_PROGRESS_SOCKET``. Without it (no agent) every call i
 and never raises: if the agent is busy or gone, the report is dropped, and training goes on.
 
 Wire format (the agent decodes it with :func:`decode`): a JSON object with ``g`` (generation), ``pid``,
-``step`` and the optional ``examples``, ``loss``, ``ckpt`` (the step of the last checkpoint saved) and ``done``
-(training completed: an exit 0 after this is a completion even if the agent was stopping the worker).
+``step`` and the optional ``examples``, ``loss``, ``ckpt`` (the step of the last checkpoint saved), ``done``
+(training completed: an exit 0 after this is a completion even if the agent was stopping the worker) and ``ph``
+(the :class:`Phase` the trainer enters, when it is not ``train``: the agent's hang detection gives long work its
+own allowance; see :mod:`tfelastic.daemon.worker.stall`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,21 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from enum import Enum
 
 SOCKET_ENV = "TFELASTIC_PROGRESS_SOCKET"
 GENERATION_ENV = "TFELASTIC_GENERATION"
 MAX_DATAGRAM = 512
 MAX_INT = 1 << 62
+
+
+class Phase(str, Enum):
+    """What the trainer does from this report on."""
+
+    TRAIN = "train"  # training steps: the next report is due within a step or two
+    SETUP = "setup"  # start-up, restore, building and compiling: the first step comes after it
+    SAVE = "save"  # a checkpoint is being written
+    EVAL = "eval"  # evaluation or prediction
 
 
 @dataclass(frozen=True)
@@ -32,10 +44,11 @@ class ProgressMessage:
     loss: float | None = None
     checkpoint_step: int | None = None
     done: bool = False
+    phase: Phase = Phase.TRAIN
 
 
 def encode(message: ProgressMessage) -> bytes:
-    payload: dict[str, float | int] = {"g": message.generation, "pid": message.pid, "step": message.step}
+    payload: dict[str, float | int | str] = {"g": message.generation, "pid": message.pid, "step": message.step}
     if message.examples is not None:
         payload["examples"] = message.examples
     if message.loss is not None and math.isfinite(message.loss):
@@ -44,6 +57,8 @@ def encode(message: ProgressMessage) -> bytes:
         payload["ckpt"] = message.checkpoint_step
     if message.done:
         payload["done"] = 1
+    if message.phase is not Phase.TRAIN:
+        payload["ph"] = message.phase.value
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
@@ -65,6 +80,9 @@ def decode(data: bytes) -> ProgressMessage:
             raise ValueError(f"progress field {key!r} is out of range: {value}")
         return value
 
+    phase = raw.get("ph", Phase.TRAIN.value)
+    if phase not in _PHASES:
+        raise ValueError(f"progress field 'ph' must be one of {', '.join(sorted(_PHASES))}, got {phase!r}")
     loss = raw.get("loss")
     if loss is not None and (not isinstance(loss, (int, float)) or isinstance(loss, bool)):
         raise ValueError(f"progress field 'loss' must be a number, got {loss!r}")
@@ -76,7 +94,11 @@ def decode(data: bytes) -> ProgressMessage:
         loss=float(loss) if loss is not None else None,
         checkpoint_step=integer("ckpt"),
         done=raw.get("done") == 1,
+        phase=Phase(phase),
     )
+
+
+_PHASES = frozenset(p.value for p in Phase)
 
 
 def _refuse_constant(name: str) -> float:
@@ -109,18 +131,22 @@ class ProgressReporter:
         return self._sock is not None and time.monotonic() - self._last_sent >= self._min_interval
 
     def report(self, step: int, *, examples: int | None = None, loss: float | None = None,
-               checkpoint_step: int | None = None, force: bool = False, done: bool = False) -> bool:
-        """Returns whether a datagram was sent. ``done``: training completed (sent at once)."""
+               checkpoint_step: int | None = None, force: bool = False, done: bool = False,
+               phase: Phase | str = Phase.TRAIN) -> bool:
+        """Returns whether a datagram was sent. ``done`` (training completed) and a ``phase`` other than
+        ``train`` (long work starts: a save, an evaluation) are sent at once."""
         if self._sock is None:
             return False
         now = time.monotonic()
-        if not (force or done) and checkpoint_step is None and now - self._last_sent < self._min_interval:
+        urgent = force or done or checkpoint_step is not None or phase != Phase.TRAIN
+        if not urgent and now - self._last_sent < self._min_interval:
             return False
         try:  # numbers may come as numpy scalars or tensors: make them plain
             message = ProgressMessage(self._generation, os.getpid(), int(step),
                                       None if examples is None else int(examples),
                                       None if loss is None else float(loss),
-                                      None if checkpoint_step is None else int(checkpoint_step), done)
+                                      None if checkpoint_step is None else int(checkpoint_step), done,
+                                      Phase(phase))
             self._sock.sendto(encode(message), self._path)  # type: ignore[arg-type]
         except (OSError, TypeError, ValueError):
             return False  # the agent is busy or gone, or a value is unusable; progress is advisory
@@ -132,10 +158,13 @@ _default: ProgressReporter | None = None
 
 
 def report(step: int, *, examples: int | None = None, loss: float | None = None,
-           checkpoint_step: int | None = None, force: bool = False, done: bool = False) -> bool:
-    """Report progress through a reporter built from the environment the agent set."""
+           checkpoint_step: int | None = None, force: bool = False, done: bool = False,
+           phase: Phase | str = Phase.TRAIN) -> bool:
+    """Report progress through a reporter built from the environment the agent set. Before long work that is
+    not a training step (a checkpoint save, an evaluation), report its ``phase`` ("save", "eval", "setup"): the
+    agent's learned hang detection then allows it its own time."""
     global _default
     if _default is None:
         _default = ProgressReporter.from_env()
     return _default.report(step, examples=examples, loss=loss, checkpoint_step=checkpoint_step, force=force,
-                           done=done)
+                           done=done, phase=phase)

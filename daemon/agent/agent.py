@@ -79,7 +79,7 @@ class Agent:
                           self.registry) if rdzv.etcd is not None else EmbeddedPlacement(config, token, self.registry))
         identity = Identity(config.node.id, host, config.job_spec(), uuid.uuid4().hex, config.node.worker_port,
                             str(rdzv.endpoint))
-        timing = Timing(rdzv.heartbeat_interval, rdzv.node_timeout, rdzv.join_timeout, config.job.stall_timeout,
+        timing = Timing(rdzv.heartbeat_interval, rdzv.node_timeout, rdzv.join_timeout, config.stall_limits(),
                         config.node.stop_grace, rdzv.tls.enabled, failover=self._placement.failover)
         self.core = AgentCore(identity, timing, AgentMetrics(self.registry, config.job.name, config.node.id), clock,
                               free_port)

@@ -39,7 +39,7 @@ from tfelastic.daemon.exit_codes import CHECKPOINTED_AND_STOPPED, ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.worker.output import exception_line
-from tfelastic.daemon.worker.stall import StallDetector
+from tfelastic.daemon.worker.stall import StallDetector, StallLimits
 from tfelastic.daemon.worker.states import WorkerState, WorkerStateMachine
 from tfelastic.trainer.progress import ProgressMessage
 
@@ -65,7 +65,7 @@ class Timing:
     heartbeat_interval: float
     node_timeout: float
     join_timeout: float
-    stall_timeout: float
+    stall: StallLimits
     stop_grace: float
     tls: bool = False
     failover: bool = False  # etcd: a lost coordinator may be failing over; the worker runs on (agent/failover.py)
@@ -89,7 +89,8 @@ class AgentCore:
         self.signalled = False  # SIGTERM or SIGINT: nothing more to serve, not even a hosted coordinator
         self.tracker = ProgressTracker(clock, metrics)
         self._failures = FailureTimes(clock, metrics)
-        self._stall = StallDetector(timing.stall_timeout, clock)
+        self._stall = StallDetector(timing.stall, clock)
+        metrics.stall_limit.set_function(self._stall_limit)
         self._contact = CoordinatorContact(clock, heartbeat_interval=timing.heartbeat_interval,
                                            node_timeout=timing.node_timeout, join_timeout=timing.join_timeout,
                                            tls=timing.tls)
@@ -311,7 +312,7 @@ class AgentCore:
         first = self.tracker.latest is None
         self._failures.progressed()
         self.tracker.record(message)
-        self._stall.progress(training_done=message.done)
+        self._stall.progress(message.step, message.phase, training_done=message.done)
         # The first report of a generation goes out at once: where it resumed tells the coordinator what a
         # restart cost (steps redone or lost), and status shows the new generation training.
         return [self._report(api.WorkerStatus.RUNNING, pid=message.pid)] if first else []
@@ -431,6 +432,10 @@ class AgentCore:
             return None
         return self._report(api.WorkerStatus.RUNNING, pid=latest.pid)
 
+    def _stall_limit(self) -> float:
+        watched = self.worker.state is WorkerState.RUNNING and self._stall.silent_for() is not None
+        return self._stall.limit() if watched else 0.0
+
     def _check_stall(self) -> list[Action]:
         if self.worker.state is not WorkerState.RUNNING:
             return []
@@ -438,10 +443,9 @@ class AgentCore:
         if silent is None:
             return []
         self._failures.worker_failed()
-        timeout = self.timing.stall_timeout
-        log.warning("trainer stalled: no progress for %.1fs (stall_timeout=%gs)", silent, timeout)
-        return [self._ending(api.WorkerStatus.STALLED,
-                             detail=f"no progress for {silent:.1f}s (stall_timeout={timeout:g}s)")]
+        detail = f"no progress for {silent:.1f}s ({self._stall.explain()})"
+        log.warning("trainer stalled: %s", detail)
+        return [self._ending(api.WorkerStatus.STALLED, detail=detail)]
 
     def _completed(self, result: StopResult) -> bool:
         """An exit 0 is a completion if the trainer ended by itself, or told us it had completed; an exit 0

@@ -5,6 +5,7 @@ Pure: the trainer's reports and an injected clock in, the progress to report and
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -50,8 +51,7 @@ class ProgressTracker:
             self._metrics.checkpoint(message.checkpoint_step, self._wall_clock())
             self._checkpoint_at = now
         elif self._latest is not None:  # a report without a checkpoint keeps the last one it knows
-            message = ProgressMessage(message.generation, message.pid, message.step, message.examples,
-                                      message.loss, self._latest.checkpoint_step, message.done)
+            message = dataclasses.replace(message, checkpoint_step=self._latest.checkpoint_step)
         self._latest, self._latest_at = message, now
 
     def unsent(self) -> bool:

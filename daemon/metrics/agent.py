@@ -49,6 +49,9 @@ class AgentMetrics:
         self.recovery = Histogram("tfelastic_recovery_seconds",
                                   "From a stop order after a failure to the first progress of the next generation.",
                                   buckets=_SECONDS_BUCKETS, registry=registry)
+        self.stall_limit = Gauge("tfelastic_stall_limit_seconds",
+                                 "The silence that now makes the trainer stalled: learned from its step times, a "
+                                 "phase's allowance, or --stall-timeout (0: not watched).", registry=registry)
         self._last_step: int | None = None
         self._last_examples: int | None = None
         self.set_worker_state(WorkerState.INIT)

@@ -62,6 +62,9 @@ class NodeState(enum.Enum):
     QUARANTINED = "quarantined"  # set aside as a bad node: connected, runs no trainer (rendezvous/quarantine.py)
 
 
+STALL_LEARNED = -1.0  # JobSpec.stall_timeout_seconds: hang detection learns its limit (daemon/worker/stall.py)
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """Settings that must be equal on every agent of a job."""

@@ -74,7 +74,9 @@ def spec_problems(spec: api.JobSpec) -> list[Problem]:
     if spec.max_restarts > MAX_NODES:
         problems.append(Problem("max_restarts", f"{spec.max_restarts} is more than {MAX_NODES}, the most a "
                                                 "coordinator accepts"))
-    problems += [p for p in (seconds_problem(name, getattr(spec, name)) for name in _TIMINGS) if p]
+    learned = spec.stall_timeout_seconds == api.STALL_LEARNED
+    timings = [name for name in _TIMINGS if not (learned and name == "stall_timeout_seconds")]
+    problems += [p for p in (seconds_problem(name, getattr(spec, name)) for name in timings) if p]
     if not spec.node_timeout_seconds > spec.heartbeat_interval_seconds:
         problems.append(Problem("node_timeout_seconds", f"{spec.node_timeout_seconds}s must exceed "
                                                         f"heartbeat_interval {spec.heartbeat_interval_seconds}s"))

@@ -250,9 +250,10 @@ def test_fit_callbacks_bundle_order_tensorboard_rank_and_epoch_saves(tmp_path: P
     """)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.splitlines()[-1])
-    assert report["chief"] == ["BackupAndRestore", "ProgressCallback", "GracefulStopCallback", "TensorBoard"]
-    assert report["worker"] == ["BackupAndRestore", "ProgressCallback", "GracefulStopCallback"]
-    assert report["epoch"] == ["BackupAndRestore", "ProgressCallback", "TensorBoard"]
+    assert report["chief"] == ["SavePhaseCallback", "BackupAndRestore", "ProgressCallback", "GracefulStopCallback",
+                               "TensorBoard"]
+    assert report["worker"] == ["SavePhaseCallback", "BackupAndRestore", "ProgressCallback", "GracefulStopCallback"]
+    assert report["epoch"] == ["SavePhaseCallback", "BackupAndRestore", "ProgressCallback", "TensorBoard"]
     assert "save_every='epoch' with graceful_stop=True would lose the rest of an epoch" in report["refused"]
 
 
@@ -280,13 +281,21 @@ def test_fit_reports_step_examples_loss_and_each_saved_checkpoint_to_the_agent(t
             except BlockingIOError:
                 break
             reports.append({"step": message.step, "examples": message.examples, "loss": message.loss,
-                            "ckpt": message.checkpoint_step, "done": message.done})
+                            "ckpt": message.checkpoint_step, "done": message.done, "phase": message.phase.value})
         print(json.dumps({"reports": reports, "last_loss": history.history["loss"][-1]}))
     """)
     assert result.returncode == 0, result.stdout + result.stderr
     outcome = json.loads(result.stdout.splitlines()[-1])
     reports = outcome["reports"]
-    assert reports[0]["step"] == 0 and not reports[0]["done"], reports[0]
+    assert reports[0]["step"] == 0 and not reports[0]["done"] and reports[0]["phase"] == "setup", reports[0]
+    # Each save is announced before it is made (the agent's learned hang detection allows it its own time), and
+    # each epoch's end (the next epoch's input pipeline) is a setup phase.
+    for i, r in enumerate(reports):
+        if r["ckpt"] is not None:
+            assert reports[i - 1]["phase"] == "save" and reports[i - 1]["step"] == r["ckpt"], reports[i - 1:i + 1]
+    # Step 100: BackupAndRestore's own save, then GracefulStopCallback's final one.
+    assert [r["step"] for r in reports if r["phase"] == "save"] == [20, 40, 60, 80, 100, 100], reports
+    assert [r["step"] for r in reports if r["phase"] == "setup"] == [0, 50, 100], reports
     assert all(r["examples"] == 16 * r["step"] for r in reports if r["examples"] is not None), reports
     # BackupAndRestore saves every 20 of the 100 steps, and the final state is saved at the end of fit.
     assert sorted({r["ckpt"] for r in reports if r["ckpt"] is not None}) == [20, 40, 60, 80, 100], reports
@@ -295,8 +304,8 @@ def test_fit_reports_step_examples_loss_and_each_saved_checkpoint_to_the_agent(t
     # after fit (evaluation, export) for a hang.
     assert [r for r in reports if r["done"]] == [
         {"step": 100, "examples": 1600, "loss": pytest.approx(outcome["last_loss"], rel=1e-5), "ckpt": None,
-         "done": True},
-        {"step": 100, "examples": None, "loss": None, "ckpt": 100, "done": True}], reports
+         "done": True, "phase": "train"},
+        {"step": 100, "examples": None, "loss": None, "ckpt": 100, "done": True, "phase": "train"}], reports
     assert reports[-1]["done"], reports
 
 

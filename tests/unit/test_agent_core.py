@@ -23,21 +23,24 @@ from tfelastic.daemon.agent.core import AgentCore, Identity, Timing
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
+from tfelastic.daemon.worker.stall import WARMUP_GAPS, StallLimits
 from tfelastic.daemon.worker.states import WorkerState
-from tfelastic.trainer.progress import ProgressMessage
+from tfelastic.trainer.progress import Phase, ProgressMessage
 
 from tests.fakes import FakeClock
 
 SPEC = api.JobSpec("job", b"\x01" * 32, 1, 2, 3, 3600.0, 10.0, "/backup", 0.5, 2.0)
 HEARTBEAT, NODE_TIMEOUT, STALL = 0.5, 2.0, 10.0
+FIXED_STALL = StallLimits(fixed=STALL)
 
 
 class Harness:
-    def __init__(self, join_timeout: float = 600.0, failover: bool = False) -> None:
+    def __init__(self, join_timeout: float = 600.0, failover: bool = False,
+                 stall: StallLimits = FIXED_STALL) -> None:
         self.clock = FakeClock(100.0)
         self.registry = CollectorRegistry()
         identity = Identity("n1", "10.0.0.1", SPEC, "incarnation-1", coordinator="head:29400")
-        timing = Timing(HEARTBEAT, NODE_TIMEOUT, join_timeout, STALL, stop_grace=10.0, failover=failover)
+        timing = Timing(HEARTBEAT, NODE_TIMEOUT, join_timeout, stall, stop_grace=10.0, failover=failover)
         self.core = AgentCore(identity, timing, AgentMetrics(self.registry, "job", "n1"), self.clock,
                               pick_port=lambda host: 5555)
 
@@ -215,6 +218,46 @@ def test_training_completed_pauses_the_stall_check_until_the_next_report() -> No
     h.clock.now += STALL + 0.25
     h.core.received(api.Heartbeat())
     assert len(stalled(h.core.tick())) == 1
+
+
+def test_a_learned_limit_reports_a_live_hang_after_the_floor_and_names_where_it_came_from() -> None:
+    h = Harness(stall=StallLimits(floor=20.0, allowance=600.0))
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=0, phase=Phase.SETUP))
+    assert h.registry.get_sample_value("tfelastic_stall_limit_seconds") == 600.0
+    for step in range(1, WARMUP_GAPS + 4):
+        h.clock.now += 0.25
+        h.core.progress(ProgressMessage(1, 4001, step=step))
+    assert h.registry.get_sample_value("tfelastic_stall_limit_seconds") == 20.0
+    silent = 0.0
+    while not (found := stalled(h.core.tick())):
+        h.clock.now += 0.25
+        silent += 0.25
+        h.core.received(api.Heartbeat())
+    assert silent == 20.25
+    assert found[0].detail == ("no progress for 20.2s (learned limit 20.0s: 10 x the longest step gap 0.25s, "
+                               "floor 20s)")
+
+
+def test_a_save_reported_by_the_trainer_is_not_a_stall() -> None:
+    h = Harness(stall=StallLimits(floor=20.0, allowance=600.0))
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=0, phase=Phase.SETUP))
+    for step in range(1, WARMUP_GAPS + 4):
+        h.clock.now += 0.25
+        h.core.progress(ProgressMessage(1, 4001, step=step))
+    h.core.progress(ProgressMessage(1, 4001, step=WARMUP_GAPS + 3, phase=Phase.SAVE))
+    for _ in range(400):  # 100 s of saving
+        h.clock.now += 0.25
+        h.core.received(api.Heartbeat())
+        assert stalled(h.core.tick()) == []
+
+
+def test_the_stall_limit_gauge_is_zero_while_nothing_is_watched() -> None:
+    h = Harness(stall=StallLimits())
+    assert h.registry.get_sample_value("tfelastic_stall_limit_seconds") == 0.0
+    h.running()
+    assert h.registry.get_sample_value("tfelastic_stall_limit_seconds") == 0.0  # never reported: not watched
 
 
 def test_a_trainer_that_never_reports_is_not_checked() -> None:

@@ -14,6 +14,7 @@ from tfelastic.daemon.config import OPTIONS, AgentConfig, from_values, load_toml
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.exit_codes import EX_CONFIG
+from tfelastic.daemon.worker.stall import StallLimits
 
 BASE = from_values({"command": ("python", "train.py"), "rendezvous": Endpoint("127.0.0.1", 29400),
                     "node_id": "node-a"})
@@ -528,3 +529,42 @@ def test_a_quarantine_count_out_of_range_names_the_option() -> None:
                           "quarantine_after": -1})
     with pytest.raises(ConfigError, match="--quarantine-after: -1 is out of range 0-1000"):
         validate(config)
+
+
+def test_stall_timeout_auto_is_the_default_and_learns_in_flags_and_files(tmp_path: Path) -> None:
+    from tfelastic.daemon.cli import build_parser, config_from_run_args
+    from tfelastic.daemon.rendezvous.api import STALL_LEARNED
+
+    def run(*flags: str) -> AgentConfig:
+        args = build_parser().parse_args(["run", "--rendezvous", "127.0.0.1:29400", *flags, "--", "python"])
+        return config_from_run_args(args, None)
+
+    default = run()
+    assert default.job.stall_timeout is None and default.stall_limits().fixed is None
+    assert default.job_spec().stall_timeout_seconds == STALL_LEARNED  # the wire's "learned"
+    assert run("--stall-timeout", "auto").job.stall_timeout is None
+    fixed = run("--stall-timeout", "90", "--stall-floor", "5", "--stall-allowance", "60")
+    assert fixed.stall_limits() == StallLimits(fixed=90.0, floor=5.0, allowance=60.0)
+    assert fixed.job_spec().stall_timeout_seconds == 90.0
+    text = 'rendezvous.endpoint = "127.0.0.1:29400"\njob.command = ["python"]\njob.stall_timeout = "auto"\n'
+    assert load_toml(write(tmp_path, text)).job.stall_timeout is None
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('job.stall_timeout = "soon"', "job.stall_timeout: 'soon' must be a int or float"),
+    ("job.stall_timeout = -1", "job.stall_timeout: -1.0 seconds must be 0 or more"),  # not the wire's sentinel
+    ("job.stall_floor = -5", "job.stall_floor: -5.0 seconds must be 0 or more"),
+    ("job.stall_allowance = -5", "job.stall_allowance: -5.0 seconds must be 0 or more"),
+])
+def test_bad_stall_settings_in_a_file_name_the_key(tmp_path: Path, text: str, message: str) -> None:
+    _, error = toml_error(tmp_path, f'rendezvous.endpoint = "127.0.0.1:29400"\njob.command = ["python"]\n{text}\n')
+    assert error.endswith(message), error
+
+
+def test_a_bad_stall_timeout_flag_exits_78_naming_the_value(capsys: pytest.CaptureFixture[str]) -> None:
+    from tfelastic.daemon.cli import build_parser
+
+    with pytest.raises(SystemExit) as excinfo:
+        build_parser().parse_args(["run", "--stall-timeout", "soon", "--", "python"])
+    assert excinfo.value.code == 78
+    assert "'soon' is neither 'auto' nor a number of seconds" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tfelastic.daemon.cli import build_parser, config_from_run_args
@@ -64,10 +65,10 @@ sys.exit(int(sys.argv[1]))
 WHICH_SITE = "import sitecustomize, sys\nprint('sitecustomize:', sitecustomize.__file__)\n"
 
 
-def run_python(code: str, env: Mapping[str, str], *args: str,
-               executable: str = sys.executable) -> subprocess.CompletedProcess[str]:
+def run_python(code: str, env: Mapping[str, str], *args: str, executable: str = sys.executable,
+               cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([executable, "-c", code, *args], env=dict(env), capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, cwd=cwd)
 
 
 def trainer_env(base: Mapping[str, str] | None = None, instrument: bool = True) -> dict[str, str]:
@@ -190,7 +191,7 @@ def progress_socket(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
     sock.close()
 
 
-def received(sock: socket.socket) -> list[dict[str, int]]:
+def received(sock: socket.socket) -> list[dict[str, Any]]:
     messages = []
     while True:
         try:
@@ -215,6 +216,34 @@ def test_fit_reports_progress_once_per_fit_without_doubling_the_scripts_own(
     # One "done" per ProgressCallback that ran: one per fit, none for the CallbackList given as is.
     assert Counter(m["step"] for m in messages if m.get("done")) == {2: 1, 4: 1, 6: 1}, messages
     assert {m["step"] for m in messages} >= {0, 2, 4, 6}  # each fit reports its start (force) and its end
+
+
+SAVES = """
+import numpy as np
+import tensorflow as tf
+
+x, y = np.zeros((24, 4), np.float32), np.zeros((24, 1), np.float32)  # batch_size 4: 6 steps per epoch
+model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(4,))])
+model.compile("sgd", "mse")
+savers = [tf.keras.callbacks.BackupAndRestore("backup", save_freq=2),
+          tf.keras.callbacks.ModelCheckpoint("mc/ckpt", save_weights_only=True, save_freq=3)]
+model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=savers)
+"""
+
+
+@pytest.mark.tensorflow
+def test_an_unmodified_scripts_own_savers_are_announced_before_they_save(
+        progress_socket: tuple[socket.socket, str], tmp_path: Path) -> None:
+    sock, path = progress_socket
+    env = trainer_env({"TFELASTIC_PROGRESS_SOCKET": path, "TFELASTIC_GENERATION": "1", "TF_USE_LEGACY_KERAS": "1",
+                       "TF_CPP_MIN_LOG_LEVEL": "3"})
+    result = run_python(SAVES, env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    messages = received(sock)
+    # BackupAndRestore saves at steps 2, 4, 6, 8, 10, 12; ModelCheckpoint at 3, 6, 9, 12 (one report per batch
+    # where either saves). Each epoch's end is a setup phase, as is the start of fit.
+    assert [m["step"] for m in messages if m.get("ph") == "save"] == [2, 3, 4, 6, 8, 9, 10, 12], messages
+    assert [m["step"] for m in messages if m.get("ph") == "setup"] == [0, 6, 12], messages
 
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tfelastic.daemon.rendezvous.api import ProtocolError
+from tfelastic.daemon.rendezvous.api import STALL_LEARNED, ProtocolError
 from tfelastic.daemon.rendezvous.bounds import validate_join
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 
@@ -22,6 +22,10 @@ def join(**changes: Any) -> pb.Join:
 
 def test_a_valid_join_passes() -> None:
     validate_join(join())
+
+
+def test_a_learned_stall_limit_passes() -> None:
+    validate_join(join(spec={"stall_timeout_seconds": STALL_LEARNED}))
 
 
 @pytest.mark.parametrize(("changes", "named"), [
@@ -45,6 +49,7 @@ def test_a_valid_join_passes() -> None:
     ({"spec": {"min_nodes": 3, "max_nodes": 2}}, "node range 3:2"),
     ({"spec": {"node_timeout_seconds": -1}}, "spec.node_timeout_seconds timing -1.0"),
     ({"spec": {"stall_timeout_seconds": float("nan")}}, "spec.stall_timeout_seconds timing nan"),
+    ({"spec": {"stall_timeout_seconds": -2.0}}, "spec.stall_timeout_seconds timing -2.0"),
     ({"spec": {"node_timeout_seconds": 0.5}}, "spec.node_timeout_seconds 0.5s must exceed heartbeat_interval 0.5s"),
 ])
 def test_out_of_range_values_are_refused_naming_them(changes: dict[str, Any], named: str) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from tfelastic.daemon.worker.progress import ProgressListener
 from tfelastic.trainer import progress
-from tfelastic.trainer.progress import MAX_DATAGRAM, ProgressMessage, ProgressReporter, decode, encode
+from tfelastic.trainer.progress import MAX_DATAGRAM, Phase, ProgressMessage, ProgressReporter, decode, encode
 
 # ------------------------------------------------------------------------------------------------ wire format
 
@@ -27,6 +27,7 @@ from tfelastic.trainer.progress import MAX_DATAGRAM, ProgressMessage, ProgressRe
     ProgressMessage(generation=3, pid=4242, step=120, examples=7680, loss=0.125, checkpoint_step=100),
     ProgressMessage(generation=0, pid=1, step=0, examples=0, loss=0.0, checkpoint_step=0),
     ProgressMessage(generation=2**40, pid=99999, step=2**53, loss=-1.5e-300),
+    *(ProgressMessage(generation=1, pid=2, step=3, phase=phase) for phase in Phase),
 ])
 def test_encode_decode_round_trip(message: ProgressMessage) -> None:
     assert decode(encode(message)) == message
@@ -36,6 +37,14 @@ def test_encode_uses_the_documented_short_keys() -> None:
     data = encode(ProgressMessage(generation=3, pid=42, step=7, examples=70, loss=0.5, checkpoint_step=5))
     assert json.loads(data) == {"g": 3, "pid": 42, "step": 7, "examples": 70, "loss": 0.5, "ckpt": 5}
     assert json.loads(encode(ProgressMessage(1, 2, 3))) == {"g": 1, "pid": 2, "step": 3}
+    assert json.loads(encode(ProgressMessage(1, 2, 3, phase=Phase.SAVE))) == {"g": 1, "pid": 2, "step": 3,
+                                                                              "ph": "save"}
+
+
+@pytest.mark.parametrize("phase", ["nap", 1, None, "TRAIN"])
+def test_decode_rejects_an_unknown_phase_naming_the_known_ones(phase: object) -> None:
+    with pytest.raises(ValueError, match="progress field 'ph' must be one of eval, save, setup, train, got"):
+        decode(json.dumps({"g": 1, "pid": 2, "step": 3, "ph": phase}).encode())
 
 
 @pytest.mark.parametrize("loss", [math.nan, math.inf, -math.inf])
@@ -213,6 +222,11 @@ def test_reporter_throttles_unless_forced_or_checkpointed(server: socket.socket,
     assert reporter.report(3, force=True) is True
     assert reporter.report(4, checkpoint_step=4) is True
     assert received(server) == [ProgressMessage(1, pid, 3), ProgressMessage(1, pid, 4, checkpoint_step=4)]
+
+    assert reporter.report(5, phase=Phase.SAVE) is True  # long work starts: never throttled
+    assert reporter.report(5, phase="eval") is True
+    assert received(server) == [ProgressMessage(1, pid, 5, phase=Phase.SAVE), ProgressMessage(1, pid, 5,
+                                                                                            phase=Phase.EVAL)]
 
     # a forced or checkpoint report restarts the interval
     fake_time.now += 0.999

@@ -2,14 +2,42 @@
 
 from __future__ import annotations
 
-from tfelastic.daemon.worker.stall import StallDetector
+import pytest
+from tfelastic.daemon.worker.stall import GAPS_KEPT, WARMUP_GAPS, StallDetector, StallLimits
+from tfelastic.trainer.progress import Phase
 
 from tests.fakes import FakeClock
 
 
 def detector(timeout: float = 10.0) -> tuple[StallDetector, FakeClock]:
+    """A fixed limit (--stall-timeout SECONDS)."""
     clock = FakeClock(1000.0)
-    return StallDetector(timeout, clock), clock
+    return StallDetector(StallLimits(fixed=timeout), clock), clock
+
+
+def learning(floor: float = 20.0, allowance: float = 600.0) -> tuple[StallDetector, FakeClock]:
+    """The default: a limit learned from the step times."""
+    clock = FakeClock(1000.0)
+    return StallDetector(StallLimits(floor=floor, allowance=allowance), clock), clock
+
+
+def train(stall: StallDetector, clock: FakeClock, steps: int, gap: float, start: int = 0) -> int:
+    """A worker's fit from its setup report: ``steps`` steps ``gap`` seconds apart; returns the last step."""
+    stall.progress(start, Phase.SETUP)
+    for step in range(start + 1, start + steps + 1):
+        clock.now += gap
+        stall.progress(step)
+    return start + steps
+
+
+def silent_until_stalled(stall: StallDetector, clock: FakeClock, tick: float = 0.5, most: float = 10_000.0
+                         ) -> float:
+    """Moves the clock in ticks until the detector says stalled; returns the silence then."""
+    start = clock.now
+    while not stall.stalled():
+        assert clock.now - start < most, "never stalled"
+        clock.now += tick
+    return clock.now - start
 
 
 def test_not_stalled_before_the_first_report_however_long_it_takes() -> None:
@@ -89,7 +117,7 @@ def test_a_stall_is_reported_once_per_worker() -> None:
 
 def test_training_completed_pauses_the_check_until_the_next_report() -> None:
     stall, clock = detector(timeout=10.0)
-    stall.progress(training_done=True)
+    stall.progress(1, training_done=True)
     clock.now += 1000.0
     assert stall.stalled() is False and stall.newly_stalled() is None
     stall.progress()  # another fit, an evaluation that reports: watched again
@@ -99,8 +127,141 @@ def test_training_completed_pauses_the_check_until_the_next_report() -> None:
 
 def test_a_new_worker_is_not_paused_by_the_last_ones_completion() -> None:
     stall, clock = detector(timeout=10.0)
-    stall.progress(training_done=True)
+    stall.progress(1, training_done=True)
     stall.reset()
     stall.progress()
     clock.now += 10.5
     assert stall.stalled() is True
+
+
+# ---------------------------------------------------------------------------------------------- learned limit
+
+
+def test_fast_steps_are_caught_at_the_floor_once_warmed_up() -> None:
+    stall, clock = learning(floor=20.0)
+    train(stall, clock, steps=WARMUP_GAPS + 3, gap=0.3)
+    assert stall.limit() == 20.0  # 10 x 0.3 s is under the floor
+    assert stall.explain() == "learned limit 20.0s: 10 x the longest step gap 0.30s, floor 20s"
+    assert silent_until_stalled(stall, clock) == 20.5
+
+
+def test_slow_steps_learn_ten_times_their_longest_gap() -> None:
+    stall, clock = learning()
+    step = train(stall, clock, steps=WARMUP_GAPS + 3, gap=3.0)
+    assert stall.limit() == pytest.approx(30.0)
+    clock.now += 5.0  # one slower step raises it
+    stall.progress(step + 1)
+    assert stall.limit() == pytest.approx(50.0)
+    assert silent_until_stalled(stall, clock) == 50.5
+
+
+def test_during_the_warm_up_the_allowance_applies() -> None:
+    stall, clock = learning(allowance=600.0)
+    stall.progress(0, Phase.SETUP)
+    assert stall.limit() == 600.0 and stall.explain() == "setup allowance 600s"
+    train(stall, clock, steps=WARMUP_GAPS - 1, gap=0.2)  # one gap short
+    assert stall.limit() == 600.0 and stall.explain() == "warm-up allowance 600s"
+    assert silent_until_stalled(stall, clock, tick=10.0) == 610.0
+
+
+def test_the_first_two_steps_of_a_worker_get_the_allowance_and_their_gaps_are_not_the_first_learned() -> None:
+    stall, clock = learning()
+    stall.progress(0)  # a custom loop's first report, before its first step: setup
+    assert stall.explain() == "setup allowance 600s"
+    clock.now += 100.0  # the first step traces
+    stall.progress(1)
+    assert stall.limit() == 600.0  # the second may trace again
+    for step in range(2, WARMUP_GAPS + 3):
+        clock.now += 0.5
+        stall.progress(step)
+    assert stall.limit() == 20.0  # the 100 s of tracing was not learned
+
+
+def test_a_save_gets_the_allowance_and_the_gap_after_it_is_not_learned() -> None:
+    stall, clock = learning()
+    step = train(stall, clock, steps=WARMUP_GAPS + 3, gap=0.5)
+    stall.progress(step, Phase.SAVE)
+    assert stall.limit() == 600.0 and stall.explain() == "save allowance 600s"
+    clock.now += 300.0  # a long save
+    assert not stall.stalled()
+    stall.progress(step)  # the save's end (the report that carries the checkpoint), at the same step
+    assert stall.limit() == 20.0  # training again: the learned limit, at once
+    clock.now += 0.5
+    stall.progress(step + 1)
+    assert stall.limit() == 20.0  # the 300 s were not learned
+
+
+def test_evaluation_gets_the_allowance_until_training_reports_again() -> None:
+    stall, clock = learning(allowance=100.0)
+    step = train(stall, clock, steps=WARMUP_GAPS + 3, gap=0.5)
+    stall.progress(step, Phase.EVAL)
+    clock.now += 90.0
+    stall.progress(step, Phase.EVAL)  # evaluation batches
+    assert silent_until_stalled(stall, clock) == 100.5
+    stall.progress(step + 1)
+    assert stall.limit() == 20.0
+
+
+def test_a_new_worker_of_a_reporting_job_is_watched_from_its_launch_and_keeps_the_learned_gaps() -> None:
+    stall, clock = learning(allowance=300.0)
+    step = train(stall, clock, steps=WARMUP_GAPS + 3, gap=0.5)
+    stall.reset()  # the next generation's worker starts
+    assert stall.silent_for() == 0.0 and stall.explain() == "setup allowance 300s"
+    clock.now += 250.0
+    stall.progress(step, Phase.SETUP)  # restored
+    clock.now += 30.0
+    stall.progress(step + 1)
+    clock.now += 0.5
+    stall.progress(step + 2)
+    assert stall.limit() == 20.0  # no new warm-up: the same job steps as fast
+
+
+def test_a_hang_in_start_up_is_caught_after_the_allowance() -> None:
+    stall, clock = learning(allowance=300.0)
+    train(stall, clock, steps=3, gap=0.5)
+    stall.reset()
+    assert silent_until_stalled(stall, clock, tick=1.0) == 301.0
+
+
+def test_a_job_that_never_reported_is_not_watched_from_launch() -> None:
+    stall, clock = learning()
+    stall.reset()
+    clock.now += 1_000_000.0
+    assert stall.silent_for() is None and not stall.stalled()
+
+
+def test_a_fixed_timeout_does_not_watch_the_start_up() -> None:
+    stall, clock = detector(timeout=10.0)
+    stall.progress(1)
+    stall.reset()
+    clock.now += 1000.0
+    assert not stall.stalled()
+
+
+def test_a_long_gap_is_forgotten_after_enough_newer_ones() -> None:
+    stall, clock = learning()
+    step = train(stall, clock, steps=WARMUP_GAPS + 3, gap=0.5)
+    clock.now += 8.0  # one slow step (a GC, a slow batch)
+    stall.progress(step := step + 1)
+    assert stall.limit() == 80.0
+    for _ in range(GAPS_KEPT):
+        clock.now += 0.5
+        stall.progress(step := step + 1)
+    assert stall.limit() == 20.0
+
+
+def test_training_completed_pauses_the_learned_check_too() -> None:
+    stall, clock = learning()
+    step = train(stall, clock, steps=WARMUP_GAPS + 3, gap=0.5)
+    stall.progress(step, training_done=True)
+    clock.now += 10_000.0
+    assert not stall.stalled()
+
+
+def test_a_step_that_goes_back_does_not_count_as_progress_of_the_step() -> None:
+    stall, clock = learning()
+    step = train(stall, clock, steps=WARMUP_GAPS + 3, gap=0.5)
+    clock.now += 5.0
+    stall.progress(step - 3)  # a report from a stale view: still a sign of life, but no gap learned
+    assert stall.limit() == 20.0
+    assert stall.silent_for() == 0.0

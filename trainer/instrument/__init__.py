@@ -89,7 +89,9 @@ def _with_progress(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) ->
 
 def _add_progress(callbacks: Any) -> Any:
     """A new list with a progress callback appended (last, so it sees the save BackupAndRestore made in the same
-    batch), or ``callbacks`` itself when there is nothing to add. The caller's list is never changed."""
+    batch) and a save-phase callback put first (so the agent hears of a save before the script's own checkpoint
+    callbacks make it), or ``callbacks`` itself when there is nothing to add. The caller's list is never
+    changed."""
     import tensorflow as tf  # loaded already: fit is being called
     from tf_keras.callbacks import CallbackList
 
@@ -101,7 +103,8 @@ def _add_progress(callbacks: Any) -> Any:
     existing = tf.nest.flatten(callbacks) if callbacks else []  # what Keras accepts: None, one, or a list
     if any(isinstance(c, ProgressCallback) for c in existing):
         return callbacks  # the script reports by itself
-    return [*existing, _guarded_class()(reporter)]
+    progress, save_phase = _guarded_classes()
+    return [save_phase(reporter, existing), *existing, progress(reporter)]
 
 
 def _shared_reporter() -> Any:
@@ -113,33 +116,36 @@ def _shared_reporter() -> Any:
     return _reporter
 
 
+_HOOKS = ("on_train_begin", "on_train_batch_end", "on_train_end", "on_epoch_end", "on_test_begin",
+          "on_test_batch_end", "on_predict_begin", "on_predict_batch_end")
+
+
 @functools.cache
-def _guarded_class() -> type:
-    """ProgressCallback whose errors are reported once and then silence it, instead of failing ``fit``."""
-    from tfelastic.trainer.callbacks import ProgressCallback
+def _guarded_classes() -> tuple[type, type]:
+    """ProgressCallback and SavePhaseCallback whose errors are reported once and then silence them, instead of
+    failing ``fit``."""
+    from tfelastic.trainer.callbacks import ProgressCallback, SavePhaseCallback
 
-    class AutoProgressCallback(ProgressCallback):
-        _failed = False
+    return _guarded(ProgressCallback, "AutoProgressCallback"), _guarded(SavePhaseCallback, "AutoSavePhaseCallback")
 
-        def _guard(self, hook: Callable[..., None], *args: Any) -> None:
-            if self._failed:
+
+def _guarded(base: type, name: str) -> type:
+    def guard(hook_name: str) -> Callable[..., None]:
+        def hook(self: Any, *args: Any) -> None:
+            if getattr(self, "_failed", False):
                 return
             try:
-                hook(*args)
+                getattr(base, hook_name)(self, *args)
             except Exception as e:
                 self._failed = True
-                warn_once("the progress callback failed", e)
+                warn_once(f"the {base.__name__} failed", e)
 
-        def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-            self._guard(super().on_train_begin, logs)
+        return hook
 
-        def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-            self._guard(super().on_train_batch_end, batch, logs)
-
-        def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-            self._guard(super().on_train_end, logs)
-
-    return AutoProgressCallback
+    # Only the hooks the base defines: Keras skips a batch hook a callback leaves at its default.
+    hooks = {h: guard(h) for h in _HOOKS if any(h in vars(c) for c in base.__mro__ if c.__module__.startswith(
+        "tfelastic"))}
+    return type(name, (base,), hooks)
 
 
 __all__ = ["ENABLE_ENV", "FIT_MODULE", "OFF_VALUES", "SITE_DIR", "enabled", "instrument_training_module"]
