@@ -48,6 +48,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(ExitCode.CONFIG, f"tfelastic: error: {message}\n")
 
 
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'on' nor 'off'")
+    return text == "on"
+
+
 def _stall_timeout(text: str) -> float | None:
     if text == STALL_AUTO:
         return None
@@ -87,6 +93,8 @@ def _flag_type(name: str) -> Any:
         return _metrics_port
     if name == "stall_timeout":
         return _stall_timeout
+    if name == "warm_start":
+        return _on_off
     if isinstance(default, float):
         return float
     if isinstance(default, int) and not isinstance(default, bool) and name != "min_nodes":

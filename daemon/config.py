@@ -62,6 +62,7 @@ class NodeConfig:
     failure_stop_grace: float = 0.25  # restarts after a failure: the collective is broken, nothing to save
     log_level: str = "info"
     check_min_free_mb: int = 1024  # the node check wants this much free in the backup dir
+    warm_start: bool = True  # Python trainer commands launch through a standby interpreter (worker/warm.py)
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,9 @@ _OPTIONS = [
     Option("log_level", "node.log_level", "--log-level", "debug, info, warning or error"),
     Option("check_min_free_mb", "node.check_min_free_mb", "--check-min-free-mb",
            "the node check fails with less free space than this in the backup dir", "MB"),
+    Option("warm_start", "node.warm_start", "--warm-start",
+           "launch Python trainer commands through a standby interpreter that has imported TensorFlow "
+           "(default on; other commands start cold)", "on|off"),
     Option("rendezvous", "rendezvous.endpoint", "--rendezvous",
            "the coordinator's endpoint, or the job's etcd: etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS) "
            "(required; under SLURM the step's first host)", "HOST:PORT|etcd://..."),

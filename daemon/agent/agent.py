@@ -59,6 +59,7 @@ log = logging.getLogger("tfelastic.agent")
 
 RETRY_SECONDS = 0.2  # between attempts to reach the coordinator
 GPU_POLL_SECONDS = 5.0
+STANDBY_DELAY_SECONDS = 30.0  # a trainer that does not report gets the next standby after this long
 NODE_CHECK_SECONDS = MATMUL_TIMEOUT_SECONDS + 30.0  # the matmul's own bound, and the rest of the check
 # A terminal closed under `tfelastic run` (SIGHUP) or Ctrl-\ (SIGQUIT) is a request to stop, like SIGTERM and
 # Ctrl-C: the agent leaves the job cleanly. SIGUSR1 logs what the agent is doing; SIGUSR2 is ignored.
@@ -81,10 +82,13 @@ class Agent:
                             str(rdzv.endpoint))
         timing = Timing(rdzv.heartbeat_interval, rdzv.node_timeout, rdzv.join_timeout, config.stall_limits(),
                         config.node.stop_grace, rdzv.tls.enabled, failover=self._placement.failover)
-        self.core = AgentCore(identity, timing, AgentMetrics(self.registry, config.job.name, config.node.id), clock,
-                              free_port)
+        self._agent_metrics = AgentMetrics(self.registry, config.job.name, config.node.id)
+        self.core = AgentCore(identity, timing, self._agent_metrics, clock, free_port)
         self.runner = WorkerRunner(self, stop_grace=config.node.stop_grace,
-                                   failure_stop_grace=config.node.failure_stop_grace)
+                                   failure_stop_grace=config.node.failure_stop_grace,
+                                   warm_start=config.node.warm_start)
+        self._agent_metrics.standby_memory.set_function(self.runner.standby_memory)
+        self._standby_due: tuple[int, WorkerSpec] | None = None  # build a standby after this generation's start
         register_host_collector(self.registry, lambda: self.runner.live_pid, config.resolved_backup_dir())
         trainer_gpus = agent_environment(config.job.env).get("CUDA_VISIBLE_DEVICES")  # its GPUs, not the node's
         self._gpus = register_gpu_collector(self.registry, visible=visible_gpus(trainer_gpus))
@@ -125,6 +129,7 @@ class Agent:
         finally:
             self._apply(self.core.final_stop())
             await self.runner.idle()
+            await self.runner.close()
             self._listener.close()
             await self._wind_down()
 
@@ -265,6 +270,15 @@ class Agent:
         spec = WorkerSpec(job.command, env, job.workdir or None, f"[rank {assignment.rank}]",
                           self.config.node.failure_stop_grace)
         self.runner.launch(assignment.generation, spec)
+        # The next generation's standby is built once this trainer is past its start-up (its first progress
+        # report, or STANDBY_DELAY_SECONDS), so that the two do not compete for the CPU.
+        self._standby_due = (assignment.generation, spec)
+        asyncio.get_running_loop().call_later(STANDBY_DELAY_SECONDS, self._prepare_standby, assignment.generation)
+
+    def _prepare_standby(self, generation: int) -> None:
+        if self._standby_due is not None and self._standby_due[0] == generation and not self.core.winding_down:
+            self.runner.prepare_standby(self._standby_due[1])
+            self._standby_due = None
 
     def control_loop_healthy(self, max_age: float) -> bool:
         """For systemd's watchdog: the control loop turned within ``max_age`` seconds. A worker stop in progress
@@ -289,6 +303,7 @@ class Agent:
     # ------------------------------------------------------------------ worker events (runner -> core)
 
     def worker_started(self, generation: int, pid: int) -> None:
+        self._agent_metrics.launches.labels(start="warm" if self.runner.launched_warm else "cold").inc()
         self._apply(self.core.worker_started(generation, pid))
 
     def launch_failed(self, generation: int, error: str) -> None:
@@ -306,6 +321,7 @@ class Agent:
 
     def _on_progress(self, message: ProgressMessage) -> None:
         self._apply(self.core.progress(message))
+        self._prepare_standby(message.generation)
 
     # ----------------------------------------------------------------------------------- around the job
 

@@ -1,5 +1,9 @@
 """The agent's hands on its worker: launch it, await its exit, find its trainer's pid, stop it. One at a time, and
-nothing decided here: each outcome goes back to the agent's core through :class:`WorkerEvents`."""
+nothing decided here: each outcome goes back to the agent's core through :class:`WorkerEvents`.
+
+With warm start on, it also keeps the worker slot's standby (daemon/worker/warm.py) and launches through it
+when it fits; any problem with a standby falls back to a cold start, and after :data:`STANDBY_FAILURES_MAX` of
+them the agent stops building standbys."""
 
 from __future__ import annotations
 
@@ -14,9 +18,12 @@ from tfelastic.daemon.agent.api import StopResult
 from tfelastic.daemon.rendezvous.api import Assignment
 from tfelastic.daemon.worker.instrument import instrumentation_env
 from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
+from tfelastic.daemon.worker.warm import Standby, StandbyKey
 from tfelastic.trainer.environment import TrainerEnvironment
 
 log = logging.getLogger("tfelastic.agent")
+
+STANDBY_FAILURES_MAX = 3  # standbys that died, could not start or could not take a launch: warm start off
 
 
 class WorkerEvents(Protocol):
@@ -28,13 +35,19 @@ class WorkerEvents(Protocol):
 
 
 class WorkerRunner:
-    def __init__(self, events: WorkerEvents, *, stop_grace: float, failure_stop_grace: float) -> None:
+    def __init__(self, events: WorkerEvents, *, stop_grace: float, failure_stop_grace: float,
+                 warm_start: bool = False) -> None:
         self._events = events
         self._stop_grace, self._failure_stop_grace = stop_grace, failure_stop_grace
         self._worker: WorkerProcess | None = None
         self._launching: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._warm_start = warm_start
+        self._standby: Standby | None = None
+        self._preparing: asyncio.Task[None] | None = None
+        self._standby_failures = 0
+        self.launched_warm = False  # how the last worker started
 
     @property
     def live_pid(self) -> int | None:
@@ -61,9 +74,76 @@ class WorkerRunner:
             assert self._stopping is not None
             await asyncio.shield(self._stopping)
 
+    def prepare_standby(self, spec: WorkerSpec) -> None:
+        """Builds a standby for launches like ``spec``, unless warm start is off or one that fits is there."""
+        if not self._warm_start or self._standby_failures >= STANDBY_FAILURES_MAX:
+            return
+        if self._preparing is not None and not self._preparing.done():
+            return
+        key = StandbyKey.of(spec)
+        if key is None or (self._standby is not None and self._standby.key == key and self._standby.alive()):
+            return
+        self._preparing = self._spawn(self._prepare(key, spec))
+
+    def standby_memory(self) -> int:
+        """Resident bytes of the standby interpreter (0 without one)."""
+        return self._standby.memory_bytes() if self._standby is not None else 0
+
+    async def close(self) -> None:
+        """The agent exits: its standby goes with it."""
+        if self._preparing is not None:
+            await asyncio.shield(self._preparing)
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            await standby.retire()
+
+    async def _prepare(self, key: StandbyKey, spec: WorkerSpec) -> None:
+        old, self._standby = self._standby, None
+        if old is not None:
+            await old.retire()
+        try:
+            self._standby = await Standby.start(key, spec)
+            log.info("standby interpreter %d started for warm launches (%s)", self._standby.worker.pid,
+                     key.interpreter)
+        except OSError as e:
+            self._standby_failed(f"cannot start a standby interpreter: {type(e).__name__}: {e}")
+
+    def _standby_failed(self, why: str) -> None:
+        self._standby_failures += 1
+        off = self._standby_failures >= STANDBY_FAILURES_MAX
+        log.warning("%s; this launch starts cold%s", why, "; warm start is off from now on" if off else "")
+
+    async def _take_standby(self, spec: WorkerSpec) -> Standby | None:
+        """The standby, if it fits this launch and is alive; a stale or dead one is retired."""
+        if self._preparing is not None:
+            await asyncio.shield(self._preparing)  # it is spawning (milliseconds): take it rather than go cold
+        standby, self._standby = self._standby, None
+        if standby is None:
+            return None
+        if standby.alive() and standby.key == StandbyKey.of(spec):
+            return standby
+        if not standby.alive():
+            last = standby.worker.tail[-1] if standby.worker.tail else "no output"
+            self._standby_failed(f"the standby interpreter exited before its launch ({last})")
+        self._spawn(standby.retire())
+        return None
+
+    async def _start(self, spec: WorkerSpec) -> WorkerProcess:
+        standby = await self._take_standby(spec) if self._warm_start else None
+        if standby is not None:
+            try:
+                worker = await standby.activate(spec)
+                self.launched_warm = True
+                return worker
+            except OSError as e:  # it died between the check and the write
+                self._standby_failed(f"the standby interpreter could not take the launch: {e}")
+                self._spawn(standby.retire())
+        self.launched_warm = False
+        return await WorkerProcess.start(spec)
+
     async def _launch(self, generation: int, spec: WorkerSpec) -> None:
         try:
-            worker = await WorkerProcess.start(spec)
+            worker = await self._start(spec)
         except OSError as e:  # EMFILE, a workdir that disappeared, a full process table
             self._events.launch_failed(generation, f"{type(e).__name__}: {e}")
             return

@@ -52,6 +52,11 @@ class AgentMetrics:
         self.stall_limit = Gauge("tfelastic_stall_limit_seconds",
                                  "The silence that now makes the trainer stalled: learned from its step times, a "
                                  "phase's allowance, or --stall-timeout (0: not watched).", registry=registry)
+        self.launches = Counter("tfelastic_worker_launches", "Worker launches, by start: 'warm' (through the standby "
+                                "interpreter) or 'cold'.", ["start"], registry=registry)
+        self.standby_memory = Gauge("tfelastic_standby_memory_bytes",
+                                    "Resident memory of the warm-start standby interpreter (0: none).",
+                                    registry=registry)
         self._last_step: int | None = None
         self._last_examples: int | None = None
         self.set_worker_state(WorkerState.INIT)

@@ -41,23 +41,28 @@ class WorkerSpec:
 class WorkerProcess:
     def __init__(self, proc: asyncio.subprocess.Process, spec: WorkerSpec) -> None:
         self._proc = proc
-        self._spec = spec
+        self.log_prefix = spec.log_prefix
         self.pid = proc.pid  # the keeper: session leader, so also the process group id
         self.exited_before_stop = False  # set by stop(): it had ended by itself before it was signalled
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)  # its last lines of output
         self._output = asyncio.create_task(self._forward_output())
 
     @classmethod
-    async def start(cls, spec: WorkerSpec) -> WorkerProcess:
+    async def start(cls, spec: WorkerSpec, pass_fds: Sequence[int] = ()) -> WorkerProcess:
         env = dict(spec.env)
         env[keeper.GRACE_ENV] = str(spec.orphan_grace_seconds)
         env[keeper.AGENT_PID_ENV] = str(os.getpid())
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-S", KEEPER_PATH, *spec.command,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            env=env, cwd=spec.cwd, start_new_session=True,
+            env=env, cwd=spec.cwd, start_new_session=True, pass_fds=tuple(pass_fds),
         )
         return cls(proc, spec)
+
+    def begin(self, log_prefix: str) -> None:
+        """A warm standby became the trainer: its output from now on is the trainer's."""
+        self.log_prefix = log_prefix
+        self.tail.clear()
 
     @property
     def returncode(self) -> int | None:
@@ -113,7 +118,7 @@ class WorkerProcess:
                 return
             text = line.decode(errors="replace").rstrip()
             self.tail.append(text)
-            log.info("%s %s", self._spec.log_prefix, text)
+            log.info("%s %s", self.log_prefix, text)
 
 
 def _tree(root: int) -> list[psutil.Process]:

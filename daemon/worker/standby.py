@@ -1,0 +1,95 @@
+"""The warm-start standby: a Python interpreter that has imported TensorFlow and waits to become a trainer.
+
+The agent starts it, under the keeper like any worker, as ``PYTHON standby.py`` with the trainer's environment
+less the generation's values, and the read end of a pipe in ``TFELASTIC_STANDBY_FD``. It imports TensorFlow
+(and tf_keras when ``TF_USE_LEGACY_KERAS`` is set), which touches no GPU and opens no port, then blocks on the
+pipe. At a launch the agent writes one JSON object, ``{"argv", "env", "cwd"}``, and closes the pipe; the
+standby takes that working directory and environment, and runs ``argv`` (``python script.py ARGS`` or
+``python -m module ARGS``) as ``__main__`` the way the interpreter would have: ``__name__``, ``__file__``,
+``sys.argv``, ``sys.path[0]``, the working directory and every environment variable are those of a cold start.
+End of file without a message (the agent retired it, or died) exits 0.
+
+Like the keeper it uses the standard library only: it runs in the trainer's interpreter, where tfelastic need
+not be installed.
+"""
+
+import builtins
+import contextlib
+import json
+import os
+import runpy
+import sys
+import types
+from importlib.machinery import SourceFileLoader
+from typing import Any
+
+FD_ENV = "TFELASTIC_STANDBY_FD"
+LEGACY_KERAS_VALUES = ("1", "true", "yes")
+
+
+def _preimport() -> None:
+    try:
+        import tensorflow  # noqa: F401
+    except ImportError:
+        return  # a trainer without TensorFlow: the interpreter's own start-up is still saved
+    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in LEGACY_KERAS_VALUES:
+        with contextlib.suppress(ImportError):
+            import tf_keras  # noqa: F401
+
+
+def _read_launch(fd: int) -> dict[str, Any]:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    launch: dict[str, Any] = json.loads(b"".join(chunks)) if chunks else {}
+    return launch
+
+
+def _become(launch: dict[str, Any]) -> None:
+    """The process state a cold start of ``argv`` would have had."""
+    os.chdir(launch["cwd"])
+    os.environ.clear()
+    os.environ.update(launch["env"])
+    if hasattr(sys, "orig_argv"):
+        sys.orig_argv = list(launch["argv"])
+
+
+def _run_script(path: str, args: list[str]) -> None:
+    absolute = os.path.abspath(path)
+    sys.argv = [path, *args]
+    sys.path[0] = os.path.dirname(os.path.realpath(absolute))
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=absolute, __cached__=None, __loader__=SourceFileLoader("__main__", absolute),
+                         __spec__=None, __package__=None, __builtins__=builtins)
+    sys.modules["__main__"] = main
+    with open(absolute, "rb") as f:
+        code = compile(f.read(), absolute, "exec", dont_inherit=True)
+    exec(code, main.__dict__)
+
+
+def _run_module(module: str, args: list[str]) -> None:
+    sys.argv = ["-m", *args]  # run_module replaces argv[0] with the module's file, as -m does
+    sys.path[0] = os.getcwd()
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def main() -> None:
+    fd = int(os.environ.pop(FD_ENV))
+    _preimport()
+    launch = _read_launch(fd)
+    if not launch:
+        os._exit(0)
+    _become(launch)
+    argv = launch["argv"]
+    if argv[1] == "-m":
+        _run_module(argv[2], argv[3:])
+    else:
+        _run_script(argv[1], argv[2:])
+
+
+if __name__ == "__main__":
+    main()

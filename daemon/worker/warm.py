@@ -1,0 +1,165 @@
+"""Warm start: a standby interpreter per worker slot, so that a relaunch skips Python's and TensorFlow's start-up.
+
+A trainer command that runs a Python interpreter with a script or a module and no interpreter options
+(``python train.py ARGS``, ``python3 -m pkg.train ARGS``) can be started warm. The agent keeps a
+:class:`Standby`: the keeper, as for any worker, running ``daemon/worker/standby.py`` in the same interpreter,
+with the trainer's environment less the generation's values (:data:`GENERATION_KEYS`). It has imported
+TensorFlow and waits on a pipe. A launch whose command and environment match hands it ``argv``, the full
+environment and the working directory; it runs the script as ``__main__``. Everything else is the worker's as
+before: its own session, the keeper, PDEATHSIG, the progress channel, output prefixing, exit codes.
+
+A standby is rebuilt when what it was built for changes (the interpreter's file, the command's form, the
+environment, the working directory): see :class:`StandbyKey`. Other commands start cold.
+
+One difference can be seen from outside the trainer: ``/proc/PID/environ`` is the environment a process was
+exec'd with, so for a warm trainer it shows the standby's (the generation's values are set in the process, not
+in that snapshot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from tfelastic.daemon.worker import standby
+from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
+from tfelastic.trainer.environment import (
+    GENERATION_ENV,
+    RANK_ENV,
+    RESTART_COUNT_ENV,
+    TF_CONFIG_ENV,
+    WORLD_SIZE_ENV,
+)
+
+log = logging.getLogger("tfelastic.worker")
+
+STANDBY_PATH = str(Path(standby.__file__).resolve())
+GENERATION_KEYS = frozenset({TF_CONFIG_ENV, RANK_ENV, WORLD_SIZE_ENV, GENERATION_ENV, RESTART_COUNT_ENV})
+STANDBY_PREFIX = "[standby]"
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
+
+
+def interpreter_of(command: Sequence[str], path: str | None) -> str | None:
+    """The interpreter a command runs, resolved on ``path`` as exec would, if the command can start warm:
+    ``python[3[.X]] SCRIPT ARGS`` or ``python[3[.X]] -m MODULE ARGS``, with no interpreter option."""
+    if len(command) < 2 or not _PYTHON.fullmatch(os.path.basename(command[0])):
+        return None
+    if command[1] == "-m":
+        if len(command) < 3 or not command[2] or command[2].startswith("-"):
+            return None
+    elif command[1].startswith("-"):
+        return None
+    found = command[0] if "/" in command[0] else shutil.which(command[0], path=path)
+    # Not resolved further: a virtual environment's python is a link to the base interpreter, and Python finds
+    # its environment from the path it was started as.
+    return os.path.abspath(found) if found and os.access(found, os.X_OK) else None
+
+
+@dataclass(frozen=True)
+class StandbyKey:
+    """What a standby was built for: a launch with another key starts cold, and the standby is rebuilt."""
+
+    interpreter: str
+    interpreter_mtime: float
+    module: bool  # -m
+    cwd: str
+    env_digest: str
+
+    @classmethod
+    def of(cls, spec: WorkerSpec) -> StandbyKey | None:
+        interpreter = interpreter_of(spec.command, spec.env.get("PATH"))
+        if interpreter is None:
+            return None
+        try:
+            mtime = os.stat(interpreter).st_mtime
+        except OSError:
+            return None
+        base = json.dumps(sorted(standby_env(spec.env).items())).encode()
+        return cls(interpreter, mtime, spec.command[1] == "-m", os.path.abspath(spec.cwd or os.getcwd()),
+                   hashlib.sha256(base).hexdigest())
+
+
+def standby_env(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in GENERATION_KEYS}
+
+
+class Standby:
+    """One standby interpreter, from its start to the launch that makes it the worker (or its retirement)."""
+
+    def __init__(self, key: StandbyKey, worker: WorkerProcess, launch_fd: int) -> None:
+        self.key = key
+        self.worker = worker
+        self._launch_fd = launch_fd
+
+    @classmethod
+    async def start(cls, key: StandbyKey, spec: WorkerSpec) -> Standby:
+        read_fd, write_fd = os.pipe()
+        env = {**standby_env(spec.env), standby.FD_ENV: str(read_fd)}
+        standby_spec = WorkerSpec((key.interpreter, STANDBY_PATH), env, spec.cwd, STANDBY_PREFIX,
+                                  spec.orphan_grace_seconds)
+        try:
+            worker = await WorkerProcess.start(standby_spec, pass_fds=(read_fd,))
+        except BaseException:
+            os.close(write_fd)
+            raise
+        finally:
+            os.close(read_fd)
+        return cls(key, worker, write_fd)
+
+    def alive(self) -> bool:
+        return not self.worker.has_exited()
+
+    def memory_bytes(self) -> int:
+        """The standby interpreter's resident memory (the keeper's is small and not counted)."""
+        with contextlib.suppress(psutil.Error):
+            pid = self.worker.trainer_pid()
+            if pid != self.worker.pid:
+                return int(psutil.Process(pid).memory_info().rss)
+        return 0
+
+    async def activate(self, spec: WorkerSpec) -> WorkerProcess:
+        """Hands the standby the launch: from now on it is ``spec``'s worker. The write waits in a thread: a
+        standby still importing reads only when it is done, and a large environment fills the pipe."""
+        message = json.dumps({"argv": list(spec.command), "env": dict(spec.env),
+                              "cwd": os.path.abspath(spec.cwd or os.getcwd())}).encode()
+        try:
+            await asyncio.to_thread(_write_all, self._launch_fd, message)
+        finally:
+            os.close(self._launch_fd)
+            self._launch_fd = -1
+        self.worker.begin(spec.log_prefix)
+        return self.worker
+
+    async def retire(self) -> None:
+        """Ends a standby that will not be used: end of file on its pipe, then the worker's stop."""
+        if self._launch_fd >= 0:
+            os.close(self._launch_fd)
+            self._launch_fd = -1
+        await self.worker.stop(1.0)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+async def start_standby(spec: WorkerSpec) -> Standby | None:
+    """A standby for launches like ``spec``, or None if its command cannot start warm."""
+    key = StandbyKey.of(spec)
+    if key is None:
+        return None
+    return await Standby.start(key, spec)
+
+
