@@ -88,6 +88,7 @@ class Agent:
                                    failure_stop_grace=config.node.failure_stop_grace,
                                    warm_start=config.node.warm_start)
         self._agent_metrics.standby_memory.set_function(self.runner.standby_memory)
+        self._agent_metrics.standby_ready.set_function(lambda: float(self.runner.standby_ready()))
         self._standby_due: tuple[int, WorkerSpec] | None = None  # build a standby after this generation's start
         register_host_collector(self.registry, lambda: self.runner.live_pid, config.resolved_backup_dir())
         trainer_gpus = agent_environment(config.job.env).get("CUDA_VISIBLE_DEVICES")  # its GPUs, not the node's

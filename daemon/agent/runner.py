@@ -89,6 +89,10 @@ class WorkerRunner:
         """Resident bytes of the standby interpreter (0 without one)."""
         return self._standby.memory_bytes() if self._standby is not None else 0
 
+    def standby_ready(self) -> bool:
+        """A standby has imported TensorFlow and waits for a launch."""
+        return self._standby is not None and self._standby.ready_after is not None and self._standby.alive()
+
     async def close(self) -> None:
         """The agent exits: its standby goes with it."""
         if self._preparing is not None:
@@ -133,10 +137,12 @@ class WorkerRunner:
         if standby is not None:
             try:
                 worker = await standby.activate(spec)
+                log.info("launched through the standby interpreter %d (%s)", worker.pid,
+                         "ready" if standby.ready_after is not None else "still importing TensorFlow")
                 self.launched_warm = True
                 return worker
-            except OSError as e:  # it died between the check and the write
-                self._standby_failed(f"the standby interpreter could not take the launch: {e}")
+            except OSError as e:  # it died between the check and the launch
+                self._standby_failed(str(e))
                 self._spawn(standby.retire())
         self.launched_warm = False
         return await WorkerProcess.start(spec)

@@ -57,6 +57,8 @@ class AgentMetrics:
         self.standby_memory = Gauge("tfelastic_standby_memory_bytes",
                                     "Resident memory of the warm-start standby interpreter (0: none).",
                                     registry=registry)
+        self.standby_ready = Gauge("tfelastic_standby_ready", "1 while a warm-start standby interpreter has "
+                                   "imported TensorFlow and waits for the next launch.", registry=registry)
         self._last_step: int | None = None
         self._last_examples: int | None = None
         self.set_worker_state(WorkerState.INIT)

@@ -107,6 +107,9 @@ def main(argv: list[str]) -> int:
         except OSError as e:
             print(f"tfelastic: cannot start trainer {argv[0]!r}: {e}", file=sys.stderr, flush=True)
             os._exit(127)
+    # Descriptors passed for the trainer (a warm standby's pipes) are the trainer's alone: a keeper holding
+    # them would keep a pipe open after the trainer died, and a write to it would not fail.
+    os.closerange(3, 1 << 16)
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == trainer:

@@ -1,10 +1,11 @@
 """The warm-start standby: a Python interpreter that has imported TensorFlow and waits to become a trainer.
 
 The agent starts it, under the keeper like any worker, as ``PYTHON standby.py`` with the trainer's environment
-less the generation's values, and the read end of a pipe in ``TFELASTIC_STANDBY_FD``. It imports TensorFlow
-(and tf_keras when ``TF_USE_LEGACY_KERAS`` is set), which touches no GPU and opens no port, then blocks on the
-pipe. At a launch the agent writes one JSON object, ``{"argv", "env", "cwd"}``, and closes the pipe; the
-standby takes that working directory and environment, and runs ``argv`` (``python script.py ARGS`` or
+less the generation's values, and two pipes in ``TFELASTIC_STANDBY_FD``. It imports TensorFlow (and tf_keras
+when ``TF_USE_LEGACY_KERAS`` is set), which touches no GPU and opens no port, says so on the second pipe (R),
+then blocks on the first. At a launch the agent writes one JSON object, ``{"argv", "env", "cwd"}``, and closes
+the pipe; the standby answers L on the second pipe (the agent starts cold instead if it never does), takes that
+working directory and environment, and runs ``argv`` (``python script.py ARGS`` or
 ``python -m module ARGS``) as ``__main__`` the way the interpreter would have: ``__name__``, ``__file__``,
 ``sys.argv``, ``sys.path[0]``, the working directory and every environment variable are those of a cold start.
 End of file without a message (the agent retired it, or died) exits 0.
@@ -23,7 +24,7 @@ import types
 from importlib.machinery import SourceFileLoader
 from typing import Any
 
-FD_ENV = "TFELASTIC_STANDBY_FD"
+FD_ENV = "TFELASTIC_STANDBY_FD"  # "LAUNCH_FD,SIGNAL_FD": the launch comes on the first; R and L go on the second
 LEGACY_KERAS_VALUES = ("1", "true", "yes")
 
 
@@ -78,11 +79,14 @@ def _run_module(module: str, args: list[str]) -> None:
 
 
 def main() -> None:
-    fd = int(os.environ.pop(FD_ENV))
+    launch_fd, ready_fd = (int(fd) for fd in os.environ.pop(FD_ENV).split(","))
     _preimport()
-    launch = _read_launch(fd)
+    os.write(ready_fd, b"R")
+    launch = _read_launch(launch_fd)
     if not launch:
         os._exit(0)
+    os.write(ready_fd, b"L")  # the agent treats the launch as failed (and starts cold) until it hears this
+    os.close(ready_fd)
     _become(launch)
     argv = launch["argv"]
     if argv[1] == "-m":

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,7 @@ log = logging.getLogger("tfelastic.worker")
 STANDBY_PATH = str(Path(standby.__file__).resolve())
 GENERATION_KEYS = frozenset({TF_CONFIG_ENV, RANK_ENV, WORLD_SIZE_ENV, GENERATION_ENV, RESTART_COUNT_ENV})
 STANDBY_PREFIX = "[standby]"
+TAKE_SECONDS = 120.0  # a standby still importing TensorFlow reads its launch when done: this long at most
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
 
 
@@ -96,25 +98,54 @@ def standby_env(env: Mapping[str, str]) -> dict[str, str]:
 class Standby:
     """One standby interpreter, from its start to the launch that makes it the worker (or its retirement)."""
 
-    def __init__(self, key: StandbyKey, worker: WorkerProcess, launch_fd: int) -> None:
+    def __init__(self, key: StandbyKey, worker: WorkerProcess, launch_fd: int, ready_fd: int) -> None:
         self.key = key
         self.worker = worker
-        self._launch_fd = launch_fd
+        self._launch_fd, self._ready_fd = launch_fd, ready_fd
+        self._started = time.monotonic()
+        self.ready_after: float | None = None  # seconds from its start to TensorFlow imported
+        self._taken: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # it read a launch
+        asyncio.get_running_loop().add_reader(ready_fd, self._on_signal)
 
     @classmethod
     async def start(cls, key: StandbyKey, spec: WorkerSpec) -> Standby:
-        read_fd, write_fd = os.pipe()
-        env = {**standby_env(spec.env), standby.FD_ENV: str(read_fd)}
+        launch_read, launch_write = os.pipe()
+        ready_read, ready_write = os.pipe()
+        env = {**standby_env(spec.env), standby.FD_ENV: f"{launch_read},{ready_write}"}
         standby_spec = WorkerSpec((key.interpreter, STANDBY_PATH), env, spec.cwd, STANDBY_PREFIX,
                                   spec.orphan_grace_seconds)
         try:
-            worker = await WorkerProcess.start(standby_spec, pass_fds=(read_fd,))
+            worker = await WorkerProcess.start(standby_spec, pass_fds=(launch_read, ready_write))
         except BaseException:
-            os.close(write_fd)
+            os.close(launch_write)
+            os.close(ready_read)
             raise
         finally:
-            os.close(read_fd)
-        return cls(key, worker, write_fd)
+            os.close(launch_read)
+            os.close(ready_write)
+        return cls(key, worker, launch_write, ready_read)
+
+    def _on_signal(self) -> None:
+        """What the standby says on its second pipe: R (TensorFlow imported), L (it read its launch), or end of
+        file (it died)."""
+        try:
+            said = os.read(self._ready_fd, 16)
+        except OSError:
+            said = b""
+        if b"R" in said:
+            self.ready_after = time.monotonic() - self._started
+            log.info("standby interpreter %d ready in %.1fs (%.0f MB resident)", self.worker.pid,
+                     self.ready_after, self.memory_bytes() / 2**20)
+        if b"L" in said or not said:
+            if not self._taken.done():
+                self._taken.set_result(bool(said))
+            self._close_ready()
+
+    def _close_ready(self) -> None:
+        if self._ready_fd >= 0:
+            asyncio.get_running_loop().remove_reader(self._ready_fd)
+            os.close(self._ready_fd)
+            self._ready_fd = -1
 
     def alive(self) -> bool:
         return not self.worker.has_exited()
@@ -128,8 +159,10 @@ class Standby:
         return 0
 
     async def activate(self, spec: WorkerSpec) -> WorkerProcess:
-        """Hands the standby the launch: from now on it is ``spec``'s worker. The write waits in a thread: a
-        standby still importing reads only when it is done, and a large environment fills the pipe."""
+        """Hands the standby the launch: from now on it is ``spec``'s worker. Raises OSError if it died before it
+        read the launch: a standby killed a moment before still holds its pipe while the kernel tears down its
+        memory, so only its answer tells. The write waits in a thread: a standby still importing reads only when
+        it is done, and a large environment fills the pipe."""
         message = json.dumps({"argv": list(spec.command), "env": dict(spec.env),
                               "cwd": os.path.abspath(spec.cwd or os.getcwd())}).encode()
         try:
@@ -137,11 +170,18 @@ class Standby:
         finally:
             os.close(self._launch_fd)
             self._launch_fd = -1
+        try:
+            taken = await asyncio.wait_for(asyncio.shield(self._taken), TAKE_SECONDS)
+        except asyncio.TimeoutError:
+            taken = False
+        if not taken:
+            raise OSError(f"the standby interpreter {self.worker.pid} did not take the launch")
         self.worker.begin(spec.log_prefix)
         return self.worker
 
     async def retire(self) -> None:
         """Ends a standby that will not be used: end of file on its pipe, then the worker's stop."""
+        self._close_ready()
         if self._launch_fd >= 0:
             os.close(self._launch_fd)
             self._launch_fd = -1

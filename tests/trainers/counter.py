@@ -37,18 +37,39 @@ from tfelastic.trainer.exit_codes import CHECKPOINTED_AND_STOPPED
 from tfelastic.trainer.progress import ProgressReporter
 
 
-def stale_workers(backup: str, generation: int) -> list[int]:
-    stale = []
+def stale_workers(backup: str, generation: int, events: str | None) -> list[int]:
+    """Live processes of an older generation: by the environment they were started with, and, since a warm-started
+    trainer's /proc environ is its standby's, by the pids that older generations recorded in their start events
+    (the process must have been created before that event, so a reused pid does not count)."""
+    stale = _recorded_older(events, generation)
     for p in psutil.process_iter(["environ"]):
         try:
             env = p.info["environ"] or {}
             same_job = env.get("TFELASTIC_BACKUP_DIR") == backup
             older = int(env.get("TFELASTIC_GENERATION", generation)) < generation
-            if same_job and older and p.status() != psutil.STATUS_ZOMBIE:
+            if same_job and older and p.status() != psutil.STATUS_ZOMBIE and p.pid not in stale:
                 stale.append(p.pid)
         except (psutil.Error, ValueError):
             continue
     return stale
+
+
+def _recorded_older(events: str | None, generation: int) -> list[int]:
+    if not events or not os.path.exists(events):
+        return []
+    found = []
+    with open(events) as f:
+        for line in f:
+            e = json.loads(line)
+            if e["event"] != "start" or e["generation"] >= generation:
+                continue
+            try:
+                p = psutil.Process(e["pid"])
+                if p.status() != psutil.STATUS_ZOMBIE and p.create_time() <= e["time"] + 0.01:
+                    found.append(p.pid)
+            except psutil.Error:
+                continue
+    return found
 
 
 def once(backup: str, name: str) -> bool:
@@ -89,7 +110,7 @@ def main() -> int:
     generation = int(os.environ["TFELASTIC_GENERATION"])
     recorded = [name for name in os.environ.get("COUNTER_RECORD_ENV", "").split(",") if name]
     event("start", tf_config=os.environ["TF_CONFIG"], legacy_keras=os.environ.get("TF_USE_LEGACY_KERAS"),
-          stale=stale_workers(backup, generation), env={name: os.environ.get(name) for name in recorded})
+          stale=stale_workers(backup, generation, events), env={name: os.environ.get(name) for name in recorded})
     bad_while = os.environ.get("COUNTER_BAD_WHILE")
     if bad_while and os.path.exists(bad_while):
         time.sleep(pause)
