@@ -25,9 +25,9 @@ FEATURES = 32
 CLASSES = 4
 
 
-def _event(kind: str, **fields: object) -> None:
+def _event(kind: str, any_rank: bool = False, **fields: object) -> None:
     path = os.environ.get("TFELASTIC_DEMO_EVENTS")
-    if not path or os.environ.get("TFELASTIC_RANK", "0") != "0":
+    if not path or (os.environ.get("TFELASTIC_RANK", "0") != "0" and not any_rank):
         return
     record = {"event": kind, "time": time.time(), "generation": int(os.environ.get("TFELASTIC_GENERATION", 0)),
               "world_size": int(os.environ.get("TFELASTIC_WORLD_SIZE", 1)), **fields}
@@ -92,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                             checkpoint_step=step if step % args.save_every == 0 else None)
             if args.step_seconds:
                 time.sleep(args.step_seconds)
-            while wedged_rank and step >= args.wedge_at_step > 0:
-                time.sleep(3600)
+            if wedged_rank and step >= args.wedge_at_step > 0:
+                _event("wedged", any_rank=True, step=step)
+                while True:
+                    time.sleep(3600)
 
         def on_train_end(self, logs: dict[str, float] | None = None) -> None:
             step = int(self.model.optimizer.iterations.numpy())

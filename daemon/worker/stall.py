@@ -74,9 +74,10 @@ class StallDetector:
     def progress(self, step: int = 0, phase: Phase = Phase.TRAIN, *, training_done: bool = False) -> None:
         """A report; ``training_done`` pauses the check until the next one."""
         now = self._clock()
-        stepped = phase is Phase.TRAIN and self._last_step is not None and step > self._last_step
-        if stepped:
-            # A gap is learned only after a training report: after setup, a save or an evaluation it holds them.
+        if self._last_step is not None and step > self._last_step:
+            # Steps were made since the last report. Its gap is learned only if that report was a training one:
+            # after setup, a save or an evaluation the gap holds them. The new report may announce a save: the
+            # gap up to it is still training (with saves every few steps, most gaps end that way).
             if self._phase is Phase.TRAIN and self._last_report is not None:
                 self._gaps.append(now - self._last_report)
             self._steps += 1

@@ -265,3 +265,17 @@ def test_a_step_that_goes_back_does_not_count_as_progress_of_the_step() -> None:
     stall.progress(step - 3)  # a report from a stale view: still a sign of life, but no gap learned
     assert stall.limit() == 20.0
     assert stall.silent_for() == 0.0
+
+
+def test_with_a_save_every_few_steps_the_gaps_between_saves_are_learned() -> None:
+    """Reports come at most every 0.1 s: with fast steps and a save every 10 of them, each report either
+    announces a save or ends one, and the training between two saves is what is learned."""
+    stall, clock = learning()
+    stall.progress(0, Phase.SETUP)
+    for save in range(1, WARMUP_GAPS + 3):
+        clock.now += 0.4  # ten steps
+        stall.progress(10 * save, Phase.SAVE)
+        clock.now += 3.0  # the save
+        stall.progress(10 * save)  # the report that carries the checkpoint, at the same step
+    assert stall.limit() == 20.0 and max(stall._gaps) == pytest.approx(0.4)
+    assert silent_until_stalled(stall, clock) == 20.5
