@@ -46,7 +46,7 @@ class JobConfig:
     restart_window: float = 3600.0
     stall_timeout: float | None = None  # None ("auto"): learned from the step times; 0 disables hang detection
     stall_floor: float = 20.0  # the least a learned limit can be
-    stall_allowance: float = 600.0  # start-up, restore, the first step, a save, an evaluation (learned mode)
+    stall_allowance: float = 300.0  # start-up, restore, the first steps, a save, an evaluation (learned mode)
     backup_dir: str = ""  # "": ./tfelastic-backup/<job> in the working directory
     workdir: str = ""
     env: tuple[tuple[str, str], ...] = ()

@@ -113,8 +113,8 @@ class SavePhaseCallback(keras.callbacks.Callback):  # type: ignore[misc]
     """Tells the agent before a checkpoint callback of the same ``fit`` saves, so that a long save gets the save
     phase's allowance instead of looking like a stalled step. Put it first, before the savers (its hooks run
     before theirs): ``fit_callbacks`` and the automatic instrumentation do. Knows tf_keras's BackupAndRestore
-    and ModelCheckpoint; at an epoch's end (where savers with ``save_freq="epoch"`` save, and the next epoch's
-    input pipeline starts) it reports the setup phase."""
+    and ModelCheckpoint; at an epoch's end (validation, savers with ``save_freq="epoch"``, the next epoch's
+    input pipeline) it reports the setup phase."""
 
     def __init__(self, reporter: ProgressReporter, savers: list[Any]) -> None:
         super().__init__()
@@ -122,17 +122,23 @@ class SavePhaseCallback(keras.callbacks.Callback):  # type: ignore[misc]
         self._savers = [s for s in savers if isinstance(s, (keras.callbacks.BackupAndRestore,
                                                             keras.callbacks.ModelCheckpoint))]
         self._supports_tf_logs = True
-
-    def _implements_train_batch_hooks(self) -> bool:
-        return any(_saves_at_batches(s) for s in self._savers)
+        self._epoch_end_announced = False
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        if self._reporter.enabled and any(_will_save(s, batch) for s in self._savers):
-            self._reporter.report(int(self.model.optimizer.iterations.numpy()), phase=Phase.SAVE)
+        """Before a save; and at an epoch's last batch, before fit builds the validation data, validates and
+        runs the epoch-end callbacks (only at ``on_epoch_end`` when the epoch's length is unknown)."""
+        if not self._reporter.enabled:
+            return
+        last = batch + 1 == (self.params or {}).get("steps")
+        phase = Phase.SAVE if any(_will_save(s, batch) for s in self._savers) else Phase.SETUP if last else None
+        if phase is not None:
+            self._reporter.report(int(self.model.optimizer.iterations.numpy()), phase=phase)
+        self._epoch_end_announced = last
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        if self._reporter.enabled:
+        if self._reporter.enabled and not self._epoch_end_announced:
             self._reporter.report(int(self.model.optimizer.iterations.numpy()), phase=Phase.SETUP)
+        self._epoch_end_announced = False
 
 
 def _saves_at_batches(saver: Any) -> bool:

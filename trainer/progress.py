@@ -81,7 +81,7 @@ def decode(data: bytes) -> ProgressMessage:
         return value
 
     phase = raw.get("ph", Phase.TRAIN.value)
-    if phase not in _PHASES:
+    if not isinstance(phase, str) or phase not in _PHASES:
         raise ValueError(f"progress field 'ph' must be one of {', '.join(sorted(_PHASES))}, got {phase!r}")
     loss = raw.get("loss")
     if loss is not None and (not isinstance(loss, (int, float)) or isinstance(loss, bool)):
@@ -99,6 +99,14 @@ def decode(data: bytes) -> ProgressMessage:
 
 
 _PHASES = frozenset(p.value for p in Phase)
+
+
+def _phase(phase: Phase | str) -> Phase:
+    if isinstance(phase, Phase):
+        return phase
+    if phase not in _PHASES:
+        raise ValueError(f"phase {phase!r} is not one of {', '.join(sorted(_PHASES))}")
+    return Phase(phase)
 
 
 def _refuse_constant(name: str) -> float:
@@ -135,10 +143,11 @@ class ProgressReporter:
                phase: Phase | str = Phase.TRAIN) -> bool:
         """Returns whether a datagram was sent. ``done`` (training completed) and a ``phase`` other than
         ``train`` (long work starts: a save, an evaluation) are sent at once."""
+        phase = _phase(phase)  # a typo is the caller's bug: it raises, rather than drop every report
         if self._sock is None:
             return False
         now = time.monotonic()
-        urgent = force or done or checkpoint_step is not None or phase != Phase.TRAIN
+        urgent = force or done or checkpoint_step is not None or phase is not Phase.TRAIN
         if not urgent and now - self._last_sent < self._min_interval:
             return False
         try:  # numbers may come as numpy scalars or tensors: make them plain
@@ -146,7 +155,7 @@ class ProgressReporter:
                                       None if examples is None else int(examples),
                                       None if loss is None else float(loss),
                                       None if checkpoint_step is None else int(checkpoint_step), done,
-                                      Phase(phase))
+                                      phase)
             self._sock.sendto(encode(message), self._path)  # type: ignore[arg-type]
         except (OSError, TypeError, ValueError):
             return False  # the agent is busy or gone, or a value is unusable; progress is advisory

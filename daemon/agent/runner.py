@@ -109,7 +109,7 @@ class WorkerRunner:
             self._standby = await Standby.start(key, spec)
             log.info("standby interpreter %d started for warm launches (%s)", self._standby.worker.pid,
                      key.interpreter)
-        except OSError as e:
+        except Exception as e:  # whatever it is, the next launch starts cold: never a stuck launch
             self._standby_failed(f"cannot start a standby interpreter: {type(e).__name__}: {e}")
 
     def _standby_failed(self, why: str) -> None:
@@ -141,9 +141,8 @@ class WorkerRunner:
                          "ready" if standby.ready_after is not None else "still importing TensorFlow")
                 self.launched_warm = True
                 return worker
-            except OSError as e:  # it died between the check and the launch
+            except OSError as e:  # it died between the check and the launch (activate retired it)
                 self._standby_failed(str(e))
-                self._spawn(standby.retire())
         self.launched_warm = False
         return await WorkerProcess.start(spec)
 

@@ -109,7 +109,7 @@ def main(argv: list[str]) -> int:
             os._exit(127)
     # Descriptors passed for the trainer (a warm standby's pipes) are the trainer's alone: a keeper holding
     # them would keep a pipe open after the trainer died, and a write to it would not fail.
-    os.closerange(3, 1 << 16)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == trainer:

@@ -7,14 +7,19 @@ progress tells.
 The limit is learned by default (``--stall-timeout auto``). A report names what the trainer does now (a
 :class:`~tfelastic.trainer.progress.Phase`):
 
-* ``train``, between two training steps: once :data:`WARMUP_GAPS` gaps between two training reports have
-  been seen, and the worker is past its first two steps, the limit is ``factor`` (10) times the longest gap of
-  the last :data:`GAPS_KEPT`, and never below ``floor`` (20 s). A job whose steps take under a second is caught
-  in about 20 s. Gaps are learned across the agent's generations: a relaunched worker of the same job steps
-  as fast. (Reports come at most every 0.1 s, so a gap is a step or a few.)
-* ``setup`` (start-up, restore, building the model, a new epoch's input pipeline), the first two training
-  steps (tracing, compiling), the warm-up, ``save`` (a checkpoint) and ``eval`` (evaluation, prediction):
-  ``allowance`` (600 s) from the report. A gap that follows one of them is not learned: it holds the long work.
+* ``train``, between two training steps: once :data:`WARMUP_GAPS` gaps after a training report have been
+  seen, and the worker is past its first two steps, the limit is ``factor`` (10) times the longest such gap of
+  the last hour (:data:`GAP_MEMORY_SECONDS`), and never below ``floor`` (20 s). A job whose steps take under a
+  second is caught in about 20 s. Gaps are learned across the agent's generations: a relaunched worker of the
+  same job steps as fast. (Reports come at most every 0.1 s, so a gap is a step or a few.)
+* ``setup`` (start-up, restore, building the model, an epoch's end and the next one's input pipeline), the
+  first two training steps (tracing, compiling), the warm-up, ``save`` (a checkpoint) and ``eval``
+  (evaluation, prediction): ``allowance`` (300 s, the old fixed default) from the report. A gap that follows
+  one of them is not learned: it holds the long work.
+* The learned limit is only for trainers that announce their long work: a job whose trainers never sent a
+  phase other than ``train`` (a custom loop that calls ``report(step)`` around its own saves) gets the
+  allowance throughout, as before issue 11. The library's callbacks, ``TrainLoop`` and the automatic
+  instrumentation announce it.
 * A worker of a job whose earlier workers reported is in ``setup`` from its launch: a hang in start-up (the
   collective's first handshake, a restore) is caught too. A trainer that never reported is not checked,
   since nothing says how long its steps take or whether it reports at all.
@@ -38,15 +43,15 @@ from dataclasses import dataclass
 
 from tfelastic.trainer.progress import Phase
 
-WARMUP_GAPS = 10  # steady training gaps seen before the learned limit applies
-GAPS_KEPT = 1000  # the longest of the last this many gaps sets the limit
+WARMUP_GAPS = 10  # training gaps seen before the learned limit applies
+GAP_MEMORY_SECONDS = 3600.0  # the longest gap of the last hour sets the limit (kept per minute)
 
 
 @dataclass(frozen=True)
 class StallLimits:
     fixed: float | None = None  # a fixed limit (--stall-timeout SECONDS; 0 off); None learns it
     floor: float = 20.0
-    allowance: float = 600.0
+    allowance: float = 300.0
     factor: float = 10.0
 
 
@@ -54,8 +59,9 @@ class StallDetector:
     def __init__(self, limits: StallLimits, clock: Callable[[], float]) -> None:
         self.limits = limits
         self._clock = clock
-        self._gaps: deque[float] = deque(maxlen=GAPS_KEPT)  # steady training gaps, kept across generations
+        self._gaps = _GapMemory(clock)  # training gaps, kept across generations
         self._ever_reported = False
+        self._phase_aware = False  # the job's trainers announce long work (a phase other than train)
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -79,17 +85,20 @@ class StallDetector:
             # after setup, a save or an evaluation the gap holds them. The new report may announce a save: the
             # gap up to it is still training (with saves every few steps, most gaps end that way).
             if self._phase is Phase.TRAIN and self._last_report is not None:
-                self._gaps.append(now - self._last_report)
-            self._steps += 1
+                self._gaps.add(now - self._last_report)
+            if phase is not Phase.SETUP:  # a restore's jump to the restored step is not a step made
+                self._steps += 1
         # A worker's first report comes before its first step, which traces and compiles: still setup.
         self._phase = Phase.SETUP if phase is Phase.TRAIN and self._last_step is None else phase
         self._last_step = step if self._last_step is None else max(step, self._last_step)
         self._last_report, self._paused, self._ever_reported = now, training_done, True
+        self._phase_aware = self._phase_aware or phase is not Phase.TRAIN
 
     def _learned(self) -> bool:
-        """Whether the learned limit applies now: training, past this worker's first two steps (the second may
-        trace again), and enough gaps seen."""
-        return self._phase is Phase.TRAIN and self._steps >= 2 and len(self._gaps) >= WARMUP_GAPS
+        """Whether the learned limit applies now: a trainer that announces its long work, training, past this
+        worker's first two steps (the second may trace again), and enough gaps seen."""
+        return (self._phase_aware and self._phase is Phase.TRAIN and self._steps >= 2
+                and self._gaps.count >= WARMUP_GAPS)
 
     def limit(self) -> float:
         """The silence that makes a stall now (0: never)."""
@@ -98,7 +107,7 @@ class StallDetector:
             return limits.fixed
         if not self._learned():
             return limits.allowance
-        return max(limits.floor, limits.factor * max(self._gaps))
+        return max(limits.floor, limits.factor * self._gaps.longest())
 
     def explain(self) -> str:
         """Where the limit comes from, for the stall's report."""
@@ -106,10 +115,11 @@ class StallDetector:
         if limits.fixed is not None:
             return f"stall_timeout={limits.fixed:g}s"
         if not self._learned():
-            what = self._phase.value if self._phase is not Phase.TRAIN else "warm-up"
+            what = (self._phase.value if self._phase is not Phase.TRAIN else
+                    "warm-up" if self._phase_aware else "no-phase")
             return f"{what} allowance {limit:g}s"
-        return (f"learned limit {limit:.1f}s: {limits.factor:g} x the longest step gap {max(self._gaps):.2f}s, "
-                f"floor {limits.floor:g}s")
+        return (f"learned limit {limit:.1f}s: {limits.factor:g} x the longest step gap "
+                f"{self._gaps.longest():.2f}s, floor {limits.floor:g}s")
 
     def silent_for(self) -> float | None:
         """Seconds since the last report (or the watched launch); None if not watched."""
@@ -127,3 +137,26 @@ class StallDetector:
             return None
         self._reported = True
         return self.silent_for()
+
+
+class _GapMemory:
+    """The longest training gap of the last hour, kept as one maximum per minute (bounded whatever the rate)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._minutes: deque[tuple[int, float]] = deque()  # (minute, longest gap in it)
+        self.count = 0  # gaps seen in all
+
+    def add(self, gap: float) -> None:
+        minute = int(self._clock() // 60)
+        if self._minutes and self._minutes[-1][0] == minute:
+            self._minutes[-1] = (minute, max(self._minutes[-1][1], gap))
+        else:
+            self._minutes.append((minute, gap))
+        oldest = minute - int(GAP_MEMORY_SECONDS // 60)
+        while self._minutes and self._minutes[0][0] <= oldest:
+            self._minutes.popleft()
+        self.count += 1
+
+    def longest(self) -> float:
+        return max((gap for _, gap in self._minutes), default=0.0)

@@ -59,10 +59,17 @@ def _become(launch: dict[str, Any]) -> None:
         sys.orig_argv = list(launch["argv"])
 
 
+def _set_path0(entry: str) -> None:
+    """What the interpreter puts first on sys.path for a script or -m; nothing with -P or PYTHONSAFEPATH, where
+    the standby's own first entry is not its directory either."""
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[0] = entry
+
+
 def _run_script(path: str, args: list[str]) -> None:
     absolute = os.path.abspath(path)
     sys.argv = [path, *args]
-    sys.path[0] = os.path.dirname(os.path.realpath(absolute))
+    _set_path0(os.path.dirname(os.path.realpath(absolute)))
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=absolute, __cached__=None, __loader__=SourceFileLoader("__main__", absolute),
                          __spec__=None, __package__=None, __builtins__=builtins)
@@ -73,9 +80,14 @@ def _run_script(path: str, args: list[str]) -> None:
 
 
 def _run_module(module: str, args: list[str]) -> None:
-    sys.argv = ["-m", *args]  # run_module replaces argv[0] with the module's file, as -m does
-    sys.path[0] = os.getcwd()
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    """As ``python -m`` does (runpy's own entry for it), in a fresh ``__main__`` that stays after the module's
+    body returns, for its atexit handlers and threads."""
+    sys.argv = ["-m", *args]  # replaced by the module's file, as -m does
+    _set_path0(os.getcwd())
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    runpy._run_module_as_main(module, alter_argv=True)  # type: ignore[attr-defined]
 
 
 def main() -> None:

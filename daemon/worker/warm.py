@@ -51,20 +51,27 @@ TAKE_SECONDS = 120.0  # a standby still importing TensorFlow reads its launch wh
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
 
 
-def interpreter_of(command: Sequence[str], path: str | None) -> str | None:
-    """The interpreter a command runs, resolved on ``path`` as exec would, if the command can start warm:
-    ``python[3[.X]] SCRIPT ARGS`` or ``python[3[.X]] -m MODULE ARGS``, with no interpreter option."""
+def interpreter_of(command: Sequence[str], path: str | None, cwd: str | None = None) -> str | None:
+    """The interpreter a command runs, resolved on ``path`` (and a relative one in ``cwd``) as exec would, if
+    the command can start warm: ``python[3[.X]] SCRIPT.py ARGS`` with SCRIPT.py a source file, or
+    ``python[3[.X]] -m MODULE ARGS``, with no interpreter option. A directory, a zip archive or a .pyc given to
+    the interpreter starts cold."""
+    cwd = cwd or os.getcwd()
     if len(command) < 2 or not _PYTHON.fullmatch(os.path.basename(command[0])):
         return None
     if command[1] == "-m":
         if len(command) < 3 or not command[2] or command[2].startswith("-"):
             return None
-    elif command[1].startswith("-"):
+    elif command[1].startswith("-") or not _source_file(os.path.join(cwd, command[1])):
         return None
-    found = command[0] if "/" in command[0] else shutil.which(command[0], path=path)
+    found = os.path.join(cwd, command[0]) if "/" in command[0] else shutil.which(command[0], path=path)
     # Not resolved further: a virtual environment's python is a link to the base interpreter, and Python finds
     # its environment from the path it was started as.
     return os.path.abspath(found) if found and os.access(found, os.X_OK) else None
+
+
+def _source_file(path: str) -> bool:
+    return path.endswith(".py") and os.path.isfile(path)
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ class StandbyKey:
 
     @classmethod
     def of(cls, spec: WorkerSpec) -> StandbyKey | None:
-        interpreter = interpreter_of(spec.command, spec.env.get("PATH"))
+        interpreter = interpreter_of(spec.command, spec.env.get("PATH"), spec.cwd)
         if interpreter is None:
             return None
         try:
@@ -105,6 +112,7 @@ class Standby:
         self._started = time.monotonic()
         self.ready_after: float | None = None  # seconds from its start to TensorFlow imported
         self._taken: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # it read a launch
+        self._launch_prefix: str | None = None
         asyncio.get_running_loop().add_reader(ready_fd, self._on_signal)
 
     @classmethod
@@ -137,6 +145,8 @@ class Standby:
             log.info("standby interpreter %d ready in %.1fs (%.0f MB resident)", self.worker.pid,
                      self.ready_after, self.memory_bytes() / 2**20)
         if b"L" in said or not said:
+            if b"L" in said and self._launch_prefix is not None:
+                self.worker.begin(self._launch_prefix)  # before its first line can be read
             if not self._taken.done():
                 self._taken.set_result(bool(said))
             self._close_ready()
@@ -165,6 +175,7 @@ class Standby:
         it is done, and a large environment fills the pipe."""
         message = json.dumps({"argv": list(spec.command), "env": dict(spec.env),
                               "cwd": os.path.abspath(spec.cwd or os.getcwd())}).encode()
+        self._launch_prefix = spec.log_prefix
         try:
             await asyncio.to_thread(_write_all, self._launch_fd, message)
         finally:
@@ -175,8 +186,8 @@ class Standby:
         except asyncio.TimeoutError:
             taken = False
         if not taken:
+            await self.retire()  # it may still read the launch late: gone before anything starts cold
             raise OSError(f"the standby interpreter {self.worker.pid} did not take the launch")
-        self.worker.begin(spec.log_prefix)
         return self.worker
 
     async def retire(self) -> None:

@@ -34,7 +34,7 @@ import time
 
 import psutil
 from tfelastic.trainer.exit_codes import CHECKPOINTED_AND_STOPPED
-from tfelastic.trainer.progress import ProgressReporter
+from tfelastic.trainer.progress import Phase, ProgressReporter
 
 
 def stale_workers(backup: str, generation: int, events: str | None) -> list[int]:
@@ -127,6 +127,7 @@ def main() -> int:
     prints = bool(os.environ.get("COUNTER_PRINT"))
     linger = float(os.environ.get("COUNTER_LINGER_AFTER_DONE", "-1"))
     reporter = ProgressReporter.from_env(min_interval=0)
+    reporter.report(step, phase=Phase.SETUP)  # its "restore": a trainer that announces its long work
     while step < target:
         time.sleep(pause)
         step += 1

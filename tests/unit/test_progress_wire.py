@@ -41,7 +41,7 @@ def test_encode_uses_the_documented_short_keys() -> None:
                                                                               "ph": "save"}
 
 
-@pytest.mark.parametrize("phase", ["nap", 1, None, "TRAIN"])
+@pytest.mark.parametrize("phase", ["nap", 1, None, "TRAIN", [], {}])
 def test_decode_rejects_an_unknown_phase_naming_the_known_ones(phase: object) -> None:
     with pytest.raises(ValueError, match="progress field 'ph' must be one of eval, save, setup, train, got"):
         decode(json.dumps({"g": 1, "pid": 2, "step": 3, "ph": phase}).encode())
@@ -223,6 +223,8 @@ def test_reporter_throttles_unless_forced_or_checkpointed(server: socket.socket,
     assert reporter.report(4, checkpoint_step=4) is True
     assert received(server) == [ProgressMessage(1, pid, 3), ProgressMessage(1, pid, 4, checkpoint_step=4)]
 
+    with pytest.raises(ValueError, match="phase 'saving' is not one of eval, save, setup, train"):
+        reporter.report(5, phase="saving")  # a typo raises: it would otherwise drop every report silently
     assert reporter.report(5, phase=Phase.SAVE) is True  # long work starts: never throttled
     assert reporter.report(5, phase="eval") is True
     assert received(server) == [ProgressMessage(1, pid, 5, phase=Phase.SAVE), ProgressMessage(1, pid, 5,

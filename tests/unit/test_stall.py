@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tfelastic.daemon.worker.stall import GAPS_KEPT, WARMUP_GAPS, StallDetector, StallLimits
+from tfelastic.daemon.worker.stall import GAP_MEMORY_SECONDS, WARMUP_GAPS, StallDetector, StallLimits
 from tfelastic.trainer.progress import Phase
 
 from tests.fakes import FakeClock
@@ -168,6 +168,7 @@ def test_the_first_two_steps_of_a_worker_get_the_allowance_and_their_gaps_are_no
     stall, clock = learning()
     stall.progress(0)  # a custom loop's first report, before its first step: setup
     assert stall.explain() == "setup allowance 600s"
+    stall.progress(0, Phase.SETUP)  # it announces its restore: a trainer that announces long work
     clock.now += 100.0  # the first step traces
     stall.progress(1)
     assert stall.limit() == 600.0  # the second may trace again
@@ -238,15 +239,46 @@ def test_a_fixed_timeout_does_not_watch_the_start_up() -> None:
     assert not stall.stalled()
 
 
-def test_a_long_gap_is_forgotten_after_enough_newer_ones() -> None:
+def test_a_long_gap_is_remembered_for_an_hour_then_forgotten() -> None:
     stall, clock = learning()
     step = train(stall, clock, steps=WARMUP_GAPS + 3, gap=0.5)
-    clock.now += 8.0  # one slow step (a GC, a slow batch)
+    clock.now += 8.0  # one slow step (a GC, a slow batch, a periodic callback)
     stall.progress(step := step + 1)
     assert stall.limit() == 80.0
-    for _ in range(GAPS_KEPT):
+    for _ in range(int(GAP_MEMORY_SECONDS / 60) - 2):  # 58 minutes of half-second steps: still remembered
+        for _ in range(120):
+            clock.now += 0.5
+            stall.progress(step := step + 1)
+    assert stall.limit() == 80.0
+    for _ in range(240):
         clock.now += 0.5
         stall.progress(step := step + 1)
+    assert stall.limit() == 20.0
+
+
+def test_a_trainer_that_announces_no_phase_keeps_the_allowance() -> None:
+    """A custom loop that calls report(step) around saves it does not announce: its gaps cannot be trusted."""
+    stall, clock = learning(allowance=300.0)
+    for step in range(1, WARMUP_GAPS + 20):
+        clock.now += 0.5
+        stall.progress(step)
+    assert stall.limit() == 300.0 and stall.explain() == "no-phase allowance 300s"
+    stall.progress(WARMUP_GAPS + 20, Phase.SAVE)  # once it announces one, its steps are learned
+    stall.progress(WARMUP_GAPS + 20)
+    assert stall.limit() == 20.0
+
+
+def test_a_restores_jump_to_the_restored_step_is_not_a_step_made() -> None:
+    stall, clock = learning()
+    train(stall, clock, steps=WARMUP_GAPS + 3, gap=0.5)
+    stall.reset()
+    stall.progress(0, Phase.SETUP)  # TrainLoop.restore: before the restore
+    stall.progress(500, Phase.SETUP)  # TrainLoop.run: the restored step
+    clock.now += 30.0
+    stall.progress(501)  # the first step
+    assert stall.limit() == 600.0  # the second step still gets the allowance
+    clock.now += 0.5
+    stall.progress(502)
     assert stall.limit() == 20.0
 
 
@@ -277,5 +309,5 @@ def test_with_a_save_every_few_steps_the_gaps_between_saves_are_learned() -> Non
         stall.progress(10 * save, Phase.SAVE)
         clock.now += 3.0  # the save
         stall.progress(10 * save)  # the report that carries the checkpoint, at the same step
-    assert stall.limit() == 20.0 and max(stall._gaps) == pytest.approx(0.4)
+    assert stall.limit() == 20.0 and stall.explain().endswith("longest step gap 0.40s, floor 20s")
     assert silent_until_stalled(stall, clock) == 20.5

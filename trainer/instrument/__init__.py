@@ -98,13 +98,16 @@ def _add_progress(callbacks: Any) -> Any:
     reporter = _shared_reporter()
     if not reporter.enabled or isinstance(callbacks, CallbackList):
         return callbacks
-    from tfelastic.trainer.callbacks import ProgressCallback
+    from tfelastic.trainer.callbacks import ProgressCallback, SavePhaseCallback
 
     existing = tf.nest.flatten(callbacks) if callbacks else []  # what Keras accepts: None, one, or a list
-    if any(isinstance(c, ProgressCallback) for c in existing):
-        return callbacks  # the script reports by itself
     progress, save_phase = _guarded_classes()
-    return [save_phase(reporter, existing), *existing, progress(reporter)]
+    reports = any(isinstance(c, ProgressCallback) for c in existing)  # the script reports by itself
+    announces = any(isinstance(c, SavePhaseCallback) for c in existing)
+    if reports and announces:
+        return callbacks
+    return [*([] if announces else [save_phase(reporter, existing)]), *existing,
+            *([] if reports else [progress(reporter)])]
 
 
 def _shared_reporter() -> Any:

@@ -1,0 +1,234 @@
+"""Goodput under faults: a fixed number of steps of the keras_fit example, side by side with what users run
+without us.
+
+    python -m bench.goodput [--steps 6000] [--schedules minute,mixed]
+
+Two workers (MultiWorkerMirroredStrategy on localhost) train the keras_fit CNN for ``--steps`` steps with a
+checkpoint every 100 steps. Goodput = the fault-free run's time (launched by hand: TensorFlow alone) / the run's
+time, from the launch until every worker has exited 0 after the last step, evaluation and export included.
+
+Variants:
+  (a) tfelastic, default settings (warm start, learned hang detection)
+  (b) tfelastic with --warm-start off (the fast checkpoint tier of issue 11 is not built: nothing to turn off)
+  (c) without us: the same MWMS script with only tf_keras' BackupAndRestore(save_freq=100), and a loop that
+      relaunches every worker (fresh ports) when one exits, until all exit 0: what a shell loop does
+
+Schedules (seconds from the launch; a fault falls wherever the job is then):
+  minute  a worker SIGKILLed every 60 s
+  mixed   a worker SIGKILLed at 30 s, a live hang at 60 s (SIGUSR1 to a worker: a handler installed by this
+          bench's sitecustomize sleeps forever in the main thread, while TensorFlow's own threads run on), and at
+          90 s an agent SIGKILLed and restarted 1 s later as systemd would; for (c), which has no agent, a
+          worker SIGKILL stands in for the node's loss
+A run that is not done ``--cap`` seconds after the fault-free time is stopped and reported as stalled (the
+loop of (c) has no hang detection: a live hang stalls it for good). Both variants (a) and (b) get
+--max-restarts 10 so that the budget, which is not what is measured, does not end a run. Traffic stays on
+loopback; every loop is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tfelastic.daemon.endpoint import Endpoint
+from tfelastic.daemon.netutil import free_port
+
+from tests.cluster import ROOT, Cluster, members
+
+EXAMPLE = str(ROOT / "examples" / "keras_fit.py")
+SCHEDULES: dict[str, list[tuple[float, str]]] = {
+    "minute": [(60.0 * i, "worker_kill") for i in range(1, 20)],
+    "mixed": [(30.0, "worker_kill"), (60.0, "hang"), (90.0, "agent_kill")],
+}
+HANG_HOOK = """\
+import signal, time
+
+
+def _hang(signum, frame):  # a live hang: the main thread stops, TensorFlow's threads run on
+    while True:
+        time.sleep(3600)
+
+
+signal.signal(signal.SIGUSR1, _hang)
+"""
+
+
+def example_args(steps: int, plain: bool) -> list[str]:
+    epochs = max(1, steps // 1000)
+    return [EXAMPLE, "--epochs", str(epochs), "--steps-per-epoch", str(steps // epochs), "--save-every", "100",
+            *(["--plain-keras"] if plain else [])]
+
+
+@dataclass
+class Run:
+    seconds: float
+    finished: bool
+    faults: list[str] = field(default_factory=list)
+
+
+class FaultClock:
+    """Injects a schedule's faults at their times from the start; bounded by the schedule's length."""
+
+    def __init__(self, schedule: list[tuple[float, str]], inject: Callable[[str], str | None]) -> None:
+        self._pending = list(schedule)
+        self._inject = inject
+        self.start = time.monotonic()
+        self.done: list[str] = []
+
+    def tick(self) -> None:
+        while self._pending and time.monotonic() - self.start >= self._pending[0][0]:
+            at, kind = self._pending.pop(0)
+            with contextlib.suppress(Exception):  # a fault that finds nothing to hit (between generations) is skipped
+                what = self._inject(kind)
+                if what:
+                    self.done.append(f"{at:.0f}s {what}")
+
+
+def hook_env(tmp: Path) -> dict[str, str]:
+    hook = tmp / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(HANG_HOOK)
+    return {"PYTHONPATH": str(hook), "TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1"}
+
+
+# ---------------------------------------------------------------------------------------- (c) without us
+
+
+def _launch_by_hand(tmp: Path, steps: int, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    procs = []
+    for rank in range(2):
+        tf_config = json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}})
+        procs.append(subprocess.Popen(
+            [sys.executable, *example_args(steps, plain=True), "--backup-dir", str(tmp / "backup")],
+            env=dict(os.environ, **env, TF_CONFIG=tf_config), cwd=tmp, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True))
+    return procs
+
+
+def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def without_us(steps: int, schedule: list[tuple[float, str]], cap: float) -> Run:
+    """The relaunch loop: start both workers; when one exits non-zero, kill all and start again."""
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        env = hook_env(tmp)
+        procs = _launch_by_hand(tmp, steps, env)
+        victim = [0]
+
+        def inject(kind: str) -> str:
+            victim[0] ^= 1
+            target = procs[victim[0]]
+            os.kill(target.pid, signal.SIGUSR1 if kind == "hang" else signal.SIGKILL)
+            return f"{'hang' if kind == 'hang' else 'worker SIGKILL'} of rank {victim[0]}"
+
+        faults = FaultClock(schedule, inject)
+        try:
+            while time.monotonic() - faults.start < cap:
+                faults.tick()
+                codes = [p.poll() for p in procs]
+                if all(c == 0 for c in codes):
+                    return Run(time.monotonic() - faults.start, True, faults.done)
+                if any(c not in (None, 0) for c in codes):
+                    _kill_all(procs)
+                    procs[:] = _launch_by_hand(tmp, steps, env)
+                time.sleep(0.05)
+            return Run(time.monotonic() - faults.start, False, faults.done)
+        finally:
+            _kill_all(procs)
+
+
+# ---------------------------------------------------------------------------------------------- (a), (b)
+
+
+def with_us(steps: int, schedule: list[tuple[float, str]], cap: float, warm: bool) -> Run:
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        cluster = Cluster(tmp, Endpoint("127.0.0.1", free_port()), [sys.executable, *example_args(steps, False)],
+                          extra_args=["--max-restarts", "10", "--warm-start", "on" if warm else "off"],
+                          env=dict(hook_env(tmp)))
+        victim = [0]
+
+        def inject(kind: str) -> str | None:
+            doc = cluster.status()
+            if kind == "agent_kill":
+                agent = cluster.agents[1]
+                agent.proc.kill()
+                agent.proc.wait()
+                time.sleep(1.0)  # systemd's RestartSec
+                cluster.agents.remove(agent)
+                cluster.start(agent.node_id)
+                return f"agent {agent.node_id} SIGKILLed and restarted"
+            workers = members(doc) if doc else []
+            if len(workers) < 2 or any(w["worker_pid"] is None for w in workers):
+                return None
+            victim[0] ^= 1
+            os.kill(workers[victim[0]]["worker_pid"], signal.SIGUSR1 if kind == "hang" else signal.SIGKILL)
+            return f"{'hang' if kind == 'hang' else 'worker SIGKILL'} of rank {victim[0]}"
+
+        faults = FaultClock(schedule, inject)
+        cluster.start_host("a", timeout=60)
+        cluster.start("b")
+        try:
+            while time.monotonic() - faults.start < cap:
+                faults.tick()
+                if all(a.proc.poll() is not None for a in cluster.agents):
+                    finished = all(a.proc.returncode == 0 for a in cluster.agents)
+                    return Run(time.monotonic() - faults.start, finished, faults.done)
+                time.sleep(0.05)
+            return Run(time.monotonic() - faults.start, False, faults.done)
+        finally:
+            cluster.stop()
+
+
+def fault_free(steps: int) -> float:
+    run = without_us(steps, [], cap=3600)
+    assert run.finished, "the fault-free run did not finish"
+    return run.seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--schedules", default="minute,mixed")
+    parser.add_argument("--cap", type=float, default=150.0, help="seconds past the fault-free time")
+    args = parser.parse_args()
+    for name in args.schedules.split(","):
+        schedule = SCHEDULES[name]
+        # This machine's speed drifts by up to 1.5x over minutes: the fault-free time is measured before and
+        # after the variants, and their mean is the reference.
+        before = fault_free(args.steps)
+        cap = before + args.cap
+        runs = {"(a) tfelastic defaults": with_us(args.steps, schedule, cap, warm=True),
+                "(b) tfelastic, --warm-start off": with_us(args.steps, schedule, cap, warm=False),
+                "(c) MWMS + BackupAndRestore(100) + relaunch loop": without_us(args.steps, schedule, cap)}
+        after = fault_free(args.steps)
+        reference = (before + after) / 2
+        print(f"schedule {name}: fault-free by hand {before:.1f}s before, {after:.1f}s after ({args.steps} steps)",
+              flush=True)
+        for label, run in runs.items():
+            verdict = (f"{run.seconds:6.1f}s  goodput {reference / run.seconds:.3f}" if run.finished
+                       else f"stalled: not done after {run.seconds:.0f}s (goodput < {reference / run.seconds:.3f})")
+            print(f"  {label:50s} {verdict}   faults: {'; '.join(run.faults)}", flush=True)
+        a, c = runs["(a) tfelastic defaults"], runs["(c) MWMS + BackupAndRestore(100) + relaunch loop"]
+        print(f"  (a)/(c) goodput ratio: {c.seconds / a.seconds:.2f}{'' if c.finished else ' (at least)'}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
