@@ -59,7 +59,8 @@ log = logging.getLogger("tfelastic.agent")
 
 RETRY_SECONDS = 0.2  # between attempts to reach the coordinator
 GPU_POLL_SECONDS = 5.0
-STANDBY_DELAY_SECONDS = 30.0  # a trainer that does not report gets the next standby after this long
+STANDBY_AFTER_PROGRESS_SECONDS = 10.0  # the next standby: this long after the trainer's first progress report,
+STANDBY_DELAY_SECONDS = 40.0  # or this long after its launch (a trainer that does not report)
 NODE_CHECK_SECONDS = MATMUL_TIMEOUT_SECONDS + 30.0  # the matmul's own bound, and the rest of the check
 # A terminal closed under `tfelastic run` (SIGHUP) or Ctrl-\ (SIGQUIT) is a request to stop, like SIGTERM and
 # Ctrl-C: the agent leaves the job cleanly. SIGUSR1 logs what the agent is doing; SIGUSR2 is ignored.
@@ -271,8 +272,9 @@ class Agent:
         spec = WorkerSpec(job.command, env, job.workdir or None, f"[rank {assignment.rank}]",
                           self.config.node.failure_stop_grace)
         self.runner.launch(assignment.generation, spec)
-        # The next generation's standby is built once this trainer is past its start-up (its first progress
-        # report, or STANDBY_DELAY_SECONDS), so that the two do not compete for the CPU.
+        # The next generation's standby is built once this trainer is past its start-up and its first steps
+        # (which trace and compile), so that the two do not compete for the CPU; a job that fails in its
+        # first seconds relaunches cold (and builds no standby it would not use).
         self._standby_due = (assignment.generation, spec)
         asyncio.get_running_loop().call_later(STANDBY_DELAY_SECONDS, self._prepare_standby, assignment.generation)
 
@@ -321,8 +323,11 @@ class Agent:
         self._apply(self.core.worker_stopped(result))
 
     def _on_progress(self, message: ProgressMessage) -> None:
+        first = self.core.tracker.latest is None
         self._apply(self.core.progress(message))
-        self._prepare_standby(message.generation)
+        if first and self._standby_due is not None and self._standby_due[0] == message.generation:
+            asyncio.get_running_loop().call_later(STANDBY_AFTER_PROGRESS_SECONDS, self._prepare_standby,
+                                                  message.generation)
 
     # ----------------------------------------------------------------------------------- around the job
 

@@ -433,8 +433,7 @@ class AgentCore:
         return self._report(api.WorkerStatus.RUNNING, pid=latest.pid)
 
     def _stall_limit(self) -> float:
-        watched = self.worker.state is WorkerState.RUNNING and self._stall.silent_for() is not None
-        return self._stall.limit() if watched else 0.0
+        return self._stall.limit_in_force() if self.worker.state is WorkerState.RUNNING else 0.0
 
     def _check_stall(self) -> list[Action]:
         if self.worker.state is not WorkerState.RUNNING:

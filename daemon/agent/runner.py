@@ -125,7 +125,14 @@ class WorkerRunner:
         if standby is None:
             return None
         if standby.alive() and standby.key == StandbyKey.of(spec):
-            return standby
+            if standby.ready_after is not None:
+                return standby
+            # Still importing: a launch never waits for it (a trainer without TensorFlow starts in a fraction
+            # of the import). It stays for the next launch.
+            self._standby = standby
+            log.info("the standby interpreter %d is still importing TensorFlow: this launch starts cold",
+                     standby.worker.pid)
+            return None
         if not standby.alive():
             last = standby.worker.tail[-1] if standby.worker.tail else "no output"
             self._standby_failed(f"the standby interpreter exited before its launch ({last})")
@@ -137,8 +144,7 @@ class WorkerRunner:
         if standby is not None:
             try:
                 worker = await standby.activate(spec)
-                log.info("launched through the standby interpreter %d (%s)", worker.pid,
-                         "ready" if standby.ready_after is not None else "still importing TensorFlow")
+                log.info("launched through the standby interpreter %d", worker.pid)
                 self.launched_warm = True
                 return worker
             except OSError as e:  # it died between the check and the launch (activate retired it)

@@ -121,6 +121,10 @@ class StallDetector:
         return (f"learned limit {limit:.1f}s: {limits.factor:g} x the longest step gap "
                 f"{self._gaps.longest():.2f}s, floor {limits.floor:g}s")
 
+    def limit_in_force(self) -> float:
+        """The limit that applies now, 0 while nothing is watched (no report yet, or training completed)."""
+        return 0.0 if self._last_report is None or self._paused else self.limit()
+
     def silent_for(self) -> float | None:
         """Seconds since the last report (or the watched launch); None if not watched."""
         if self._last_report is None:

@@ -50,11 +50,13 @@ def _read_launch(fd: int) -> dict[str, Any]:
     return launch
 
 
-def _become(launch: dict[str, Any]) -> None:
-    """The process state a cold start of ``argv`` would have had."""
+def _become(launch: dict[str, Any], set_by_import: dict[str, str]) -> None:
+    """The process state a cold start of ``argv`` would have had once it imported TensorFlow: the launch's
+    environment, with what the import itself set (TensorFlow sets TF2_BEHAVIOR, TPU_ML_PLATFORM, ...)."""
     os.chdir(launch["cwd"])
     os.environ.clear()
     os.environ.update(launch["env"])
+    os.environ.update(set_by_import)
     if hasattr(sys, "orig_argv"):
         sys.orig_argv = list(launch["argv"])
 
@@ -92,14 +94,16 @@ def _run_module(module: str, args: list[str]) -> None:
 
 def main() -> None:
     launch_fd, ready_fd = (int(fd) for fd in os.environ.pop(FD_ENV).split(","))
+    before = dict(os.environ)
     _preimport()
+    set_by_import = {k: v for k, v in os.environ.items() if before.get(k) != v}
     os.write(ready_fd, b"R")
     launch = _read_launch(launch_fd)
     if not launch:
         os._exit(0)
     os.write(ready_fd, b"L")  # the agent treats the launch as failed (and starts cold) until it hears this
     os.close(ready_fd)
-    _become(launch)
+    _become(launch, set_by_import)
     argv = launch["argv"]
     if argv[1] == "-m":
         _run_module(argv[2], argv[3:])

@@ -47,7 +47,7 @@ log = logging.getLogger("tfelastic.worker")
 STANDBY_PATH = str(Path(standby.__file__).resolve())
 GENERATION_KEYS = frozenset({TF_CONFIG_ENV, RANK_ENV, WORLD_SIZE_ENV, GENERATION_ENV, RESTART_COUNT_ENV})
 STANDBY_PREFIX = "[standby]"
-TAKE_SECONDS = 120.0  # a standby still importing TensorFlow reads its launch when done: this long at most
+TAKE_SECONDS = 30.0  # a ready standby answers its launch at once; this long at most (a machine under load)
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
 
 

@@ -41,8 +41,15 @@ GENERATION_ENV = {"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1"]}, "task":
                   "TFELASTIC_RESTART_COUNT": "3", "TFELASTIC_BACKUP_DIR": "/nowhere", "MARK": "x"}
 
 
+# What importing TensorFlow 2.21 sets in the environment: a cold start has them after its import, and so must a
+# warm one (whose import came before the launch's environment). Left out, so that the test always sees it.
+SET_BY_TF_IMPORT = ("TF2_BEHAVIOR", "TPU_ML_PLATFORM", "TPU_ML_PLATFORM_VERSION", "ENABLE_RUNTIME_UPTIME_TELEMETRY",
+                    "HDF5_PLUGIN_PATH")
+
+
 def spec_for(command: tuple[str, ...], cwd: Path, **env: str) -> WorkerSpec:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("TFELASTIC_") and k != "TF_CONFIG"}
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith("TFELASTIC_") and k != "TF_CONFIG" and k not in SET_BY_TF_IMPORT}
     full.update(GENERATION_ENV, TF_CPP_MIN_LOG_LEVEL="3", TF_USE_LEGACY_KERAS="1", PYTHONUNBUFFERED="1", **env)
     return WorkerSpec(command, full, str(cwd), "[rank 0]", 1.0)
 
@@ -210,3 +217,27 @@ def test_a_standby_that_died_falls_back_to_a_cold_start(make_cluster: ClusterFac
     # Found dead before the launch, or (while the kernel still tears it down) by its missing answer to it.
     assert re.search(r"the standby interpreter (exited before its launch|\d+ did not take the launch)"
                      r".*; this launch starts cold", agent.log()), agent.log()
+
+
+def test_a_launch_never_waits_for_a_standby_still_importing(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    """A trainer without TensorFlow starts in a fraction of the import: the relaunch goes cold, and the standby
+    stays for the next one."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('TFELASTIC_STANDBY_FD') and os.path.exists(os.environ['SLOW']):\n"
+        "    time.sleep(60)  # a standby that takes its time to import\n")
+    slow = tmp_path / "slow"
+    slow.touch()
+    cluster = make_cluster([sys.executable, COUNTER], nodes="1", extra_args=AGENT_FLAGS,
+                           env={"COUNTER_STEPS": "100000", "PYTHONPATH": str(hook), "SLOW": str(slow)})
+    agent = cluster.start("a")
+    address = agent.metrics_address()
+    wait_for(lambda: "standby interpreter" in agent.log(), 60, "a standby started")
+    first = cluster.wait_running(1, 1, step=1)["nodes"][0]["worker_pid"]
+    os.kill(first, signal.SIGKILL)
+    cluster.wait_running(2, 1, step=1, timeout=20)  # well before the standby's minute
+    assert launches(address) == {"warm": 0.0, "cold": 2.0}
+    assert "is still importing TensorFlow: this launch starts cold" in agent.log()
+    standbys = [p for p in processes_of(str(tmp_path)) if STANDBY_PATH in p.cmdline()]
+    assert standbys, "the standby was retired: it should wait for the next launch"

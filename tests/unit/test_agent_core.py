@@ -258,6 +258,10 @@ def test_the_stall_limit_gauge_is_zero_while_nothing_is_watched() -> None:
     assert h.registry.get_sample_value("tfelastic_stall_limit_seconds") == 0.0
     h.running()
     assert h.registry.get_sample_value("tfelastic_stall_limit_seconds") == 0.0  # never reported: not watched
+    h.core.progress(ProgressMessage(1, 4001, step=3, phase=Phase.SETUP))
+    assert h.registry.get_sample_value("tfelastic_stall_limit_seconds") == 300.0
+    h.core.progress(ProgressMessage(1, 4001, step=9, done=True))  # training completed: the check pauses
+    assert h.registry.get_sample_value("tfelastic_stall_limit_seconds") == 0.0
 
 
 def test_a_trainer_that_never_reports_is_not_checked() -> None:
