@@ -29,7 +29,8 @@ from tfelastic.daemon.netutil import free_port
 from bench.common import read_events
 from tests.cluster import TF_TRAINER, Cluster, members, scrape, wait_for
 
-TRAINER = [*TF_TRAINER, "--epochs", "30", "--steps-per-epoch", "100", "--save-every", "10"]  # long enough for the standby
+# 30 epochs: still training when both standbys are ready (they are built 10 s into a generation).
+TRAINER = [*TF_TRAINER, "--epochs", "30", "--steps-per-epoch", "100", "--save-every", "10"]
 
 
 def _first_step(events: Path, generation: int) -> float:
