@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 from tfelastic.daemon import commands
 from tfelastic.daemon.config import (
+    LOCAL_TIER_OFF,
     METRICS_OFF,
     OPTIONS,
     STALL_AUTO,
@@ -72,6 +73,10 @@ def _metrics_port(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number or 'off'") from None
 
 
+def _local_checkpoint_dir(text: str) -> str:
+    return "" if text == LOCAL_TIER_OFF else text  # the configuration checks the path
+
+
 # Options whose help says what their default is (it depends on other values, or is explained there).
 _DEFAULT_IN_HELP = frozenset({"job", "min_nodes", "node_id", "worker_port", "rendezvous", "backup_dir", "workdir"})
 
@@ -95,6 +100,8 @@ def _flag_type(name: str) -> Any:
         return _stall_timeout
     if name == "warm_start":
         return _on_off
+    if name == "local_checkpoint_dir":
+        return _local_checkpoint_dir
     if isinstance(default, float):
         return float
     if isinstance(default, int) and not isinstance(default, bool) and name != "min_nodes":

@@ -29,6 +29,7 @@ from tfelastic.daemon.preflight import (
     check_tls_files,
     coordinator_listen,
     etcd_credentials,
+    local_tier_or_off,
     metrics_token,
     raise_open_files_limit,
     token_for,
@@ -84,6 +85,7 @@ def run_agent(config: AgentConfig, slurm: SlurmStep | None = None) -> int:
     check_agent(config)
     notifier = Notifier()  # first: the trainer must not inherit $NOTIFY_SOCKET
     setup_logging(config.node.log_level, f"{config.job.name}/{config.node.id}")  # journald: job and node
+    config = local_tier_or_off(config)  # it warns: after the logging is set up
     _open_files()
     _warn_if_clear_text(listen, config.rendezvous.tls)
     _warn_if_etcd_is_open(config)

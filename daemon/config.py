@@ -27,6 +27,7 @@ from tfelastic.daemon.etcd.url import EtcdTarget, is_etcd_url, parse_etcd_url
 from tfelastic.daemon.rendezvous import bounds
 from tfelastic.daemon.rendezvous.api import STALL_LEARNED, JobSpec, RendezvousSettings
 from tfelastic.daemon.worker.stall import StallLimits
+from tfelastic.trainer import snapshots
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,6 +64,7 @@ class NodeConfig:
     log_level: str = "info"
     check_min_free_mb: int = 1024  # the node check wants this much free in the backup dir
     warm_start: bool = True  # Python trainer commands launch through a standby interpreter (worker/warm.py)
+    local_checkpoint_dir: str = snapshots.LOCAL_ROOT_DEFAULT  # the fast tier's root; "": off (trainer/snapshots.py)
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,13 @@ class AgentConfig:
     def resolved_backup_dir(self) -> str:
         base = self.job.backup_dir or os.path.join("tfelastic-backup", self.job.name)
         return str(Path(self.job.workdir or ".", base).resolve())
+
+    def local_tier(self) -> str | None:
+        """This node's fast checkpoint tier of the job (``ROOT/JOB/NODE``), or None when the tier is off."""
+        root = self.node.local_checkpoint_dir
+        if not root or root == LOCAL_TIER_OFF:
+            return None
+        return snapshots.local_store_root(root, self.job.name, self.node.id)
 
     def command_digest(self) -> bytes:
         return hashlib.sha256(shlex.join(self.job.command).encode()).digest()
@@ -221,6 +230,9 @@ _OPTIONS = [
     Option("warm_start", "node.warm_start", "--warm-start",
            "launch Python trainer commands through a standby interpreter that has imported TensorFlow "
            "(default on; other commands start cold)", "on|off"),
+    Option("local_checkpoint_dir", "node.local_checkpoint_dir", "--local-checkpoint-dir",
+           "root of the node-local snapshot tier, in memory (an absolute path; 'off' turns the tier off)",
+           "DIR|off"),
     Option("rendezvous", "rendezvous.endpoint", "--rendezvous",
            "the coordinator's endpoint, or the job's etcd: etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS) "
            "(required; under SLURM the step's first host)", "HOST:PORT|etcd://..."),
@@ -278,6 +290,7 @@ _OPTIONS = [
 OPTIONS = {option.name: option for option in _OPTIONS}
 _SECTIONS = {"job": JobConfig, "node": NodeConfig, "metrics": MetricsConfig, "rendezvous": RendezvousConfig}
 METRICS_OFF = "off"
+LOCAL_TIER_OFF = "off"  # --local-checkpoint-dir off (or ""): no node-local snapshot tier
 STALL_AUTO = "auto"  # --stall-timeout auto (the default): a learned limit
 
 
@@ -345,6 +358,7 @@ def validate(config: AgentConfig, where: str = "") -> AgentConfig:
                           "quarantines a node)")
     if node.check_min_free_mb < 0:
         raise ConfigError(f"{opt('check_min_free_mb')}: {node.check_min_free_mb} must be 0 or more")
+    _validate_local_checkpoint_dir(node.local_checkpoint_dir, opt)
     for name in _DURATIONS:
         value = config.value(name)
         if value is None:  # stall_timeout "auto"
@@ -372,6 +386,17 @@ def validate(config: AgentConfig, where: str = "") -> AgentConfig:
         raise ConfigError(f"{opt('tls_cert')}/{opt('tls_key')}: give both the certificate and its key")
     _validate_etcd(rdzv, opt)
     return config
+
+
+def _validate_local_checkpoint_dir(root: str, opt: Callable[[str], str]) -> None:
+    if root in ("", LOCAL_TIER_OFF):
+        return
+    if not os.path.isabs(root):
+        raise ConfigError(f"{opt('local_checkpoint_dir')}: {root!r} is a relative path; give an absolute directory, "
+                          f"e.g. {snapshots.LOCAL_ROOT_DEFAULT}, or '{LOCAL_TIER_OFF}' to turn the local tier off")
+    if len(root) > bounds.MAX_PATH_CHARS or "\0" in root:
+        raise ConfigError(f"{opt('local_checkpoint_dir')}: a path of {len(root)} characters must have at most "
+                          f"{bounds.MAX_PATH_CHARS} and no NUL character")
 
 
 def _validate_etcd(rdzv: RendezvousConfig, opt: Callable[[str], str]) -> None:
@@ -504,6 +529,8 @@ def _toml_value(option: Option, value: Any, where: str) -> Any:
         return tuple(sorted(value.items()))
     if option.name == "metrics_port" and value == METRICS_OFF:
         return None
+    if option.name == "local_checkpoint_dir" and value == LOCAL_TIER_OFF:
+        return ""
     if option.name == "stall_timeout":
         return None if value == STALL_AUTO else float(_expect(value, (int, float), where))
     default = default_of(option.name)

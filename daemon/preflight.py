@@ -2,6 +2,8 @@
 can be read, the ports are free, the backup directory can be written, the secrets are readable by us alone.
 
 Each failure is a :class:`ConfigError` naming the option, so the process exits 78 with one line and no traceback.
+One check only warns: a local checkpoint root that cannot be written turns the fast tier off for the run
+(:func:`local_tier_or_off`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import logging
 import os
 import resource
 import shutil
+import tempfile
 
 from tfelastic.daemon.config import AgentConfig, read_secret, read_token
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
@@ -124,6 +127,25 @@ def check_backup_dir(config: AgentConfig) -> None:
         raise ConfigError(f"--backup-dir: {path!r} cannot be written by this user ({existing} is read-only "
                           "or not writable); fix its permissions, or under systemd add it to ReadWritePaths= "
                           "(docs/operations.md)")
+
+
+def local_tier_or_off(config: AgentConfig) -> AgentConfig:
+    """The configuration to run with: unchanged when the local checkpoint root can be created and written, else
+    with the fast tier off and a WARNING. Not a failure: the tier only makes recovery faster (the trainers
+    still checkpoint to the backup dir), and /dev/shm may be missing or read-only in a container."""
+    tier = config.local_tier()  # ROOT/JOB/NODE: the trainer writes there
+    if tier is None:
+        return config
+    try:
+        os.makedirs(tier, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=tier, prefix=".tfelastic-check-"):
+            pass
+    except OSError as e:
+        logging.getLogger("tfelastic").warning(
+            "--local-checkpoint-dir: cannot write %s (%s): the node-local snapshot tier is off for this run; "
+            "trainers checkpoint to the backup dir only", tier, e.strerror or e)
+        return config.replace(local_checkpoint_dir="")
+    return config
 
 
 def check_metrics_listen(config: AgentConfig) -> None:

@@ -111,7 +111,9 @@ class Cluster:
         flags = ["--nodes", self.nodes, "--rendezvous", self.rendezvous, "--node-id", node_id] if placement else []
         command = [sys.executable, "-m", "tfelastic.daemon", "run", *flags,
                    "--metrics-port", "0", "--metrics-linger", "0",
-                   "--backup-dir", str(self.tmp / "backup"), *self.extra_args, *extra, "--", *self.trainer]
+                   "--backup-dir", str(self.tmp / "backup"),
+                   "--local-checkpoint-dir", str(self.tmp / "shm"),  # the fast tier: not the host's shared /dev/shm
+                   *self.extra_args, *extra, "--", *self.trainer]
         if netns:
             command = ["ip", "netns", "exec", netns, *command]
         return self.launch(node_id, command, env)

@@ -51,7 +51,7 @@ boot() {
       -o "lowerdir=/$d,upperdir=/run/hermetic-overlay/$d/upper,workdir=/run/hermetic-overlay/$d/work" "/$d"
   done
   keep_aside
-  for d in /tmp /var/tmp /var/log /var/lib/systemd /srv; do mount -t tmpfs tmpfs "$d"; done
+  for d in /tmp /var/tmp /var/log /var/lib/systemd /srv /dev/shm; do mount -t tmpfs tmpfs "$d"; done
   keep_back
   for w in /lib/systemd/system/*.target.wants /etc/systemd/system/*.target.wants; do
     for u in "$w"/*; do

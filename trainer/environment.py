@@ -25,6 +25,8 @@ RESTART_COUNT_ENV = "TFELASTIC_RESTART_COUNT"
 BACKUP_DIR_ENV = "TFELASTIC_BACKUP_DIR"
 PROGRESS_SOCKET_ENV = "TFELASTIC_PROGRESS_SOCKET"
 COLLECTIVE_ENV = "TFELASTIC_COLLECTIVE"
+LOCAL_CHECKPOINT_DIR_ENV = "TFELASTIC_LOCAL_CHECKPOINT_DIR"  # this node's fast tier of the job (snapshots.py)
+RESTORE_STEP_ENV = "TFELASTIC_RESTORE_STEP"  # the step the coordinator chose; unset: none every member has
 COLLECTIVES = ("AUTO", "RING", "NCCL")
 
 
@@ -46,6 +48,8 @@ class TrainerEnvironment:
     task_index: int = 0
     workers: tuple[str, ...] = ()  # TF_CONFIG's cluster, chief first when there is a "chief" job
     has_chief_job: bool = False
+    local_checkpoint_dir: str | None = None  # None: no fast tier (no agent, or the agent turned it off)
+    restore_step: int | None = None  # the snapshot step every member of the generation can restore
 
     @property
     def managed(self) -> bool:
@@ -81,9 +85,12 @@ class TrainerEnvironment:
             env[TF_CONFIG_ENV] = json.dumps({"cluster": cluster,
                                              "task": {"type": self.task_type or "worker", "index": self.task_index}})
         for name, value in ((JOB_ENV, self.job), (NODE_ID_ENV, self.node_id), (BACKUP_DIR_ENV, self.backup_dir),
-                            (PROGRESS_SOCKET_ENV, self.progress_socket)):
+                            (PROGRESS_SOCKET_ENV, self.progress_socket),
+                            (LOCAL_CHECKPOINT_DIR_ENV, self.local_checkpoint_dir)):
             if value:
                 env[name] = value
+        if self.restore_step is not None:
+            env[RESTORE_STEP_ENV] = str(self.restore_step)
         return env
 
     @classmethod
@@ -112,6 +119,8 @@ class TrainerEnvironment:
             task_index=cluster.task_index if cluster else 0,
             workers=cluster.workers if cluster else (),
             has_chief_job=cluster.has_chief if cluster else False,
+            local_checkpoint_dir=env.get(LOCAL_CHECKPOINT_DIR_ENV) or None,
+            restore_step=(_int(env, RESTORE_STEP_ENV, 0, minimum=0) if env.get(RESTORE_STEP_ENV) else None),
         )
 
 

@@ -104,6 +104,9 @@ class AgentCore:
         self._check_owed = True  # the first Join of the process carries a node check; so does one asked for
         self._check_result: str | None = None  # a check's result the coordinator has not answered yet ("": passed)
         self._check_sent_on: int | None = None  # the session whose Join carries it
+        # The snapshot steps this node can restore, newest first, as the shell last read them (it reads them
+        # before each Join that may start a generation): every such Join carries them.
+        self.restorable: tuple[int, ...] = ()
 
     @property
     def winding_down(self) -> bool:
@@ -111,6 +114,12 @@ class AgentCore:
         return self.exit_code is not None or self.leaving is not None
 
     # ------------------------------------------------------------------------------------------- session
+
+    @property
+    def rejoins_after_stop(self) -> bool:
+        """The stop under way ends in a Join (a stop ordered by the coordinator): the shell reads the restorable
+        snapshot steps before it reports the stop done."""
+        return self._rejoin_session is not None and not self.winding_down
 
     @property
     def check_owed(self) -> bool:
@@ -413,7 +422,7 @@ class AgentCore:
             return api.Join(node, ident.spec, a.restart_count, attached_generation=a.generation)
         port = ident.worker_port or self._pick_port(ident.host)
         node = api.NodeInfo(ident.node_id, ident.host, port, ident.incarnation, a.generation if a else 0,
-                            a.rank if a else -1)
+                            a.rank if a else -1, self.restorable)
         return api.Join(node, ident.spec, a.restart_count if a else 0, checked=checked, check_failure=failure)
 
     def _report(self, status: api.WorkerStatus, *, pid: int = 0, exit_code: int = 0, detail: str = "") -> Send:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from tfelastic.daemon.agent.api import StopResult
@@ -19,7 +19,7 @@ from tfelastic.daemon.rendezvous.api import Assignment
 from tfelastic.daemon.worker.instrument import instrumentation_env
 from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
 from tfelastic.daemon.worker.warm import Standby, StandbyKey
-from tfelastic.trainer.environment import TrainerEnvironment
+from tfelastic.trainer.environment import LOCAL_CHECKPOINT_DIR_ENV, RESTORE_STEP_ENV, TrainerEnvironment
 
 log = logging.getLogger("tfelastic.agent")
 
@@ -35,9 +35,13 @@ class WorkerEvents(Protocol):
 
 
 class WorkerRunner:
+    """``before_stopped``: awaited once a stop's processes are gone and before ``worker_stopped`` (the agent reads
+    what the old worker left on disk for the Join that follows); the stop is under way until it returns."""
+
     def __init__(self, events: WorkerEvents, *, stop_grace: float, failure_stop_grace: float,
-                 warm_start: bool = False) -> None:
+                 warm_start: bool = False, before_stopped: Callable[[], Awaitable[None]] | None = None) -> None:
         self._events = events
+        self._before_stopped = before_stopped
         self._stop_grace, self._failure_stop_grace = stop_grace, failure_stop_grace
         self._worker: WorkerProcess | None = None
         self._launching: asyncio.Task[None] | None = None
@@ -173,6 +177,11 @@ class WorkerRunner:
             log.info("worker stopped in %.3fs (%s)", time.monotonic() - started, why)
             result = StopResult(worker.returncode, worker.exited_before_stop)
             self._worker = None
+        if self._before_stopped is not None:
+            try:
+                await self._before_stopped()
+            except Exception:  # never a stop that does not end: the worker is gone, the core must hear it
+                log.exception("after the worker stopped")
         self._events.worker_stopped(result)
 
     async def _report_trainer_pid(self, worker: WorkerProcess, generation: int) -> None:
@@ -204,18 +213,22 @@ class WorkerRunner:
 
 
 def trainer_env(base: Mapping[str, str], assignment: Assignment, *, job: str, node_id: str, backup_dir: str,
-                progress_socket: str, instrument: bool) -> dict[str, str]:
+                progress_socket: str, instrument: bool, local_checkpoint_dir: str | None = None) -> dict[str, str]:
     """The trainer's environment: ``base`` (the agent's, with the job's ``env`` on top), the generation's
-    ``TF_CONFIG`` and ``TFELASTIC_*`` (the contract of :class:`TrainerEnvironment`), tf_keras unless the job
-    says otherwise, and the automatic instrumentation."""
+    ``TF_CONFIG`` and ``TFELASTIC_*`` (the contract of :class:`TrainerEnvironment`: with the node's local
+    snapshot tier, None when it is off, and the assignment's restore step), tf_keras unless the job says
+    otherwise, and the automatic instrumentation."""
     env = dict(base)
     env.setdefault("TF_USE_LEGACY_KERAS", "1")  # Keras 3 cannot run model.fit under MWMS (FACTS 1)
     env.setdefault("PYTHONUNBUFFERED", "1")  # a print reaches the log as it happens, and is not lost to a kill
+    for name in (LOCAL_CHECKPOINT_DIR_ENV, RESTORE_STEP_ENV):
+        env.pop(name, None)  # only the agent's own values: never one inherited from its environment
     env.update(TrainerEnvironment(
         rank=assignment.rank, world_size=assignment.world_size, generation=assignment.generation,
         restart_count=assignment.restart_count, backup_dir=backup_dir, progress_socket=progress_socket, job=job,
         node_id=node_id, task_type="worker", task_index=assignment.rank,
-        workers=tuple(m.address for m in assignment.members)).to_env())
+        workers=tuple(m.address for m in assignment.members), local_checkpoint_dir=local_checkpoint_dir,
+        restore_step=assignment.restore_step).to_env())
     env.update(instrumentation_env(env, instrument))  # model.fit reports with no code change
     return env
 

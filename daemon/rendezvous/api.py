@@ -101,6 +101,8 @@ class NodeInfo:
     incarnation: str = ""  # the agent process's random id
     last_generation: int = 0  # the newest generation the agent took part in
     last_rank: int = -1  # its rank there
+    # Steps of complete snapshots the node can restore (trainer/snapshots.py), newest first, as of this Join.
+    restorable_steps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class Assignment:
     world_size: int
     members: tuple[Member, ...]
     restart_count: int
-
+    restore_step: int | None = None  # the snapshot step every member can restore; None: none in common
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from tfelastic.daemon.rendezvous import api, convert
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 
 # The largest legitimate request is a Join: ids and names of at most 128 characters, a host of 255, a backup_dir
-# of 4096 and a 32-byte digest, about 4.7 KiB with the field tags (limits.MAX_REQUEST_BYTES leaves 10x room).
+# of 4096, a 32-byte digest and 64 steps, about 5.3 KiB with the field tags (limits.MAX_REQUEST_BYTES leaves 10x
+# room).
 MAX_NODES = 100_000  # min_nodes, max_nodes, max_restarts and ranks
 MAX_RESTART_COUNT = 1 << 31  # a Join's restart_count ends up in uint32 fields, plus the restarts still to come
 MAX_GENERATION = 1 << 53  # far beyond any job, and exact in every field it reaches
@@ -29,6 +30,8 @@ MAX_INCARNATION_CHARS = 64
 MAX_DETAIL_CHARS = 4096  # WorkerReport.detail
 MAX_REASON_CHARS = 1024  # Leave.reason
 MAX_GPUS = 4096
+MAX_RESTORABLE_STEPS = 64  # a Join's restorable_steps (agents send at most trainer.snapshots.MAX_REPORTED)
+MAX_STEP = 1 << 53  # a training step, exact in every field it reaches
 DIGEST_BYTES = 32  # SHA-256 of the trainer command
 
 NODE_ID_RULE = f"1-{MAX_NAME_CHARS} letters, digits, '.', '_', ':', '@' or '-', starting with a letter or digit"
@@ -111,6 +114,10 @@ def validate_join(join: pb.Join) -> None:
         problems.append(f"last_rank {join.last_rank} is out of range -1..{MAX_NODES - 1}")
     if len(join.check_failure) > MAX_DETAIL_CHARS:
         problems.append(f"check_failure has {len(join.check_failure)} characters, more than {MAX_DETAIL_CHARS}")
+    if len(join.restorable_steps) > MAX_RESTORABLE_STEPS:
+        problems.append(f"restorable_steps has {len(join.restorable_steps)} steps, more than {MAX_RESTORABLE_STEPS}")
+    elif not all(0 <= step <= MAX_STEP for step in join.restorable_steps):
+        problems.append(f"restorable_steps holds a step out of range 0..{MAX_STEP}")
     if len(join.incarnation) > MAX_INCARNATION_CHARS:
         problems.append(f"incarnation has {len(join.incarnation)} characters, more than {MAX_INCARNATION_CHARS}")
     if not join.HasField("spec"):

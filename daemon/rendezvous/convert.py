@@ -56,7 +56,7 @@ def agent_message_to_proto(message: api.AgentMessage, now: float) -> pb.AgentMes
         node_id=node.node_id, spec=spec_to_proto(message.spec), host=node.host, worker_port=node.worker_port,
         last_generation=node.last_generation, restart_count=message.restart_count, incarnation=node.incarnation,
         last_rank=node.last_rank, attached_generation=message.attached_generation, checked=message.checked,
-        check_failure=message.check_failure))
+        check_failure=message.check_failure, restorable_steps=node.restorable_steps))
 
 
 def agent_message_from_proto(message: pb.AgentMessage, now: float) -> api.AgentMessage:
@@ -75,7 +75,7 @@ def agent_message_from_proto(message: pb.AgentMessage, now: float) -> api.AgentM
 
 def join_from_proto(join: pb.Join) -> api.Join:
     node = api.NodeInfo(join.node_id, join.host, join.worker_port, join.incarnation, join.last_generation,
-                        join.last_rank)
+                        join.last_rank, tuple(join.restorable_steps))
     return api.Join(node, spec_from_proto(join.spec), join.restart_count, join.attached_generation, join.checked,
                     join.check_failure)
 
@@ -176,12 +176,14 @@ def assignment_template(order: api.Assignment) -> pb.Assignment:
     members = [pb.Member(node_id=m.node_id, rank=m.rank, host=m.host, worker_port=m.worker_port)
                for m in order.members]
     return pb.Assignment(generation=order.generation, world_size=order.world_size, members=members,
-                         restart_count=order.restart_count)
+                         restart_count=order.restart_count, restore_step=order.restore_step or 0,
+                         has_restore_step=order.restore_step is not None)
 
 
 def assignment_from_proto(msg: pb.Assignment) -> api.Assignment:
     members = tuple(api.Member(m.node_id, m.rank, m.host, m.worker_port) for m in msg.members)
-    return api.Assignment(msg.generation, msg.rank, msg.world_size, members, msg.restart_count)
+    return api.Assignment(msg.generation, msg.rank, msg.world_size, members, msg.restart_count,
+                          msg.restore_step if msg.has_restore_step else None)
 
 
 # ------------------------------------------------------------------------------------ operators and status

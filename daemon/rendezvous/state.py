@@ -25,7 +25,7 @@ scale-up starts, and a chief that completes while the set is being stopped compl
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from tfelastic.daemon.rendezvous.api import (
     Assignment,
@@ -65,6 +65,20 @@ from tfelastic.daemon.rendezvous.snapshot import cluster_snapshot
 log = logging.getLogger("tfelastic.coordinator")
 
 Clock = Callable[[], float]
+NEWER_SNAPSHOTS_LOGGED = 10  # members named one by one when their newer snapshots are not restored
+
+
+def common_restore_step(reported: Iterable[Iterable[int]]) -> int | None:
+    """The snapshot step a generation restores: the newest step that every member reported it can restore (the
+    ``restorable_steps`` of its latest Join: its local tier or the shared backup dir). None when one member
+    reported none, when they have no step in common, or when there are no members; the trainers then restore
+    their own newest shared checkpoint. A member's steps newer than the one chosen are redone."""
+    common: set[int] | None = None
+    for steps in reported:
+        common = set(steps) if common is None else common.intersection(steps)
+        if not common:
+            return None
+    return max(common) if common else None
 
 
 class Rendezvous:
@@ -80,6 +94,7 @@ class Rendezvous:
         self._ranks: dict[str, int] = {}  # the same, as node id -> rank
         self._timers = RoundTimers(settings, clock())
         self._chief_succeeded = False  # the chief of the current generation exited 0
+        self.restore_step: int | None = None  # the snapshot step the current generation restored
         self._seen_generation = 0  # the newest generation any joining agent took part in
         self.restarts = RestartBook(settings, clock)
         self.drained: set[str] = set()  # drained by an operator (and not back since)
@@ -496,17 +511,42 @@ class Rendezvous:
             Member(n, rank, self.nodes[n].info.host, self.nodes[n].info.worker_port)
             for rank, n in enumerate(chosen)
         )
+        self.restore_step = common_restore_step(self.nodes[n].info.restorable_steps for n in chosen)
+        self._log_restore_step(chosen)
         sends: list[Send] = []
         for rank, node_id in enumerate(chosen):
             node = self.nodes[node_id]
             self.nodes.set_state(node, NodeState.RUNNING)  # WAITING -> RUNNING
             node.progress = None
             node.worker_pid = 0
-            order: Order = Assignment(self.generation, rank, len(chosen), members, self.restarts.total)
+            order: Order = Assignment(self.generation, rank, len(chosen), members, self.restarts.total,
+                                      self.restore_step)
             sends.append(Send(node_id, order))
         for node_id in self.nodes.waiting():
             sends.append(self._waiting_notice(node_id, f"standby: the job is at max_nodes={spec.max_nodes}"))
         return sends
+
+    def _log_restore_step(self, chosen: list[str]) -> None:
+        """Which snapshot step the new generation restores, and whose newer snapshots it does not (that work is
+        redone): the first members one by one, then how many more."""
+        step, generation = self.restore_step, self.generation
+        newest = {n: max(self.nodes[n].info.restorable_steps, default=-1) for n in chosen}
+        if step is not None:
+            log.info("generation %d restores step %d (common to all %d members)", generation, step, len(chosen))
+        else:
+            log.info("generation %d: no snapshot step common to all %d members%s", generation, len(chosen),
+                     "" if any(s >= 0 for s in newest.values()) else " (none reported a snapshot)")
+        newer = [(n, s) for n, s in newest.items() if s > (-1 if step is None else step)]
+        for node_id, latest in newer[:NEWER_SNAPSHOTS_LOGGED]:
+            if step is None:
+                log.info("generation %d: node %s has a snapshot of step %d that not every member has; it is not "
+                         "restored, its newer work is redone", generation, node_id, latest)
+            else:
+                log.info("generation %d: node %s has a newer snapshot (step %d) than step %d; its newer work is "
+                         "redone", generation, node_id, latest, step)
+        if len(newer) > NEWER_SNAPSHOTS_LOGGED:
+            log.info("generation %d: %d more members have newer snapshots; their newer work is redone", generation,
+                     len(newer) - NEWER_SNAPSHOTS_LOGGED)
 
     def _finish(self, state: JobState, reason: str) -> list[Send]:
         self.state = state  # RUNNING -> SUCCEEDED, * -> FAILED

@@ -60,7 +60,7 @@ class JobSpec(_message.Message):
     def __init__(self, job: _Optional[str] = ..., command_digest: _Optional[bytes] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., stall_timeout_seconds: _Optional[float] = ..., backup_dir: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., node_timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("node_id", "spec", "host", "worker_port", "last_generation", "restart_count", "incarnation", "last_rank", "attached_generation", "checked", "check_failure")
+    __slots__ = ("node_id", "spec", "host", "worker_port", "last_generation", "restart_count", "incarnation", "last_rank", "attached_generation", "checked", "check_failure", "restorable_steps")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class Join(_message.Message):
     ATTACHED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     CHECKED_FIELD_NUMBER: _ClassVar[int]
     CHECK_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    RESTORABLE_STEPS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     spec: JobSpec
     host: str
@@ -83,7 +84,8 @@ class Join(_message.Message):
     attached_generation: int
     checked: bool
     check_failure: str
-    def __init__(self, node_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., last_generation: _Optional[int] = ..., restart_count: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_rank: _Optional[int] = ..., attached_generation: _Optional[int] = ..., checked: bool = ..., check_failure: _Optional[str] = ...) -> None: ...
+    restorable_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., last_generation: _Optional[int] = ..., restart_count: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_rank: _Optional[int] = ..., attached_generation: _Optional[int] = ..., checked: bool = ..., check_failure: _Optional[str] = ..., restorable_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ()
@@ -162,18 +164,22 @@ class Member(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("generation", "rank", "world_size", "members", "restart_count")
+    __slots__ = ("generation", "rank", "world_size", "members", "restart_count", "restore_step", "has_restore_step")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
+    HAS_RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
     generation: int
     rank: int
     world_size: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     restart_count: int
-    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., restart_count: _Optional[int] = ...) -> None: ...
+    restore_step: int
+    has_restore_step: bool
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., restart_count: _Optional[int] = ..., restore_step: _Optional[int] = ..., has_restore_step: bool = ...) -> None: ...
 
 class StopWorkers(_message.Message):
     __slots__ = ("generation", "reason")

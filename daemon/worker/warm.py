@@ -38,6 +38,7 @@ from tfelastic.trainer.environment import (
     GENERATION_ENV,
     RANK_ENV,
     RESTART_COUNT_ENV,
+    RESTORE_STEP_ENV,
     TF_CONFIG_ENV,
     WORLD_SIZE_ENV,
 )
@@ -45,7 +46,8 @@ from tfelastic.trainer.environment import (
 log = logging.getLogger("tfelastic.worker")
 
 STANDBY_PATH = str(Path(standby.__file__).resolve())
-GENERATION_KEYS = frozenset({TF_CONFIG_ENV, RANK_ENV, WORLD_SIZE_ENV, GENERATION_ENV, RESTART_COUNT_ENV})
+GENERATION_KEYS = frozenset({TF_CONFIG_ENV, RANK_ENV, WORLD_SIZE_ENV, GENERATION_ENV, RESTART_COUNT_ENV,
+                             RESTORE_STEP_ENV})
 STANDBY_PREFIX = "[standby]"
 TAKE_SECONDS = 30.0  # a ready standby answers its launch at once; this long at most (a machine under load)
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?")

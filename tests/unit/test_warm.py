@@ -66,7 +66,7 @@ def spec(env: dict[str, str], cwd: Path, command: tuple[str, ...] = (PYTHON, "tr
 
 
 GENERATION = {"TF_CONFIG": '{"cluster": {}}', "TFELASTIC_RANK": "1", "TFELASTIC_WORLD_SIZE": "2",
-              "TFELASTIC_GENERATION": "7", "TFELASTIC_RESTART_COUNT": "3"}
+              "TFELASTIC_GENERATION": "7", "TFELASTIC_RESTART_COUNT": "3", "TFELASTIC_RESTORE_STEP": "120"}
 
 
 def test_the_standby_gets_the_trainers_environment_less_the_generations_values() -> None:

@@ -1,0 +1,209 @@
+"""The on-disk layout of the fast checkpoint tier: pure file operations, no TensorFlow, so that the agent can read
+it too.
+
+A *store* is a directory of snapshots, one per step: ``STORE/step-000000000120/``, holding TensorFlow's
+checkpoint files (``ckpt.index``, ``ckpt.data-*``) and ``MANIFEST.json`` (the step and every file's size). A
+snapshot is complete when its directory has that name and its manifest agrees with the files on disk; it is
+built under a temporary name and renamed into place once its files are written and flushed, so a kill at any
+moment leaves either a complete snapshot or one that :func:`complete_steps` ignores (and :func:`prune` removes).
+
+Two tiers hold stores of the same name:
+
+- the node-local tier, ``LOCAL_ROOT/JOB/NODE/NAME`` (default root ``/dev/shm/tfelastic``): every worker writes
+  its own copy (MWMS replicas are identical), so a worker that crashed on a live node restores from memory;
+- the shared tier, ``BACKUP_DIR/NAME``: the chief copies each local snapshot there in the background, for a new
+  or replacement node.
+
+The agent reports the steps its node can restore from either tier (:func:`restorable_steps`); the coordinator
+picks the newest step every member of the next generation can restore and the agent passes it to the trainer
+as ``TFELASTIC_RESTORE_STEP``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterable
+
+LOCAL_ROOT_DEFAULT = "/dev/shm/tfelastic"
+MANIFEST = "MANIFEST.json"
+CHECKPOINT_PREFIX = "ckpt"  # TensorFlow's files inside a snapshot: ckpt.index, ckpt.data-00000-of-00001
+_SNAPSHOT = re.compile(r"^step-(\d{12})$")
+_TEMPORARY = ".partial-"
+MAX_REPORTED = 16  # the newest steps an agent reports per tier: enough to find a common one
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot could not be written or copied; the message names the path."""
+
+
+def local_store_root(root: str, job: str, node_id: str) -> str:
+    """This node's local tier of ``job``: one directory per node, so that agents sharing a host keep apart."""
+    return os.path.join(root, _safe(job), _safe(node_id))
+
+
+def snapshot_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def snapshot_dir(store: str, step: int) -> str:
+    return os.path.join(store, snapshot_name(step))
+
+
+def checkpoint_prefix(snapshot: str) -> str:
+    """The prefix TensorFlow reads and writes inside a snapshot directory."""
+    return os.path.join(snapshot, CHECKPOINT_PREFIX)
+
+
+def temporary_dir(store: str, step: int) -> str:
+    """Where a snapshot of ``step`` is built before it is renamed into place (unique: two writers never meet)."""
+    return os.path.join(store, f"{_TEMPORARY}{snapshot_name(step)}-{uuid.uuid4().hex[:8]}")
+
+
+def seal(building: str, store: str, step: int) -> str:
+    """Writes the manifest of the files in ``building``, flushes them, and renames the directory to the step's
+    snapshot. Returns the snapshot's path. An older snapshot of the same step is replaced."""
+    files = {name: os.path.getsize(os.path.join(building, name)) for name in sorted(os.listdir(building))
+             if name != MANIFEST}
+    if not any(name.endswith(".index") for name in files):
+        raise SnapshotError(f"{building} holds no checkpoint index: nothing to seal for step {step}")
+    manifest = os.path.join(building, MANIFEST)
+    with open(manifest, "w", encoding="utf-8") as out:
+        json.dump({"step": step, "files": files}, out)
+    for name in [*files, MANIFEST]:
+        _fsync_file(os.path.join(building, name))
+    final = snapshot_dir(store, step)
+    if os.path.isdir(final):
+        shutil.rmtree(final, ignore_errors=True)
+    os.rename(building, final)
+    _fsync_dir(store)
+    return final
+
+
+def copy_snapshot(snapshot: str, store: str) -> str:
+    """Copies a complete snapshot into ``store`` (another tier) under a temporary name and renames it into place
+    with a fresh manifest. Returns the copy's path."""
+    step = snapshot_step(snapshot)
+    if step is None or not is_complete(snapshot):
+        raise SnapshotError(f"{snapshot} is not a complete snapshot; it cannot be copied")
+    os.makedirs(store, exist_ok=True)
+    building = temporary_dir(store, step)
+    os.makedirs(building)
+    try:
+        for name in os.listdir(snapshot):
+            if name != MANIFEST:
+                shutil.copyfile(os.path.join(snapshot, name), os.path.join(building, name))
+        return seal(building, store, step)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+
+
+def snapshot_step(path: str) -> int | None:
+    match = _SNAPSHOT.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
+def is_complete(snapshot: str) -> bool:
+    """Whether the manifest names the snapshot's step and every file it lists has the recorded size."""
+    try:
+        with open(os.path.join(snapshot, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+        if manifest["step"] != snapshot_step(snapshot) or not isinstance(files, dict) or not files:
+            return False
+        return all(os.path.getsize(os.path.join(snapshot, name)) == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def complete_steps(store: str) -> list[int]:
+    """The steps of the complete snapshots in ``store``, newest first ([] when it does not exist)."""
+    try:
+        names = os.listdir(store)
+    except OSError:
+        return []
+    steps = [snapshot_step(name) for name in names]
+    return sorted((s for s in steps if s is not None and is_complete(snapshot_dir(store, s))), reverse=True)
+
+
+def stores(tier_root: str) -> list[str]:
+    """The stores directly under a tier's root (``fit``, ``loop``, ...)."""
+    try:
+        entries = sorted(os.scandir(tier_root), key=lambda e: e.name)
+    except OSError:
+        return []
+    return [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+
+
+def restorable_steps(tier_roots: Iterable[str], limit: int = MAX_REPORTED) -> list[int]:
+    """The newest ``limit`` steps of complete snapshots in any store under any of ``tier_roots``, newest first.
+    A job keeps one store name per training run (``fit_callbacks`` and ``TrainLoop`` each have their own)."""
+    found: set[int] = set()
+    for root in tier_roots:
+        for store in stores(root):
+            found.update(complete_steps(store)[:limit])
+    return sorted(found, reverse=True)[:limit]
+
+
+def prune(store: str, keep: int) -> None:
+    """Keeps the ``keep`` newest complete snapshots of ``store``; removes older and incomplete ones. (Not the
+    temporary directories: one may be a snapshot being written; see :func:`remove_temporaries`.)"""
+    try:
+        names = os.listdir(store)
+    except OSError:
+        return
+    kept = set(complete_steps(store)[:keep])
+    for name in names:
+        step = snapshot_step(name)
+        if step is not None and step not in kept:
+            shutil.rmtree(os.path.join(store, name), ignore_errors=True)
+
+
+def remove_temporaries(store: str) -> None:
+    """Removes building directories a killed writer left behind, and snapshots set aside as damaged (the store's
+    writer calls it before it writes, when no other writer can be active)."""
+    try:
+        names = os.listdir(store)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(_TEMPORARY):
+            shutil.rmtree(os.path.join(store, name), ignore_errors=True)
+
+
+def snapshot_bytes(snapshot: str) -> int:
+    try:
+        return sum(e.stat().st_size for e in os.scandir(snapshot) if e.is_file())
+    except OSError:
+        return 0
+
+
+def _safe(part: str) -> str:
+    """A job or node id as one path component."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", part)
+    return cleaned if cleaned not in ("", ".", "..") else "_"
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems do not sync directories; the rename is still atomic
+    finally:
+        os.close(fd)
