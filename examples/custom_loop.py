@@ -1,7 +1,7 @@
 """The keras_fit CNN trained with a custom loop: ``strategy.run``, the loss averaged over the global batch, a
-checkpoint every ``--save-every`` steps on shared storage (written by the chief), an exact restore (model,
-optimizer, step, epoch and position in the epoch), a distributed test loop, and the final checkpoint evaluated
-again in a model built without any strategy.
+snapshot every ``--save-every`` steps (or ``auto``) on the fast tier, persisted to shared storage by the chief, an
+exact restore (model, optimizer, step, epoch and position in the epoch), a distributed test loop, and the final
+checkpoint evaluated again in a model built without any strategy.
 
 Deterministic for a given ``--seed``: a run interrupted (killed, or stopped by SIGTERM with exit 42) and resumed
 ends with the same weights as an uninterrupted one at the same world size; the summary's ``weights_digest``

@@ -1,6 +1,7 @@
 """A CNN on 28x28 grayscale images, 10 classes, trained with ``model.fit`` under MultiWorkerMirroredStrategy.
 
-BackupAndRestore on the agent's backup directory (every ``--save-every`` steps), a cosine learning-rate schedule,
+The fast checkpoint tier (snapshots in the node's memory every ``--save-every`` steps, or ``auto``, persisted to
+the agent's backup directory; ``--fast-tier off``: tf_keras' BackupAndRestore), a cosine learning-rate schedule,
 progress reports, a graceful stop on SIGTERM (save at an agreed step, exit 42), TensorBoard on the chief,
 evaluation, and the export of the final model. Runs alone (one worker) or under ``tfelastic run``; see
 examples/README.md. The last line of stdout is a JSON summary.
@@ -34,8 +35,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plain-keras", action="store_true",
                         help="only tf_keras' own BackupAndRestore, none of tfelastic's callbacks (the overhead "
                              "benchmark's baseline: no progress reports, no graceful stop)")
+    parser.add_argument("--fast-tier", choices=["on", "off"], default="on",
+                        help="fit_callbacks' fast checkpoint tier (asynchronous snapshots in the node's memory, "
+                             "default), or tf_keras' synchronous BackupAndRestore on the backup directory")
     common.add_common_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.save_every is None and (args.plain_keras or args.fast_tier == "off"):
+        parser.error("--save-every auto needs the fast tier (not --plain-keras or --fast-tier off)")
+    return args
 
 
 def datasets(data: common.Data, plan: BatchPlan, seed: int) -> tuple[Any, Any]:
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         callbacks = [keras.callbacks.BackupAndRestore(backup_dir, save_freq=args.save_every, delete_checkpoint=False)]
     else:
         callbacks = fit_callbacks(backup_dir, save_every=args.save_every, global_batch_size=plan.global_batch,
-                                  tensorboard_dir=args.tensorboard_dir)
+                                  tensorboard_dir=args.tensorboard_dir, fast_tier=args.fast_tier == "on")
     fields: dict[str, Any] = {"world_size": env.world_size, "target_step": args.epochs * steps_per_epoch,
                               **plan.as_dict()}
     try:

@@ -147,8 +147,23 @@ def final_weights(model: Any, args: argparse.Namespace) -> str:
     return digest.hexdigest()[:16]
 
 
+def save_interval(value: str) -> int | None:
+    """``--save-every``: a positive number of steps, or 'auto' (None: the fast tier's adaptive interval)."""
+    if value == "auto":
+        return None
+    try:
+        steps = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a number of steps nor 'auto'") from None
+    if steps < 1:
+        raise argparse.ArgumentTypeError(f"{steps} must be a positive number of steps, or 'auto'")
+    return steps
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (default 50)")
+    parser.add_argument("--save-every", type=save_interval, default=50,
+                        help="steps between checkpoints, or 'auto': as often as 1 %% of training time allows "
+                             "(the fast tier's default; default here 50)")
     batch = parser.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=int, help="global batch size (default 64)")
     batch.add_argument("--per-replica-batch", type=int, help="batch size of each replica")

@@ -16,8 +16,10 @@ from typing import Any, Literal
 
 import tf_keras as keras
 from tfelastic.trainer.environment import TrainerEnvironment
+from tfelastic.trainer.fast_backup import FastBackupAndRestore
 from tfelastic.trainer.preemption import STOP, preemption_guard
 from tfelastic.trainer.progress import Phase, ProgressReporter
+from tfelastic.trainer.save_schedule import DEFAULT_BUDGET
 from tfelastic.trainer.tfkeras import check_keras, check_model
 
 
@@ -198,36 +200,53 @@ class GracefulStopCallback(keras.callbacks.Callback):  # type: ignore[misc]
     def _save(self, training_done: bool = False) -> int:
         self._reporter.report(int(self.model.optimizer.iterations.numpy()), phase=Phase.SAVE)
         self._state.back_up(epoch=0)  # the epoch and batch saved are those BackupAndRestore tracks
+        flush = getattr(self._state, "flush", None)
+        if flush is not None:  # the fast tier saves asynchronously: the snapshot must be complete before the exit
+            flush()
         step = int(self.model.optimizer.iterations.numpy())
         self._reporter.report(step, checkpoint_step=step, done=training_done)
         return step
 
 
-def fit_callbacks(backup_dir: str | None = None, *, save_every: int | Literal["epoch"] = 100,
+def fit_callbacks(backup_dir: str | None = None, *, save_every: int | Literal["epoch"] | None = None,
+                  fast_tier: bool = True, overhead_budget: float = DEFAULT_BUDGET,
                   global_batch_size: int | None = None, tensorboard_dir: str | None = None,
                   graceful_stop: bool = True, delete_checkpoint: bool = False,
                   env: TrainerEnvironment | None = None, reporter: ProgressReporter | None = None
                   ) -> list[keras.callbacks.Callback]:
-    """SavePhaseCallback + BackupAndRestore + ProgressCallback + GracefulStopCallback + TensorBoard (chief only),
-    in that order.
+    """SavePhaseCallback + FastBackupAndRestore (or BackupAndRestore) + ProgressCallback + GracefulStopCallback +
+    TensorBoard (chief only), in that order.
 
     ``backup_dir``: default ``TFELASTIC_BACKUP_DIR/fit``, or ``./tfelastic-backup/JOB/fit`` without an agent.
-    ``save_every``: steps between backups (default 100), or "epoch", which needs ``graceful_stop=False``:
-    tf_keras resumes an epoch-saved backup at the next epoch, so a stop saved mid-epoch would skip the rest of
-    that epoch. ``delete_checkpoint``: tf_keras deletes the backup
-    after a successful ``fit`` by default; here the final state is kept, so that a failure after ``fit``
-    (evaluation, export) does not train again; a finished job restarted resumes at its end and trains no step.
-    ``tensorboard_dir``: written by the chief only; the other workers write no summaries.
+    ``fast_tier`` (default): asynchronous snapshots to the node's memory, persisted to ``backup_dir`` in the
+    background (:class:`~tfelastic.trainer.fast_backup.FastBackupAndRestore`); ``save_every`` steps apart, or by
+    default as often as ``overhead_budget`` (a fraction of training time, 1 %) allows. ``fast_tier=False``:
+    tf_keras's ``BackupAndRestore`` (synchronous, on shared storage), every ``save_every`` steps (default 100), or
+    "epoch", which also selects it and needs ``graceful_stop=False``: tf_keras resumes an epoch-saved backup at
+    the next epoch, so a stop saved mid-epoch would skip the rest of that epoch. ``delete_checkpoint``: tf_keras
+    deletes the backup after a successful ``fit`` by default; here the final state is kept, so that a failure
+    after ``fit`` (evaluation, export) does not train again; a finished job restarted resumes at its end and
+    trains no step (deleting needs ``fast_tier=False``). ``tensorboard_dir``: written by the chief only.
     """
     check_keras()
     if save_every == "epoch" and graceful_stop:
         raise ValueError("save_every='epoch' with graceful_stop=True would lose the rest of an epoch on a stop: "
                          "tf_keras resumes an epoch-based backup at the next epoch. Give save_every a number of "
                          "steps, or pass graceful_stop=False")
+    fast = fast_tier and save_every != "epoch"
+    if fast and delete_checkpoint:
+        raise ValueError("delete_checkpoint=True needs fast_tier=False: the fast tier keeps its snapshots, and the "
+                         "agent removes the node-local ones when the job succeeds")
     environment = env or TrainerEnvironment.from_env()
     reporter = reporter or ProgressReporter.from_env()
-    backup = keras.callbacks.BackupAndRestore(backup_dir or environment.backup_path("fit"), save_freq=save_every,
-                                              delete_checkpoint=delete_checkpoint)
+    directory = backup_dir or environment.backup_path("fit")
+    backup: keras.callbacks.Callback
+    if fast:
+        backup = FastBackupAndRestore(directory, save_every=save_every if isinstance(save_every, int) else None,
+                                      overhead_budget=overhead_budget, reporter=reporter, env=environment)
+    else:
+        backup = keras.callbacks.BackupAndRestore(directory, save_freq=save_every or 100,
+                                                  delete_checkpoint=delete_checkpoint)
     callbacks: list[keras.callbacks.Callback] = [
         SavePhaseCallback(reporter, [backup]), backup, ProgressCallback(reporter, global_batch_size=global_batch_size),
     ]
@@ -236,4 +255,3 @@ def fit_callbacks(backup_dir: str | None = None, *, save_every: int | Literal["e
     if tensorboard_dir and environment.is_chief:
         callbacks.append(keras.callbacks.TensorBoard(tensorboard_dir))
     return callbacks
-

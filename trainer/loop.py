@@ -5,14 +5,16 @@
 (``tf.nn.scale_regularization_loss``), so the all-reduced gradient sum is the gradient of the global mean loss
 whatever the number of replicas.
 
-:class:`TrainLoop` puts together the step, a :class:`~tfelastic.trainer.checkpoint.ChiefCheckpointManager` on
-shared storage (restore of the model, the optimizer with its step and slots, the epoch and the position in the
-epoch), the data position of :mod:`tfelastic.trainer.data`, a checkpoint every ``save_every`` steps and at the
-end, progress reports to the agent, and the graceful stop of :mod:`tfelastic.trainer.preemption`::
+:class:`TrainLoop` puts together the step, the fast checkpoint tier of :mod:`tfelastic.trainer.tiered`
+(asynchronous snapshots of the model, the optimizer with its step and slots, the epoch and the position in the
+epoch, in node-local memory and persisted to ``checkpoint_dir`` on shared storage), the data position of
+:mod:`tfelastic.trainer.data`, a snapshot every ``save_every`` steps (by default as often as an overhead budget
+of 1 % allows: :mod:`tfelastic.trainer.save_schedule`) and at the end, progress reports to the agent, and the
+graceful stop of :mod:`tfelastic.trainer.preemption`::
 
     loop = TrainLoop(strategy, model, optimizer, loss_fn=per_example_loss, global_batch=plan.global_batch,
                      examples=lambda epoch: shuffled(train, epoch, seed, n), examples_per_epoch=n,
-                     checkpoint_dir=env.backup_path("loop"), save_every=100)
+                     checkpoint_dir=env.backup_path("loop"))
     loop.restore()
     result = loop.run(steps=1000)
 """
@@ -20,16 +22,20 @@ end, progress reports to the agent, and the graceful stop of :mod:`tfelastic.tra
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tfelastic.trainer import snapshots
 from tfelastic.trainer.batching import epoch_steps
-from tfelastic.trainer.checkpoint import ChiefCheckpointManager, RestoreResult
 from tfelastic.trainer.data import ExamplesFn, distribute_epoch
+from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.preemption import STOP, preemption_guard
 from tfelastic.trainer.progress import Phase, ProgressReporter
+from tfelastic.trainer.save_schedule import DEFAULT_BUDGET, SaveSchedule
 from tfelastic.trainer.tfkeras import check_model, ensure_legacy_keras
+from tfelastic.trainer.tiered import TieredCheckpoint, TierRestore
 
 ensure_legacy_keras()
 import tensorflow as tf  # noqa: E402
@@ -92,14 +98,15 @@ class TrainLoop:
     """The loop; build ``model`` (so that it has weights) and the optimizer inside ``strategy.scope()`` first."""
 
     def __init__(self, strategy: Any, model: Any, optimizer: Any, *, loss_fn: LossFn, global_batch: int,
-                 examples: ExamplesFn, examples_per_epoch: int, checkpoint_dir: str, save_every: int,
-                 metrics: Sequence[Any] = (), max_to_keep: int = 3, reporter: ProgressReporter | None = None,
-                 graceful_stop: bool = True, on_step: Callable[[int, Any], None] | None = None) -> None:
+                 examples: ExamplesFn, examples_per_epoch: int, checkpoint_dir: str, save_every: int | None = None,
+                 overhead_budget: float = DEFAULT_BUDGET, metrics: Sequence[Any] = (), max_to_keep: int = 3,
+                 reporter: ProgressReporter | None = None, graceful_stop: bool = True,
+                 on_step: Callable[[int, Any], None] | None = None, env: TrainerEnvironment | None = None) -> None:
         check_model(model)
-        if save_every < 1:
-            raise ValueError(f"save_every={save_every} must be a positive number of steps")
+        self.schedule = SaveSchedule(save_every, budget=overhead_budget)  # validates both
         self.strategy, self.model, self.optimizer = strategy, model, optimizer
-        self.global_batch, self.examples_per_epoch, self.save_every = global_batch, examples_per_epoch, save_every
+        self.global_batch, self.examples_per_epoch = global_batch, examples_per_epoch
+        self._env = env or TrainerEnvironment.from_env()
         self._examples = examples
         self._reporter = reporter or ProgressReporter.from_env()
         self._graceful_stop = graceful_stop
@@ -113,14 +120,19 @@ class TrainLoop:
         self._examples_done = tf.Variable(0, dtype=tf.int64, trainable=False, name="examples_in_epoch")
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=self._epoch,
                                          examples_in_epoch=self._examples_done)
-        self.checkpoints = ChiefCheckpointManager.for_strategy(checkpoint, checkpoint_dir, strategy, max_to_keep)
+        self.checkpoints = TieredCheckpoint(checkpoint, checkpoint_dir,
+                                            is_chief=bool(strategy.extended.should_checkpoint), env=self._env,
+                                            keep_shared=max(max_to_keep, 2))
         self.step = self.epoch = self.examples_done = 0
         self._last_saved: int | None = None
+        self._reported_seal: int | None = None
+        self.stalls: list[float] = []
         self._train_step = make_train_step(strategy, model, optimizer, loss_fn, global_batch, metrics)
         self._all_reduce = make_all_reduce(strategy)
 
-    def restore(self) -> RestoreResult:
-        """Restores the newest checkpoint that restores and checks that every worker restored the same step."""
+    def restore(self) -> TierRestore:
+        """Restores the step the coordinator chose (see :mod:`tfelastic.trainer.tiered`) and checks that every
+        worker restored the same step."""
         self._reporter.report(self.step, phase=Phase.SETUP)
         result = self.checkpoints.restore()
         self.step = int(self.optimizer.iterations.numpy())
@@ -128,27 +140,50 @@ class TrainLoop:
         self._last_saved = self.step if result.path else None
         agree_across_workers(self.strategy, self.step, "restored step", self._all_reduce)
         if result.path:
-            log.info("restored %s: step %d, epoch %d, %d examples into it", result.path, self.step, self.epoch,
-                     self.examples_done)
+            log.info("restored %s (%s tier): step %d, epoch %d, %d examples into it", result.path, result.tier,
+                     self.step, self.epoch, self.examples_done)
+        self._reporter.report(self.step, restored_step=result.step, restored_tier=result.tier, phase=Phase.SETUP)
         return result
 
     @property
     def last_checkpoint(self) -> str | None:
-        """The chief's checkpoint of the last save or restore (complete on every worker once save() returned)."""
-        return None if self._last_saved is None else self.checkpoints.path_for(self._last_saved)
+        """The checkpoint prefix of the last restore, or of the last save that :meth:`save` flushed (``final``:
+        the end of :meth:`run`, a graceful stop), in the shared tier."""
+        if self._last_saved is None:
+            return None
+        return snapshots.checkpoint_prefix(snapshots.snapshot_dir(self.checkpoints.shared_store, self._last_saved))
 
-    def save(self) -> int:
-        """Saves at the current step (every worker must call it); returns the step. When it returns, the chief's
-        checkpoint is complete on every worker: the save ends with a barrier."""
+    def save(self, final: bool = False) -> int:
+        """A snapshot at the current step (every worker must call it); returns the step. ``final``: waits until it
+        is in the shared tier, and ends with a barrier, so that it is complete for every worker on return."""
         if self._last_saved != self.step:
             self._reporter.report(self.step, examples=self._examples_seen(), phase=Phase.SAVE)
             self._epoch.assign(self.epoch)
             self._examples_done.assign(self.examples_done)
-            self.checkpoints.save(self.step)
-            self._all_reduce(0.0)  # the chief reaches it after its files are written
+            began = time.monotonic()
+            stall = self.checkpoints.save(self.step)
+            self.stalls.append(stall)
+            proposal = self.schedule.saved(self.step, stall, began, self.checkpoints.last_write_seconds)
+            self.schedule.adopt(self.step, self._agreed(proposal))
             self._last_saved = self.step
-            self._reporter.report(self.step, examples=self._examples_seen(), checkpoint_step=self.step)
+        if final:
+            self.checkpoints.flush()
+            self._all_reduce(0.0)  # the chief reaches it once its snapshot is in the shared tier
+            self._report_sealed()
         return self.step
+
+    def _agreed(self, proposal: int) -> int:
+        """The chief's interval, on every worker (a fixed one needs no agreement)."""
+        if self.schedule.fixed or self.strategy.num_replicas_in_sync == 1:
+            return proposal
+        return round(self._all_reduce(float(proposal if self._env.is_chief else 0)))
+
+    def _report_sealed(self) -> None:
+        sealed = self.checkpoints.sealed_step
+        if sealed is not None and sealed != self._reported_seal:
+            self._reported_seal = sealed
+            self._reporter.report(self.step, examples=self._examples_seen(), checkpoint_step=sealed,
+                                  stall=self.checkpoints.last_stall)
 
     def run(self, steps: int) -> LoopResult:
         """Trains until the optimizer step reaches ``steps``, then saves. Raises
@@ -156,6 +191,7 @@ class TrainLoop:
         initial, loss = self.step, None
         self._reporter.report(self.step, examples=self._examples_seen(), phase=Phase.SETUP)  # the first step traces
         guard = preemption_guard(self.strategy) if self._graceful_stop else None
+        self.schedule.start(self.step)
         with STOP.training():
             while self.step < steps:
                 left = epoch_steps(self.examples_per_epoch, self.global_batch, self.examples_done)
@@ -169,7 +205,7 @@ class TrainLoop:
                     loss = self._train_step(iterator)
                     self.step, self.examples_done = self.step + 1, self.examples_done + self.global_batch
                     self._after_step(loss, guard)
-            self.save()
+            self.save(final=True)
         final_loss = None if loss is None else float(loss)
         self._reporter.report(self.step, examples=self._examples_seen(), loss=final_loss, done=True)
         return LoopResult(self.step, initial, self.epoch, final_loss)
@@ -183,12 +219,13 @@ class TrainLoop:
     def _after_step(self, loss: Any, guard: Any) -> None:
         if self._on_step is not None:
             self._on_step(self.step, loss)
-        if self.step % self.save_every == 0:
+        self._report_sealed()
+        if self.schedule.due(self.step):
             self.save()
         elif self._reporter.due():  # reading the loss waits for the step: only when a report is due
             self._reporter.report(self.step, examples=self._examples_seen(), loss=float(loss))
         if guard is not None:
-            guard.after_step(self.save)
+            guard.after_step(lambda: self.save(final=True))
 
     def _examples_seen(self) -> int:
         return self.step * self.global_batch

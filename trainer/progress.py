@@ -7,7 +7,9 @@ Wire format (the agent decodes it with :func:`decode`): a JSON object with ``g``
 ``step`` and the optional ``examples``, ``loss``, ``ckpt`` (the step of the last checkpoint saved), ``done``
 (training completed: an exit 0 after this is a completion even if the agent was stopping the worker) and ``ph``
 (the :class:`Phase` the trainer enters, when it is not ``train``: the agent's hang detection gives long work its
-own allowance; see :mod:`tfelastic.daemon.worker.stall`).
+own allowance; see :mod:`tfelastic.daemon.worker.stall`); from the fast checkpoint tier, ``st`` (how long the
+last save held training up, in seconds, with ``ckpt``), and once after a restore ``rt`` (the tier it came from:
+``local``, ``shared`` or ``none``) with ``rs`` (the step restored, absent with ``none``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ class ProgressMessage:
     checkpoint_step: int | None = None
     done: bool = False
     phase: Phase = Phase.TRAIN
+    stall: float | None = None  # seconds the save of ``checkpoint_step`` held training up
+    restored_tier: str | None = None  # RESTORE_TIERS: sent once, after the restore
+    restored_step: int | None = None
+
+
+RESTORE_TIERS = frozenset({"local", "shared", "none"})
 
 
 def encode(message: ProgressMessage) -> bytes:
@@ -59,6 +67,12 @@ def encode(message: ProgressMessage) -> bytes:
         payload["done"] = 1
     if message.phase is not Phase.TRAIN:
         payload["ph"] = message.phase.value
+    if message.stall is not None and math.isfinite(message.stall) and message.stall >= 0:
+        payload["st"] = round(message.stall, 6)
+    if message.restored_tier is not None:
+        payload["rt"] = message.restored_tier
+        if message.restored_step is not None:
+            payload["rs"] = message.restored_step
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
@@ -86,6 +100,12 @@ def decode(data: bytes) -> ProgressMessage:
     loss = raw.get("loss")
     if loss is not None and (not isinstance(loss, (int, float)) or isinstance(loss, bool)):
         raise ValueError(f"progress field 'loss' must be a number, got {loss!r}")
+    stall = raw.get("st")
+    if stall is not None and (not isinstance(stall, (int, float)) or isinstance(stall, bool) or stall < 0):
+        raise ValueError(f"progress field 'st' must be a non-negative number, got {stall!r}")
+    tier = raw.get("rt")
+    if tier is not None and tier not in RESTORE_TIERS:
+        raise ValueError(f"progress field 'rt' must be one of {', '.join(sorted(RESTORE_TIERS))}, got {tier!r}")
     return ProgressMessage(
         generation=integer("g", True) or 0,
         pid=integer("pid", True) or 0,
@@ -95,6 +115,9 @@ def decode(data: bytes) -> ProgressMessage:
         checkpoint_step=integer("ckpt"),
         done=raw.get("done") == 1,
         phase=Phase(phase),
+        stall=float(stall) if stall is not None else None,
+        restored_tier=tier,
+        restored_step=integer("rs") if tier is not None else None,
     )
 
 
@@ -140,14 +163,18 @@ class ProgressReporter:
 
     def report(self, step: int, *, examples: int | None = None, loss: float | None = None,
                checkpoint_step: int | None = None, force: bool = False, done: bool = False,
-               phase: Phase | str = Phase.TRAIN) -> bool:
-        """Returns whether a datagram was sent. ``done`` (training completed) and a ``phase`` other than
-        ``train`` (long work starts: a save, an evaluation) are sent at once."""
+               phase: Phase | str = Phase.TRAIN, stall: float | None = None, restored_tier: str | None = None,
+               restored_step: int | None = None) -> bool:
+        """Returns whether a datagram was sent. ``done`` (training completed), a ``phase`` other than ``train``
+        (long work starts: a save, an evaluation), a checkpoint and a restore are sent at once."""
+        if restored_tier is not None and restored_tier not in RESTORE_TIERS:
+            raise ValueError(f"restored_tier {restored_tier!r} is not one of {', '.join(sorted(RESTORE_TIERS))}")
         phase = _phase(phase)  # a typo is the caller's bug: it raises, rather than drop every report
         if self._sock is None:
             return False
         now = time.monotonic()
-        urgent = force or done or checkpoint_step is not None or phase is not Phase.TRAIN
+        urgent = (force or done or checkpoint_step is not None or phase is not Phase.TRAIN
+                  or restored_tier is not None)
         if not urgent and now - self._last_sent < self._min_interval:
             return False
         try:  # numbers may come as numpy scalars or tensors: make them plain
@@ -155,7 +182,8 @@ class ProgressReporter:
                                       None if examples is None else int(examples),
                                       None if loss is None else float(loss),
                                       None if checkpoint_step is None else int(checkpoint_step), done,
-                                      phase)
+                                      phase, None if stall is None else float(stall), restored_tier,
+                                      None if restored_step is None else int(restored_step))
             self._sock.sendto(encode(message), self._path)  # type: ignore[arg-type]
         except (OSError, TypeError, ValueError):
             return False  # the agent is busy or gone, or a value is unusable; progress is advisory

@@ -12,6 +12,9 @@ from tfelastic.trainer.progress import ProgressMessage
 
 # Recovery on this kind of machine: about 0.06 s without TensorFlow, 3-5 s with its start-up (docs/benchmarks.md).
 _SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# A fast-tier snapshot holds training up for milliseconds; a synchronous save of a large model for seconds.
+_STALL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_STEPS_BUCKETS = (0, 1, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
 
 
 class AgentMetrics:
@@ -59,7 +62,17 @@ class AgentMetrics:
                                     registry=registry)
         self.standby_ready = Gauge("tfelastic_standby_ready", "1 while a warm-start standby interpreter has "
                                    "imported TensorFlow and waits for the next launch.", registry=registry)
+        self.save_stall = Histogram("tfelastic_checkpoint_save_stall_seconds",
+                                    "How long each snapshot of the fast checkpoint tier held training up.",
+                                    buckets=_STALL_BUCKETS, registry=registry)
+        self.restores = Counter("tfelastic_checkpoint_restores", "Trainer restores, by the tier the state came "
+                                "from: 'local' (this node's memory), 'shared' (the backup directory) or 'none' (no "
+                                "snapshot: from the start).", ["tier"], registry=registry)
+        self.steps_redone = Histogram("tfelastic_restore_steps_redone", "Steps a restored trainer trains again: the "
+                                      "last step this node's previous worker reported minus the step restored.",
+                                      buckets=_STEPS_BUCKETS, registry=registry)
         self._last_step: int | None = None
+        self._previous_generation_step: int | None = None
         self._last_examples: int | None = None
         self.set_worker_state(WorkerState.INIT)
 
@@ -71,10 +84,13 @@ class AgentMetrics:
         self.generation.set(generation)
         self.rank.set(rank)
         self.world_size.set(world_size)
+        if self._last_step is not None:
+            self._previous_generation_step = self._last_step
         self._last_step = self._last_examples = None  # a restored trainer starts counting from its checkpoint
 
     def progress(self, message: ProgressMessage, wall_time: float) -> None:
         """Counters grow by what the trainer did since its previous report of the same generation."""
+        self._fast_tier(message)
         if self._last_step is not None and message.step > self._last_step:
             self.steps.inc(message.step - self._last_step)
         self._last_step = message.step
@@ -86,6 +102,15 @@ class AgentMetrics:
         self.progress_time.set(wall_time)
         if message.loss is not None:
             self.loss.set(message.loss)
+
+    def _fast_tier(self, message: ProgressMessage) -> None:
+        if message.stall is not None:
+            self.save_stall.observe(message.stall)
+        if message.restored_tier is not None:
+            self.restores.labels(tier=message.restored_tier).inc()
+            if self._previous_generation_step is not None:
+                restored = message.restored_step or 0
+                self.steps_redone.observe(max(self._previous_generation_step - restored, 0))
 
     def checkpoint(self, step: int, wall_time: float) -> None:
         self.checkpoint_step.set(step)

@@ -62,3 +62,48 @@ def test_kills_during_saves_always_leave_the_last_completed_checkpoint_restorabl
         last_saved = max(int(s) for s in re.findall(r"^saved (\d+)$", out.read_text(), re.M))
         torn += unfinished_save(directory, last_saved)
     assert torn >= 1, "no kill landed inside a save: the test did not test anything"
+
+
+SNAPSHOT_WRITER = [sys.executable, str(ROOT / "tests" / "trainers" / "snapshot_writer.py")]
+
+
+def last_number(pattern: str, text: str) -> int:
+    return max((int(n) for n in re.findall(pattern, text, re.M)), default=0)
+
+
+def test_kills_during_fast_tier_snapshots_never_restore_a_torn_one(tmp_path: Path) -> None:
+    """The same with the fast tier: asynchronous snapshots into a local directory (the tier's /dev/shm in
+    production) and the background copy to the shared one, killed at random times. A restore takes the newest
+    complete snapshot of either tier, never one the kill cut off, and never goes behind a snapshot that was
+    reported complete."""
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    rng = random.Random(11)
+    sealed = persisted = 0
+    torn = 0
+    tiers: set[str] = set()
+    out = tmp_path / "writer.log"
+    env = worker_env() | {"TFELASTIC_LOCAL_CHECKPOINT_DIR": str(local)}
+    for attempt in range(7):  # the seventh start only checks what the sixth kill left
+        with open(out, "w") as log:
+            writer = subprocess.Popen([*SNAPSHOT_WRITER, str(shared)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        restored = wait_for(lambda: re.search(r"^restored (\d+) (\w+) (.*)$", out.read_text(), re.M), 120,
+                            "restore")
+        step, tier, values = int(restored.group(1)), restored.group(2), restored.group(3).split()
+        assert step >= max(sealed, persisted), f"restored {step}, but step {max(sealed, persisted)} was complete"
+        assert values == [f"{step:g}"] or (step == 0 and values == ["0"]), f"inconsistent restore: {restored[0]}"
+        tiers.add(tier)
+        if attempt == 6:
+            writer.kill()
+            writer.wait()
+            break
+        sealed_line = f"sealed {step + 3}\n"
+        wait_for(lambda: sealed_line in out.read_text(), 120, sealed_line)  # noqa: B023 - waited for at once
+        time.sleep(rng.uniform(0.0, 0.5))
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        text = out.read_text()
+        sealed, persisted = last_number(r"^sealed (\d+)$", text), last_number(r"^persisted (\d+)$", text)
+        torn += any(p.name.startswith(".partial-") for d in (local / "shared", shared) if d.is_dir()
+                    for p in d.iterdir())
+    assert torn >= 1, "no kill landed inside a snapshot's write or copy: the test did not test anything"
+    assert tiers >= {"local"}, tiers

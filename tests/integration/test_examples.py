@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tfelastic.trainer.snapshots import snapshot_name
 
 from tests.cluster import kill, members
 from tests.conftest import ClusterFactory
@@ -67,9 +68,10 @@ def test_custom_loop_alone_checkpoints_and_evaluates_its_checkpoint_without_a_st
     assert code == 0, output[-3000:]
     check_alone(summary, output, 100)
     assert summary is not None
-    assert summary["checkpoint"].endswith("custom_loop/ckpt-100")  # under ./tfelastic-backup/default
-    saved = sorted(p.name for p in (tmp_path / "tfelastic-backup" / "default" / "custom_loop").glob("*.index"))
-    assert saved == ["ckpt-100.index", "ckpt-40.index", "ckpt-80.index"]
+    # Under ./tfelastic-backup/default; alone (no agent, so no local tier) the chief writes the shared tier itself.
+    assert summary["checkpoint"].endswith(f"custom_loop/{snapshot_name(100)}/ckpt")
+    saved = sorted(p.name for p in (tmp_path / "tfelastic-backup" / "default" / "custom_loop").iterdir())
+    assert saved == [snapshot_name(40), snapshot_name(80), snapshot_name(100)]
     # The same weights, evaluated in a model built without a strategy, score what the distributed test loop did.
     assert summary["restored_accuracy"] == pytest.approx(summary["accuracy"], abs=2 / 1024)
     # The SavedModel export serves through its signature, without Keras objects or a strategy: the same accuracy.
@@ -154,7 +156,8 @@ def test_custom_loop_under_two_agents_survives_a_killed_worker(make_cluster: Clu
     done = final_summaries(summary_file.read_text(), 2)
     assert [(s["rank"], s["final_step"]) for s in done] == [(0, 180), (1, 180)], done
     resumed = done[0]["restored_from"]
-    assert resumed.endswith(f"ckpt-{done[0]['initial_step']}") and done[0]["initial_step"] >= 20, done[0]
+    assert resumed.endswith(snapshot_name(done[0]["initial_step"])) and done[0]["initial_step"] >= 20, done[0]
+    assert f"{tmp_path}/shm/" in resumed, resumed  # the node lived: its worker restored from the local tier
     # keep-per-replica: 2 replicas of 32, the learning rate of 1 replica scaled by 2
     assert (done[0]["global_batch"], done[0]["per_replica_batch"]) == (64, 32)
     assert done[0]["learning_rate"] == pytest.approx(0.002)

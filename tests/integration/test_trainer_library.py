@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tfelastic.trainer.snapshots import MANIFEST, snapshot_name
 
 from tests.workers import WorkerSet, example, run_alone, wait_for_file, worker_env
 
@@ -142,15 +143,16 @@ def test_sigterm_stops_two_custom_loop_workers_at_one_saved_step_and_the_next_ru
         tmp_path: Path) -> None:
     backup = tmp_path / "backup"
     first = WorkerSet(tmp_path, example("custom_loop", *LOOP, "--backup-dir", str(backup))).start("-1")
-    wait_for_file(backup / "ckpt-20.index", 120, first)
+    wait_for_file(backup / "step-000000000020" / MANIFEST, 120, first)
     first.signal(signal.SIGTERM)
     assert first.wait() == [CHECKPOINTED_AND_STOPPED] * 2, first.logs()
     stopped = first.summaries()
     assert all(s["preempted"] for s in stopped)
     step = stopped[0]["final_step"]
     assert [s["final_step"] for s in stopped] == [step, step] and 20 <= step < 400
-    assert (backup / f"ckpt-{step}.index").exists()  # the chief saved where both stopped
-    assert not list(backup.glob("workertemp_*"))  # the other worker's save went to a deleted temporary path
+    assert (backup / snapshot_name(step) / MANIFEST).exists()  # the chief saved where both stopped
+    assert not list(backup.glob(".partial-*")) and not list(backup.glob("workertemp_*"))  # the other worker's
+    # save went to a scratch directory (no local tier without an agent)
 
     second = WorkerSet(tmp_path, example("custom_loop", *LOOP[:4], "--backup-dir", str(backup))).start("-2")
     assert second.wait() == [0, 0], second.logs()
@@ -165,7 +167,7 @@ def test_sigterm_stops_two_keras_fit_workers_at_one_saved_step_and_the_next_run_
     fit = ["--epochs", "4", "--steps-per-epoch", "100", "--save-every", "20", "--train-examples", "2048",
            "--backup-dir", str(backup)]
     first = WorkerSet(tmp_path, example("keras_fit", *fit, "--step-seconds", "0.02")).start("-1")
-    wait_for_file(backup / "chief" / "checkpoint", 120, first)
+    wait_for_file(backup / "step-000000000020" / MANIFEST, 120, first)
     first.signal(signal.SIGTERM)
     assert first.wait() == [CHECKPOINTED_AND_STOPPED] * 2, first.logs()
     stopped = first.summaries()
@@ -184,7 +186,7 @@ def test_sigterm_stops_a_single_worker_and_its_restore_is_exact(tmp_path: Path) 
 
     run = WorkerSet(tmp_path, example("custom_loop", *alone, "--backup-dir", "b", "--step-seconds", "0.05"), 0)
     run.start()  # alone: no TF_CONFIG at all
-    wait_for_file(tmp_path / "b" / "ckpt-50.index", 120, run)
+    wait_for_file(tmp_path / "b" / "step-000000000050" / MANIFEST, 120, run)
     run.signal(signal.SIGTERM)
     assert run.wait() == [CHECKPOINTED_AND_STOPPED], run.logs()
     step = run.summaries()[0]["final_step"]
@@ -241,26 +243,31 @@ def test_fit_callbacks_bundle_order_tensorboard_rank_and_epoch_saves(tmp_path: P
             return [type(c).__name__ for c in fit_callbacks("backup", tensorboard_dir="tb", **kwargs)]
         worker = TrainerEnvironment(rank=1, world_size=2, task_type="worker", task_index=1)
         report = {"chief": names(), "worker": names(env=worker), "epoch": names(save_every="epoch",
-                                                                                graceful_stop=False)}
-        try:
-            fit_callbacks("backup", save_every="epoch")
-        except ValueError as e:
-            report["refused"] = str(e)
+                                                                                graceful_stop=False),
+                  "synchronous": names(fast_tier=False, env=worker)}
+        for kwargs in ({"save_every": "epoch"}, {"delete_checkpoint": True}):
+            try:
+                fit_callbacks("backup", **kwargs)
+            except ValueError as e:
+                report.setdefault("refused", []).append(str(e))
         print(json.dumps(report))
     """)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.splitlines()[-1])
-    assert report["chief"] == ["SavePhaseCallback", "BackupAndRestore", "ProgressCallback", "GracefulStopCallback",
-                               "TensorBoard"]
-    assert report["worker"] == ["SavePhaseCallback", "BackupAndRestore", "ProgressCallback", "GracefulStopCallback"]
+    assert report["chief"] == ["SavePhaseCallback", "FastBackupAndRestore", "ProgressCallback",
+                               "GracefulStopCallback", "TensorBoard"]
+    assert report["worker"] == ["SavePhaseCallback", "FastBackupAndRestore", "ProgressCallback",
+                                "GracefulStopCallback"]
     assert report["epoch"] == ["SavePhaseCallback", "BackupAndRestore", "ProgressCallback", "TensorBoard"]
-    assert "save_every='epoch' with graceful_stop=True would lose the rest of an epoch" in report["refused"]
+    assert report["synchronous"] == ["SavePhaseCallback", "BackupAndRestore", "ProgressCallback",
+                                     "GracefulStopCallback"]
+    refused = report["refused"]
+    assert "save_every='epoch' with graceful_stop=True would lose the rest of an epoch" in refused[0]
+    assert "delete_checkpoint=True needs fast_tier=False" in refused[1]
 
 
-def test_fit_reports_step_examples_loss_and_each_saved_checkpoint_to_the_agent(tmp_path: Path) -> None:
-    """What the agent reads from a model.fit with the library's callbacks, received on a real progress socket."""
-    result = python(tmp_path, """
-        import json, os, socket
+FIT_REPORTING = """
+        import json, os, socket, sys
         from tfelastic.trainer.progress import SOCKET_ENV, decode
         agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         agent.bind(os.path.abspath("progress.sock"))
@@ -272,7 +279,8 @@ def test_fit_reports_step_examples_loss_and_each_saved_checkpoint_to_the_agent(t
         model.compile(optimizer="sgd", loss="mse")
         x, y = np.random.default_rng(0).normal(size=(2, 800, 8)).astype("float32")
         history = model.fit(x, y[:, :1], batch_size=16, epochs=2, verbose=0,
-                            callbacks=fit_callbacks("backup", save_every=20, global_batch_size=16))
+                            callbacks=fit_callbacks("backup", save_every=20, global_batch_size=16,
+                                                    fast_tier=sys.argv[1] == "fast"))
         agent.setblocking(False)
         reports = []
         while True:
@@ -281,9 +289,34 @@ def test_fit_reports_step_examples_loss_and_each_saved_checkpoint_to_the_agent(t
             except BlockingIOError:
                 break
             reports.append({"step": message.step, "examples": message.examples, "loss": message.loss,
-                            "ckpt": message.checkpoint_step, "done": message.done, "phase": message.phase.value})
+                            "ckpt": message.checkpoint_step, "done": message.done, "phase": message.phase.value,
+                            "stall": message.stall, "restored": message.restored_tier})
         print(json.dumps({"reports": reports, "last_loss": history.history["loss"][-1]}))
-    """)
+"""
+
+
+def test_fit_on_the_fast_tier_reports_each_snapshot_its_stall_and_the_restore(tmp_path: Path) -> None:
+    """The default fit_callbacks: saves are announced, each snapshot is reported once complete, with the time it
+    held training up; the restore is reported with its tier."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(FIT_REPORTING), "fast"], cwd=tmp_path,
+                            env=worker_env(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = json.loads(result.stdout.splitlines()[-1])["reports"]
+    assert [r["restored"] for r in reports if r["restored"]] == ["none"], reports
+    assert [r["step"] for r in reports if r["phase"] == "save"] == [20, 40, 60, 80, 100, 100], reports
+    snapshots_reported = [r for r in reports if r["ckpt"] is not None]
+    assert sorted({r["ckpt"] for r in snapshots_reported}) == [20, 40, 60, 80, 100], reports
+    assert all(r["stall"] is not None and 0 <= r["stall"] < 30 for r in snapshots_reported if not r["done"]), reports
+    assert all(r["step"] >= r["ckpt"] for r in snapshots_reported), reports  # reported once complete, not before
+    assert reports[-1]["done"] and reports[-1]["ckpt"] == 100, reports
+    assert sorted(p.name for p in (tmp_path / "backup").iterdir()) == [snapshot_name(s) for s in (60, 80, 100)]
+
+
+def test_fit_reports_step_examples_loss_and_each_saved_checkpoint_to_the_agent(tmp_path: Path) -> None:
+    """What the agent reads from a model.fit with tf_keras's BackupAndRestore (``fast_tier=False``), received on
+    a real progress socket."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(FIT_REPORTING), "synchronous"], cwd=tmp_path,
+                            env=worker_env(), capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     outcome = json.loads(result.stdout.splitlines()[-1])
     reports = outcome["reports"]
@@ -306,8 +339,9 @@ def test_fit_reports_step_examples_loss_and_each_saved_checkpoint_to_the_agent(t
     # after fit (evaluation, export) for a hang.
     assert [r for r in reports if r["done"]] == [
         {"step": 100, "examples": 1600, "loss": pytest.approx(outcome["last_loss"], rel=1e-5), "ckpt": None,
-         "done": True, "phase": "train"},
-        {"step": 100, "examples": None, "loss": None, "ckpt": 100, "done": True, "phase": "train"}], reports
+         "done": True, "phase": "train", "stall": None, "restored": None},
+        {"step": 100, "examples": None, "loss": None, "ckpt": 100, "done": True, "phase": "train", "stall": None,
+         "restored": None}], reports
     assert reports[-1]["done"], reports
 
 

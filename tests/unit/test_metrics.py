@@ -50,6 +50,29 @@ def test_step_counters_grow_by_the_progress_made_within_a_generation() -> None:
     assert value("tfelastic_training_steps_total") == 15
 
 
+def test_fast_tier_save_stalls_restores_by_tier_and_steps_redone() -> None:
+    registry, metrics = agent_metrics()
+    value = registry.get_sample_value
+    metrics.new_generation(1, rank=0, world_size=2)
+    metrics.progress(ProgressMessage(1, 1, step=0, restored_tier="none"), wall_time=1.0)
+    assert value("tfelastic_checkpoint_restores_total", {"tier": "none"}) == 1
+    assert value("tfelastic_restore_steps_redone_count") == 0  # a first generation redoes nothing
+    metrics.progress(ProgressMessage(1, 1, step=20, checkpoint_step=20, stall=0.004), wall_time=2.0)
+    metrics.progress(ProgressMessage(1, 1, step=40, checkpoint_step=40, stall=0.3), wall_time=3.0)
+    metrics.progress(ProgressMessage(1, 1, step=47), wall_time=4.0)
+    assert value("tfelastic_checkpoint_save_stall_seconds_count") == 2
+    assert value("tfelastic_checkpoint_save_stall_seconds_bucket", {"le": "0.005"}) == 1
+    assert value("tfelastic_checkpoint_save_stall_seconds_sum") == pytest.approx(0.304)
+    metrics.new_generation(2, rank=0, world_size=2)
+    metrics.progress(ProgressMessage(2, 1, step=40, restored_tier="local", restored_step=40), wall_time=5.0)
+    assert value("tfelastic_checkpoint_restores_total", {"tier": "local"}) == 1
+    assert (value("tfelastic_restore_steps_redone_count"), value("tfelastic_restore_steps_redone_sum")) == (1, 7)
+    metrics.new_generation(3, rank=0, world_size=2)  # killed before any report: 40 is still the last step
+    metrics.new_generation(4, rank=0, world_size=2)
+    metrics.progress(ProgressMessage(4, 1, step=20, restored_tier="shared", restored_step=20), wall_time=6.0)
+    assert value("tfelastic_restore_steps_redone_sum") == 7 + 20
+
+
 def test_checkpoint_and_worker_state() -> None:
     registry, metrics = agent_metrics()
     metrics.checkpoint(50, wall_time=123.0)

@@ -28,6 +28,9 @@ from tfelastic.trainer.progress import MAX_DATAGRAM, Phase, ProgressMessage, Pro
     ProgressMessage(generation=0, pid=1, step=0, examples=0, loss=0.0, checkpoint_step=0),
     ProgressMessage(generation=2**40, pid=99999, step=2**53, loss=-1.5e-300),
     *(ProgressMessage(generation=1, pid=2, step=3, phase=phase) for phase in Phase),
+    ProgressMessage(generation=1, pid=2, step=40, checkpoint_step=40, stall=0.012),
+    ProgressMessage(generation=1, pid=2, step=40, restored_tier="local", restored_step=40),
+    ProgressMessage(generation=1, pid=2, step=0, restored_tier="none"),
 ])
 def test_encode_decode_round_trip(message: ProgressMessage) -> None:
     assert decode(encode(message)) == message
@@ -39,6 +42,25 @@ def test_encode_uses_the_documented_short_keys() -> None:
     assert json.loads(encode(ProgressMessage(1, 2, 3))) == {"g": 1, "pid": 2, "step": 3}
     assert json.loads(encode(ProgressMessage(1, 2, 3, phase=Phase.SAVE))) == {"g": 1, "pid": 2, "step": 3,
                                                                               "ph": "save"}
+
+
+def test_fast_tier_fields_use_short_keys() -> None:
+    saved = encode(ProgressMessage(1, 2, 40, checkpoint_step=40, stall=0.0123456789))
+    assert json.loads(saved) == {"g": 1, "pid": 2, "step": 40, "ckpt": 40, "st": 0.012346}
+    restored = encode(ProgressMessage(1, 2, 40, restored_tier="shared", restored_step=40))
+    assert json.loads(restored) == {"g": 1, "pid": 2, "step": 40, "rt": "shared", "rs": 40}
+
+
+@pytest.mark.parametrize("fields", [{"st": -1}, {"st": "0.1"}, {"st": True}, {"rt": "disk"}, {"rt": 1},
+                                    {"rt": "local", "rs": 1.5}])
+def test_decode_rejects_malformed_fast_tier_fields(fields: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=r"'(st|rt|rs)'"):
+        decode(json.dumps({"g": 1, "pid": 2, "step": 3, **fields}).encode())
+
+
+def test_reporter_refuses_an_unknown_restore_tier_and_sends_a_restore_at_once(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'disk' is not one of local, none, shared"):
+        ProgressReporter(None, 1).report(3, restored_tier="disk")
 
 
 @pytest.mark.parametrize("phase", ["nap", 1, None, "TRAIN", [], {}])

@@ -1,0 +1,107 @@
+"""The fast checkpoint tier with real TensorFlow (trainer/tiered.py): snapshots in the local tier persisted to the
+shared one, the restore of the step the coordinator chose from the local tier first, a damaged snapshot set
+aside, and what happens without a chosen step. One subprocess runs every case (TensorFlow stays out of pytest)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+from tests.workers import worker_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
+
+CASES = """
+    import json, os, shutil, sys
+    from tfelastic.trainer import snapshots
+    from tfelastic.trainer.checkpoint import NoRestorableCheckpointError
+    from tfelastic.trainer.environment import TrainerEnvironment
+    from tfelastic.trainer.tiered import TieredCheckpoint
+    import tensorflow as tf
+
+    local_root, shared = os.path.abspath("local"), os.path.abspath("shared/fit")
+    value = tf.Variable(tf.zeros([1000]))
+    checkpoint = tf.train.Checkpoint(value=value)
+
+    def tier(restore_step=None, managed=True, local=True):
+        env = TrainerEnvironment(progress_socket="agent.sock" if managed else None, restore_step=restore_step,
+                                 local_checkpoint_dir=local_root if local else None)
+        return TieredCheckpoint(checkpoint, shared, is_chief=True, env=env, keep_local=3, keep_shared=3)
+
+    def restore(**kwargs):
+        value.assign(tf.fill([1000], -1.0))
+        try:
+            result = tier(**kwargs).restore()
+        except NoRestorableCheckpointError as e:
+            return {"error": str(e)}
+        return {"step": result.step, "tier": result.tier, "value": float(value.numpy()[0]),
+                "skipped": [os.path.relpath(p) for p, _ in result.skipped]}
+
+    writer = tier()
+    for step in (10, 20, 30):
+        value.assign(tf.fill([1000], float(step)))
+        writer.save(step)
+    writer.close()
+    report = {"local": snapshots.complete_steps(os.path.join(local_root, "fit")),
+              "shared": snapshots.complete_steps(shared),
+              "sealed": writer.sealed_step, "persisted": writer.persisted_step}
+    report["chosen_local"] = restore(restore_step=20)
+    shutil.rmtree(os.path.join(local_root, "fit", snapshots.snapshot_name(20)))
+    report["chosen_shared"] = restore(restore_step=20)
+    data = os.path.join(local_root, "fit", snapshots.snapshot_name(30), "ckpt.data-00000-of-00001")
+    with open(data, "r+b") as f:  # same size, other bytes: the manifest cannot tell, the restore can
+        f.seek(200)
+        f.write(b"\\xff" * 64)
+    report["damaged_local"] = restore(restore_step=30)
+    report["local_after_damage"] = snapshots.complete_steps(os.path.join(local_root, "fit"))
+    report["nobody_has_it"] = restore(restore_step=25)
+    value.assign(tf.fill([1000], 40.0))
+    local_only = tier(local=True)
+    local_only.is_chief = False  # a non-chief keeps its snapshot in the local tier only
+    local_only.save(40)
+    local_only.close()
+    report["no_common_step"] = restore(restore_step=None)
+    report["standalone"] = restore(restore_step=None, managed=False)
+    print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("fast_tier")
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(CASES)], cwd=tmp, env=worker_env(),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    return report
+
+
+def test_every_snapshot_is_sealed_locally_and_persisted_to_the_shared_tier(cases: dict[str, Any]) -> None:
+    assert cases["local"] == [30, 20, 10] and cases["shared"] == [30, 20, 10]
+    assert (cases["sealed"], cases["persisted"]) == (30, 30)
+
+
+def test_the_chosen_step_comes_from_the_local_tier_when_the_node_has_it(cases: dict[str, Any]) -> None:
+    assert cases["chosen_local"] == {"step": 20, "tier": "local", "value": 20.0, "skipped": []}
+    assert cases["chosen_shared"] == {"step": 20, "tier": "shared", "value": 20.0, "skipped": []}
+
+
+def test_a_damaged_local_snapshot_is_set_aside_and_the_shared_copy_restores(cases: dict[str, Any]) -> None:
+    assert cases["damaged_local"] == {"step": 30, "tier": "shared", "value": 30.0,
+                                      "skipped": ["local/fit/step-000000000030"]}
+    assert cases["local_after_damage"] == [10]  # 30 set aside (20 was removed by the test)
+
+
+def test_a_step_this_worker_cannot_restore_is_an_error_naming_it(cases: dict[str, Any]) -> None:
+    assert "snapshot step 25, which the coordinator chose, does not restore here" in cases["nobody_has_it"]["error"]
+    assert "no complete snapshot of it" in cases["nobody_has_it"]["error"]
+
+
+def test_without_a_chosen_step_the_workers_take_the_shared_tier_and_alone_the_newest(cases: dict[str, Any]) -> None:
+    assert cases["no_common_step"] == {"step": 30, "tier": "shared", "value": 30.0, "skipped": []}
+    assert cases["standalone"] == {"step": 40, "tier": "local", "value": 40.0, "skipped": []}

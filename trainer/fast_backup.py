@@ -1,0 +1,165 @@
+"""``model.fit`` on the fast checkpoint tier: :class:`FastBackupAndRestore`, what :func:`fit_callbacks` uses by
+default in place of tf_keras's ``BackupAndRestore``.
+
+It keeps tf_keras's own resume logic: the model's ``_training_state`` is a
+:class:`~tf_keras.src.distribute.worker_training_state.WorkerTrainingState` whose storage is a
+:class:`~tfelastic.trainer.tiered.TieredCheckpoint`, so ``fit`` resumes at the saved epoch and batch exactly as
+with ``BackupAndRestore(save_freq=N)``. Saves are asynchronous snapshots (see :mod:`tfelastic.trainer.tiered`),
+every ``save_every`` steps, or, by default, as often as the overhead budget allows
+(:mod:`tfelastic.trainer.save_schedule`); in a multi-worker job the workers adopt the chief's interval.
+
+Importing this module imports TensorFlow and tf_keras (``TF_USE_LEGACY_KERAS=1`` is set first: FACTS 1).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+import tf_keras as keras
+from tf_keras.src.distribute.worker_training_state import WorkerTrainingState
+from tfelastic.trainer.environment import TrainerEnvironment
+from tfelastic.trainer.loop import agree_across_workers, make_all_reduce
+from tfelastic.trainer.progress import Phase, ProgressReporter
+from tfelastic.trainer.save_schedule import DEFAULT_BUDGET, SaveSchedule
+from tfelastic.trainer.tiered import TieredCheckpoint, TierRestore
+
+
+class TieredTrainingState(WorkerTrainingState):  # type: ignore[misc]
+    """tf_keras's training state (model, saved epoch and batch, train counter) on the fast tier."""
+
+    def __init__(self, model: Any, shared_store: str, env: TrainerEnvironment, keep_local: int,
+                 keep_shared: int) -> None:
+        # Not WorkerTrainingState.__init__: it builds CheckpointManagers on the backup directory. These are the
+        # attributes its resume logic (maybe_load_initial_counters_from_ckpt) reads.
+        self._enable_save_before_preemption = False
+        self._model = model
+        self._save_freq = 1  # a number of steps: fit resumes at the saved batch, not at the next epoch
+        self._ckpt_saved_epoch = tf.Variable(tf.constant(self.CKPT_SAVED_EPOCH_UNUSED_VALUE, tf.int64),
+                                             name="ckpt_saved_epoch")
+        self._ckpt_saved_batch = tf.Variable(tf.constant(self.CKPT_SAVED_BATCH_UNUSED_VALUE, tf.int64),
+                                             name="ckpt_saved_batch")
+        checkpoint = tf.train.Checkpoint(model=model, ckpt_saved_epoch=self._ckpt_saved_epoch,
+                                         ckpt_saved_batch=self._ckpt_saved_batch, train_counter=model._train_counter)
+        self.tier = TieredCheckpoint(checkpoint, shared_store,
+                                     is_chief=bool(model.distribute_strategy.extended.should_checkpoint), env=env,
+                                     keep_local=keep_local, keep_shared=keep_shared)
+
+    def back_up(self, epoch: int, batch: int = 0) -> float:
+        """A snapshot at the optimizer's step; returns the stall. (``epoch`` and ``batch`` are tracked by the
+        callback in the checkpointed variables, as tf_keras does.)"""
+        return self.tier.save(int(self._model.optimizer.iterations.numpy()))
+
+    def flush(self) -> None:
+        self.tier.flush()
+
+    def backup_if_preempted(self) -> None:
+        """tf_keras's on-demand save exists only on Google Cloud; the graceful stop is GracefulStopCallback."""
+
+    def restore(self) -> TierRestore:
+        return self.tier.restore()
+
+    def delete_backup(self) -> None:
+        """Kept: the final state lets a job restarted after fit resume at its end (see fit_callbacks)."""
+
+
+class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
+    """Restores at ``on_train_begin`` and saves snapshots during ``fit`` (see the module docstring).
+
+    ``backup_dir``: the shared tier's store (the agent's backup directory holds it by default, so that the agents
+    see its snapshots when they choose the step to restore). ``save_every``: steps between snapshots; None adapts
+    to ``overhead_budget`` (a fraction of training time).
+    """
+
+    def __init__(self, backup_dir: str, *, save_every: int | None = None, overhead_budget: float = DEFAULT_BUDGET,
+                 keep_local: int = 2, keep_shared: int = 3, reporter: ProgressReporter | None = None,
+                 env: TrainerEnvironment | None = None) -> None:
+        super().__init__()
+        self.backup_dir = backup_dir
+        self.schedule = SaveSchedule(save_every, budget=overhead_budget)
+        self._keep = (keep_local, keep_shared)
+        self._reporter = reporter or ProgressReporter.from_env()
+        self._env = env or TrainerEnvironment.from_env()
+        self._supports_tf_logs = True
+        self._state: TieredTrainingState | None = None
+        self._step = 0  # the optimizer step, counted without reading it (a read waits for the step to finish)
+        self._steps_per_call = 1
+        self._reported_seal: int | None = None
+        self._all_reduce: Callable[[float], float] | None = None
+        self.restored: TierRestore | None = None
+        self.stalls: list[float] = []
+
+    @property
+    def tier(self) -> TieredCheckpoint:
+        assert self._state is not None, "the tier exists from on_train_begin on"
+        return self._state.tier
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        model = self.model
+        if model.optimizer is not None and not getattr(model.optimizer, "_built", True):
+            model.optimizer.build(model.trainable_variables)  # slots exist before the restore fills them
+        self._state = TieredTrainingState(model, self.backup_dir, self._env, *self._keep)
+        model._training_state = self._state
+        self._reporter.report(int(model.optimizer.iterations.numpy()), phase=Phase.SETUP)
+        self.restored = self._state.restore()
+        self._step = int(model.optimizer.iterations.numpy())
+        strategy = model.distribute_strategy
+        if strategy.num_replicas_in_sync > 1:
+            self._all_reduce = make_all_reduce(strategy)
+            agree_across_workers(strategy, self._step, "restored step", self._all_reduce)
+        steps_per_execution = getattr(model, "_steps_per_execution", None)
+        self._steps_per_call = int(steps_per_execution.numpy()) if steps_per_execution is not None else 1
+        self.schedule.start(self._step)
+        self._reporter.report(self._step, restored_step=self.restored.step, restored_tier=self.restored.tier,
+                              force=True, phase=Phase.SETUP)
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        assert self._state is not None
+        self._state._ckpt_saved_epoch.assign(epoch)
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        assert self._state is not None
+        self._state._ckpt_saved_batch.assign(batch)
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._step += self._steps_per_call
+        self._report_sealed()
+        if self.schedule.due(self._step):
+            self.save()
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self._state is not None:
+            self._state.flush()  # a snapshot still being written completes before fit returns
+            self._report_sealed()
+
+    def save(self) -> int:
+        """A snapshot now (every worker must call it at the same step); returns the step."""
+        assert self._state is not None
+        step = self._step = int(self.model.optimizer.iterations.numpy())
+        self._reporter.report(step, phase=Phase.SAVE)
+        began = time.monotonic()
+        stall = self._state.back_up(epoch=0)
+        self.stalls.append(stall)
+        proposal = self.schedule.saved(step, stall, began, self.tier.last_write_seconds)
+        self.schedule.adopt(step, self._agreed(proposal))
+        self._reporter.report(step, phase=Phase.TRAIN, force=True)
+        return step
+
+    def _agreed(self, proposal: int) -> int:
+        """The chief's interval, on every worker (a fixed one needs no agreement)."""
+        if self.schedule.fixed or self._all_reduce is None:
+            return proposal
+        return round(self._all_reduce(float(proposal if self._env.is_chief else 0)))
+
+    def _report_sealed(self) -> None:
+        state = self._state
+        sealed = state.tier.sealed_step if state is not None else None
+        if sealed is not None and sealed != self._reported_seal:
+            self._reported_seal = sealed
+            self._reporter.report(self._step, checkpoint_step=sealed, stall=self.tier.last_stall)

@@ -1,0 +1,107 @@
+"""When to take the next snapshot: every ``save_every`` steps when the user says so, otherwise as often as an
+overhead budget allows. Pure: the clock readings come in as arguments.
+
+The adaptive interval is the number of steps whose training time pays for one save's stall within the budget:
+``ceil(stall / (budget * step_seconds))``, between 1 and ``maximum``. The stall is the time a save held
+training up (the snapshot's copy to host memory, and any wait for the previous snapshot's write); the step time
+is measured between saves, so evaluation and other callbacks count as training time. The first two saves' stalls
+are not used: the first allocates the host copies, the second traces the copy function; later saves reuse both.
+Every worker must save at the same step, so in a multi-worker job the workers adopt the chief's interval
+(:meth:`SaveSchedule.adopt`).
+
+The interval is also at least one step more than a snapshot's background write takes (to the local tier, and
+on the chief to the shared one): a save that came sooner would wait for the previous write, and the stalls
+would swing between nothing and a whole write. The write's CPU time, which competes with training on a host
+whose CPUs train, is not charged to the budget (measured on 2 CPU cores: within the noise; docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DEFAULT_BUDGET = 0.01  # 1 % of training time
+FIRST_INTERVAL = 10  # steps before the first save, and between the first two (nothing measured yet)
+MAX_INTERVAL = 1000
+WARMUP_SAVES = 2  # saves whose stall is not representative (see above)
+_SMOOTHING = 0.3  # weight of the newest measurement in the moving averages
+
+
+@dataclass
+class _Average:
+    value: float | None = None
+
+    def add(self, sample: float) -> float:
+        self.value = sample if self.value is None else (1 - _SMOOTHING) * self.value + _SMOOTHING * sample
+        return self.value
+
+
+class SaveSchedule:
+    def __init__(self, every: int | None = None, *, budget: float = DEFAULT_BUDGET, first: int = FIRST_INTERVAL,
+                 maximum: int = MAX_INTERVAL) -> None:
+        if every is not None and every < 1:
+            raise ValueError(f"save_every={every} must be a positive number of steps (or None: adaptive)")
+        if not 0 < budget < 1:
+            raise ValueError(f"overhead budget {budget!r} must be a fraction between 0 and 1, e.g. 0.01 for 1 %")
+        self.fixed = every
+        self.budget = budget
+        self.maximum = maximum
+        self.interval = every or first
+        self.next_step: int | None = None  # set by start()
+        self._stall = _Average()
+        self._step_seconds = _Average()
+        self._write_seconds = _Average()
+        self._saves = 0
+        self._last_save: tuple[int, float] | None = None  # (step, time the save returned)
+        self._last_write: float | None = None
+
+    def start(self, step: int) -> None:
+        """Training starts (or resumes) at ``step``. A fixed schedule keeps to multiples of ``every``."""
+        if self.fixed:
+            self.next_step = (step // self.fixed + 1) * self.fixed
+        else:
+            self.next_step = step + self.interval
+        self._last_save = None
+
+    def due(self, step: int) -> bool:
+        return self.next_step is not None and step >= self.next_step
+
+    def saved(self, step: int, stall: float, began: float, write_seconds: float | None = None) -> int:
+        """A save at ``step`` began at ``began`` and held training up for ``stall`` seconds; ``write_seconds``:
+        how long the latest finished snapshot took to be written in the background (None: none yet). Returns the
+        interval this worker proposes next (the caller may have the workers agree, then :meth:`adopt` it)."""
+        self._saves += 1
+        if write_seconds is not None and write_seconds != self._last_write:
+            self._last_write = write_seconds
+            self._write_seconds.add(max(write_seconds, 0.0))
+        if self._last_save is not None and step > self._last_save[0]:
+            previous_step, previous_end = self._last_save
+            self._step_seconds.add(max(began - previous_end, 0.0) / (step - previous_step))
+        if self._saves > WARMUP_SAVES:
+            self._stall.add(max(stall, 0.0))
+        self._last_save = (step, began + stall)
+        return self.fixed or self._proposal()
+
+    def adopt(self, step: int, interval: int) -> None:
+        """The interval every worker agreed on, after a save at ``step``."""
+        self.interval = self.fixed or max(1, min(int(interval), self.maximum))
+        self.next_step = step + self.interval
+
+    @property
+    def mean_stall(self) -> float | None:
+        return self._stall.value
+
+    @property
+    def mean_step_seconds(self) -> float | None:
+        return self._step_seconds.value
+
+    def _proposal(self) -> int:
+        stall, step = self._stall.value, self._step_seconds.value
+        if stall is None or step is None:
+            return self.interval
+        if step <= 0:
+            return self.maximum
+        budgeted = math.ceil(stall / (self.budget * step))
+        write = self._write_seconds.value
+        unqueued = math.ceil(write / step) + 1 if write is not None else 1
+        return max(1, min(max(budgeted, unqueued), self.maximum))
