@@ -1,0 +1,130 @@
+"""The fast checkpoint tier against tf_keras's BackupAndRestore, on a model with ~406 MB of training state.
+
+    python -m bench.checkpoint_tier [--steps 120] [--kills 3] [--variants none,sync20,fast20,fast]
+
+One worker (``bench/tier_trainer.py``), no agent: the local tier is a directory under /dev/shm that the bench
+passes as the agent would (``TFELASTIC_LOCAL_CHECKPOINT_DIR``), the shared tier a directory on disk.
+
+- Overhead: the same ``--steps`` with each variant; the time per step over the steps after the first
+  ``--warmup`` (tracing, the first saves' allocations), and the overhead against ``none``.
+- Steps redone: ``fast`` (fit_callbacks' defaults) is SIGKILLed ``--kills`` times at a random moment after
+  step ``--warmup``, and restarted; steps redone = the last step it reported before the kill minus the step
+  the next run restored.
+Bounded: every run has a timeout; files stay under a temporary directory and /dev/shm/tfelastic-bench-*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.cluster import wait_for
+from tests.workers import worker_env
+
+TRAINER = [sys.executable, str(Path(__file__).resolve().parent / "tier_trainer.py")]
+STEP_LINE = re.compile(r"^step (\d+) ([\d.]+)$", re.M)
+
+
+def run(variant: str, steps: int, work: Path, local: Path, timeout: float = 900) -> str:
+    result = subprocess.run([*TRAINER, variant, str(steps), str(work / "backup")], capture_output=True, text=True,
+                            env=worker_env({"TFELASTIC_LOCAL_CHECKPOINT_DIR": str(local)}), timeout=timeout)
+    if result.returncode != 0:
+        raise SystemExit(f"{variant} failed ({result.returncode}):\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    return result.stdout
+
+
+def seconds_per_step(output: str, warmup: int) -> float:
+    times = {int(s): float(t) for s, t in STEP_LINE.findall(output)}
+    last = max(times)
+    return (times[last] - times[warmup]) / (last - warmup)
+
+
+def overhead(variants: list[str], steps: int, warmup: int, root: Path, local_root: Path) -> dict[str, float]:
+    per_step: dict[str, float] = {}
+    for variant in variants:
+        work, local = root / variant, local_root / variant
+        output = run(variant, steps, work, local)
+        per_step[variant] = seconds_per_step(output, warmup)
+        done = json.loads(output.strip().splitlines()[-1])
+        extra = f" stalls {done['stalls']} interval {done['interval']}" if done["stalls"] else ""
+        print(f"{variant:>7}: {per_step[variant]:.3f} s/step{extra}", flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(local, ignore_errors=True)
+    return per_step
+
+
+def steps_redone(kills: int, warmup: int, root: Path, local: Path, rng: random.Random) -> list[int]:
+    redone: list[int] = []
+    work = root / "kills"
+    out = work / "out.log"
+    work.mkdir(parents=True, exist_ok=True)
+    last: int | None = None
+    for attempt in range(kills + 1):
+        with open(out, "w") as log:
+            trainer = subprocess.Popen([*TRAINER, "fast", "100000", str(work / "backup")], stdout=log,
+                                       stderr=subprocess.DEVNULL,
+                                       env=worker_env({"TFELASTIC_LOCAL_CHECKPOINT_DIR": str(local)}))
+        try:
+            start = wait_for(lambda: re.search(r'^\{"initial_step": (\d+), "tier": "(\w+)"', out.read_text(), re.M),
+                             300, "start")
+            initial = int(start.group(1))
+            if last is not None:
+                redone.append(last - initial)
+                print(f"kill {attempt}: last step {last}, restored {initial} from the {start.group(2)} tier: "
+                      f"{last - initial} steps redone", flush=True)
+            if attempt == kills:
+                break
+            target = f"step {initial + warmup} "
+            wait_for(lambda: target in out.read_text(), 600, target)  # noqa: B023 - waited for at once
+            time.sleep(rng.uniform(0, 30))
+            trainer.send_signal(signal.SIGKILL)
+            trainer.wait()
+            last = max(int(s) for s, _ in STEP_LINE.findall(out.read_text()))
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+                trainer.wait()
+    return redone
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--warmup", type=int, default=40)
+    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--variants", default="none,sync20,fast20,fast")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="tfelastic-bench-tier-"))
+    local_root = Path(tempfile.mkdtemp(prefix="tfelastic-bench-", dir="/dev/shm"))
+    try:
+        variants = args.variants.split(",")
+        per_step = overhead(variants, args.steps, args.warmup, root, local_root) if args.steps else {}
+        if "none" in per_step:
+            base = per_step["none"]
+            costs = {v: per_step[v] / base - 1 for v in per_step if v != "none"}
+            print("overhead against no checkpoints: " + ", ".join(f"{v} {c * 100:+.1f} %" for v, c in costs.items()))
+            for v in costs:
+                if v != "sync20" and "sync20" in costs and costs["sync20"] > 0:
+                    print(f"{v} / sync20 overhead: {costs[v] / costs['sync20']:.2f}")
+        if args.kills:
+            redone = steps_redone(args.kills, args.warmup, root, local_root / "kills", random.Random(args.seed))
+            print(f"steps redone per SIGKILL (fit_callbacks defaults): {redone}, mean "
+                  f"{statistics.mean(redone):.1f}, max {max(redone)}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(local_root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
