@@ -1,12 +1,13 @@
 """The fast checkpoint tier against tf_keras's BackupAndRestore, on a model with ~406 MB of training state.
 
-    python -m bench.checkpoint_tier [--steps 120] [--kills 3] [--variants none,sync20,fast20,fast]
+    python -m bench.checkpoint_tier [--steps 120] [--rounds 2] [--kills 3] [--variants none,sync20,fast20,fast]
 
 One worker (``bench/tier_trainer.py``), no agent: the local tier is a directory under /dev/shm that the bench
 passes as the agent would (``TFELASTIC_LOCAL_CHECKPOINT_DIR``), the shared tier a directory on disk.
 
-- Overhead: the same ``--steps`` with each variant; the time per step over the steps after the first
-  ``--warmup`` (tracing, the first saves' allocations), and the overhead against ``none``.
+- Overhead: the same ``--steps`` with each variant, the variants alternated for ``--rounds`` rounds (this
+  machine's speed drifts over minutes); the time per step over the steps after the first ``--warmup`` (tracing,
+  the first saves' allocations), its median over the rounds, and the overhead against ``none``.
 - Steps redone: ``fast`` (fit_callbacks' defaults) is SIGKILLed ``--kills`` times at a random moment after
   step ``--warmup``, and restarted; steps redone = the last step it reported before the kill minus the step
   the next run restored.
@@ -49,18 +50,20 @@ def seconds_per_step(output: str, warmup: int) -> float:
     return (times[last] - times[warmup]) / (last - warmup)
 
 
-def overhead(variants: list[str], steps: int, warmup: int, root: Path, local_root: Path) -> dict[str, float]:
-    per_step: dict[str, float] = {}
-    for variant in variants:
-        work, local = root / variant, local_root / variant
-        output = run(variant, steps, work, local)
-        per_step[variant] = seconds_per_step(output, warmup)
-        done = json.loads(output.strip().splitlines()[-1])
-        extra = f" stalls {done['stalls']} interval {done['interval']}" if done["stalls"] else ""
-        print(f"{variant:>7}: {per_step[variant]:.3f} s/step{extra}", flush=True)
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(local, ignore_errors=True)
-    return per_step
+def overhead(variants: list[str], rounds: int, steps: int, warmup: int, root: Path, local_root: Path
+             ) -> dict[str, float]:
+    samples: dict[str, list[float]] = {v: [] for v in variants}
+    for round_number in range(1, rounds + 1):
+        for variant in variants:
+            work, local = root / variant, local_root / variant
+            output = run(variant, steps, work, local)
+            samples[variant].append(seconds_per_step(output, warmup))
+            done = json.loads(output.strip().splitlines()[-1])
+            extra = f"  stalls {done['stalls']} interval {done['interval']}" if done["stalls"] else ""
+            print(f"round {round_number} {variant:>7}: {samples[variant][-1]:.3f} s/step{extra}", flush=True)
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(local, ignore_errors=True)
+    return {v: statistics.median(s) for v, s in samples.items()}
 
 
 def steps_redone(kills: int, warmup: int, root: Path, local: Path, rng: random.Random) -> list[int]:
@@ -101,6 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--warmup", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--variants", default="none,sync20,fast20,fast")
     parser.add_argument("--seed", type=int, default=1)
@@ -109,7 +113,8 @@ def main() -> None:
     local_root = Path(tempfile.mkdtemp(prefix="tfelastic-bench-", dir="/dev/shm"))
     try:
         variants = args.variants.split(",")
-        per_step = overhead(variants, args.steps, args.warmup, root, local_root) if args.steps else {}
+        per_step = overhead(variants, args.rounds, args.steps, args.warmup, root, local_root) if args.steps else {}
+        print("median s/step: " + ", ".join(f"{v} {t:.3f}" for v, t in per_step.items()))
         if "none" in per_step:
             base = per_step["none"]
             costs = {v: per_step[v] / base - 1 for v in per_step if v != "none"}

@@ -3,13 +3,15 @@ without us.
 
     python -m bench.goodput [--steps 6000] [--schedules minute,mixed]
 
-Two workers (MultiWorkerMirroredStrategy on localhost) train the keras_fit CNN for ``--steps`` steps with a
-checkpoint every 100 steps. Goodput = the fault-free run's time (launched by hand: TensorFlow alone) / the run's
+Two workers (MultiWorkerMirroredStrategy on localhost) train the keras_fit CNN for ``--steps`` steps; (a) with
+fit_callbacks' defaults (the fast tier, its interval adapted to a 1 % budget), (b) and (c) with a checkpoint every
+100 steps. Goodput = the fault-free run's time (launched by hand: TensorFlow alone) / the run's
 time, from the launch until every worker has exited 0 after the last step, evaluation and export included.
 
 Variants:
-  (a) tfelastic, default settings (warm start, learned hang detection)
-  (b) tfelastic with --warm-start off (the fast checkpoint tier of issue 11 is not built: nothing to turn off)
+  (a) tfelastic, default settings (warm start, learned hang detection, the fast checkpoint tier)
+  (b) tfelastic with --warm-start off and the fast checkpoint tier off (the example's --fast-tier off: tf_keras'
+      BackupAndRestore every 100 steps)
   (c) without us: the same MWMS script with only tf_keras' BackupAndRestore(save_freq=100), and a loop that
       relaunches every worker (fresh ports) when one exits, until all exit 0: what a shell loop does
 
@@ -63,9 +65,10 @@ signal.signal(signal.SIGUSR1, _hang)
 """
 
 
-def example_args(steps: int, plain: bool) -> list[str]:
+def example_args(steps: int, plain: bool = False, fast_tier: bool = True) -> list[str]:
     epochs = max(1, steps // 1000)
-    return [EXAMPLE, "--epochs", str(epochs), "--steps-per-epoch", str(steps // epochs), "--save-every", "100",
+    saving = ["--save-every", "auto"] if fast_tier and not plain else ["--save-every", "100", "--fast-tier", "off"]
+    return [EXAMPLE, "--epochs", str(epochs), "--steps-per-epoch", str(steps // epochs), *saving,
             *(["--plain-keras"] if plain else [])]
 
 
@@ -156,11 +159,13 @@ def without_us(steps: int, schedule: list[tuple[float, str]], cap: float) -> Run
 # ---------------------------------------------------------------------------------------------- (a), (b)
 
 
-def with_us(steps: int, schedule: list[tuple[float, str]], cap: float, warm: bool) -> Run:
+def with_us(steps: int, schedule: list[tuple[float, str]], cap: float, defaults: bool) -> Run:
+    """``defaults``: warm start and the fast tier on (a); both off (b)."""
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        cluster = Cluster(tmp, Endpoint("127.0.0.1", free_port()), [sys.executable, *example_args(steps, False)],
-                          extra_args=["--max-restarts", "10", "--warm-start", "on" if warm else "off"],
+        cluster = Cluster(tmp, Endpoint("127.0.0.1", free_port()),
+                          [sys.executable, *example_args(steps, fast_tier=defaults)],
+                          extra_args=["--max-restarts", "10", "--warm-start", "on" if defaults else "off"],
                           env=dict(hook_env(tmp)))
         victim = [0]
 
@@ -214,8 +219,8 @@ def main() -> None:
         # after the variants, and their mean is the reference.
         before = fault_free(args.steps)
         cap = before + args.cap
-        runs = {"(a) tfelastic defaults": with_us(args.steps, schedule, cap, warm=True),
-                "(b) tfelastic, --warm-start off": with_us(args.steps, schedule, cap, warm=False),
+        runs = {"(a) tfelastic defaults": with_us(args.steps, schedule, cap, defaults=True),
+                "(b) tfelastic, warm start and fast tier off": with_us(args.steps, schedule, cap, defaults=False),
                 "(c) MWMS + BackupAndRestore(100) + relaunch loop": without_us(args.steps, schedule, cap)}
         after = fault_free(args.steps)
         reference = (before + after) / 2

@@ -14,8 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
-import shutil
 import signal
 import time
 import uuid
@@ -42,6 +40,7 @@ from tfelastic.daemon.agent.nodecheck import MATMUL_TIMEOUT_SECONDS, NodeCheck, 
 from tfelastic.daemon.agent.placement import EmbeddedPlacement, EtcdPlacement
 from tfelastic.daemon.agent.runner import WorkerRunner, agent_environment, trainer_env
 from tfelastic.daemon.agent.session import CoordinatorSession, open_session
+from tfelastic.daemon.agent.snapshot_scan import SnapshotScan
 from tfelastic.daemon.aio import first_of
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.endpoint import Endpoint
@@ -56,7 +55,6 @@ from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.worker.process import WorkerSpec
 from tfelastic.daemon.worker.progress import ProgressListener
 from tfelastic.daemon.worker.states import WorkerState
-from tfelastic.trainer import snapshots
 from tfelastic.trainer.progress import ProgressMessage
 
 log = logging.getLogger("tfelastic.agent")
@@ -66,7 +64,6 @@ GPU_POLL_SECONDS = 5.0
 STANDBY_AFTER_PROGRESS_SECONDS = 10.0  # the next standby: this long after the trainer's first progress report,
 STANDBY_DELAY_SECONDS = 40.0  # or this long after its launch (a trainer that does not report)
 NODE_CHECK_SECONDS = MATMUL_TIMEOUT_SECONDS + 30.0  # the matmul's own bound, and the rest of the check
-SNAPSHOT_SCAN_SECONDS = 5.0  # reading the restorable snapshot steps; longer (a hung mount): the Join reports none
 # A terminal closed under `tfelastic run` (SIGHUP) or Ctrl-\ (SIGQUIT) is a request to stop, like SIGTERM and
 # Ctrl-C: the agent leaves the job cleanly. SIGUSR1 logs what the agent is doing; SIGUSR2 is ignored.
 LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -93,8 +90,7 @@ class Agent:
         self.runner = WorkerRunner(self, stop_grace=config.node.stop_grace,
                                    failure_stop_grace=config.node.failure_stop_grace,
                                    warm_start=config.node.warm_start, before_stopped=self._before_stopped)
-        self._local_tier = config.local_tier()  # this node's fast checkpoint tier of the job; None: off
-        self._scanning: asyncio.Future[list[int]] | None = None  # the last read of the restorable steps
+        self._snapshots = SnapshotScan(config.local_tier(), config.resolved_backup_dir())
         self._agent_metrics.standby_memory.set_function(self.runner.standby_memory)
         self._agent_metrics.standby_ready.set_function(lambda: float(self.runner.standby_ready()))
         self._standby_due: tuple[int, WorkerSpec] | None = None  # build a standby after this generation's start
@@ -141,7 +137,7 @@ class Agent:
             await self.runner.close()
             self._listener.close()
             if self.core.exit_code is ExitCode.SUCCEEDED:  # the job succeeded: nothing will resume from it
-                await asyncio.to_thread(self._remove_local_tier)
+                await asyncio.to_thread(self._snapshots.remove_local_tier)
             await self._wind_down()
 
     async def _run_sessions(self) -> ExitCode:
@@ -281,7 +277,7 @@ class Agent:
         job = self.config.job
         env = trainer_env(agent_environment(job.env), assignment, job=job.name, node_id=self.config.node.id,
                           backup_dir=self.config.resolved_backup_dir(), progress_socket=self._listener.path,
-                          instrument=job.instrument, local_checkpoint_dir=self._local_tier)
+                          instrument=job.instrument, local_checkpoint_dir=self._snapshots.local_tier)
         spec = WorkerSpec(job.command, env, job.workdir or None, f"[rank {assignment.rank}]",
                           self.config.node.failure_stop_grace)
         self.runner.launch(assignment.generation, spec)
@@ -347,41 +343,9 @@ class Agent:
             asyncio.get_running_loop().call_later(STANDBY_AFTER_PROGRESS_SECONDS, self._prepare_standby,
                                                   message.generation)
 
-    # ------------------------------------------------------------------------------------------ snapshots
-
     async def _read_restorable_steps(self) -> None:
-        """The snapshot steps this node can restore, from its local tier and the backup dir, for the next Join
-        (trainer/snapshots.py). Read off the loop, and bounded: the backup dir is on a shared file system."""
-        tiers = [t for t in (self._local_tier, self.config.resolved_backup_dir()) if t]
-        steps: list[int] = []
-        if self._scanning is not None and not self._scanning.done():  # one thread hangs already: not another
-            log.debug("the last read of the snapshots has not returned: this Join reports none")
-        else:
-            self._scanning = asyncio.ensure_future(asyncio.to_thread(snapshots.restorable_steps, tiers))
-            self._scanning.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, if it ends late
-            try:
-                steps = await asyncio.wait_for(asyncio.shield(self._scanning), SNAPSHOT_SCAN_SECONDS)
-            except asyncio.TimeoutError:
-                log.warning("reading the snapshots in %s took longer than %gs (a hung mount?): this Join reports "
-                            "none", " and ".join(tiers), SNAPSHOT_SCAN_SECONDS)
-            except Exception as e:  # a bug here must not keep the node out of the job: it just reports no step
-                log.warning("cannot read the snapshots in %s: %s: %s", " and ".join(tiers), type(e).__name__, e)
-        self.core.restorable = tuple(steps)
-        log.debug("snapshot steps this node can restore: %s", ", ".join(map(str, steps)) or "none")
-
-    def _remove_local_tier(self) -> None:
-        """After the job succeeded: this node's local snapshots of it (after a failure or a drain they stay, so a
-        restarted job resumes from them)."""
-        tier = self._local_tier
-        if tier is None or not os.path.isdir(tier):
-            return
-        shutil.rmtree(tier, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(tier))  # the job's directory, once no other node on this host has one there
-        if os.path.exists(tier):
-            log.warning("the job succeeded; could not remove all of this node's local snapshots in %s", tier)
-        else:
-            log.info("the job succeeded: removed this node's local snapshots (%s)", tier)
+        """What the next Join reports: the snapshot steps this node can restore (snapshot_scan.py)."""
+        self.core.restorable = await self._snapshots.restorable()
 
     # ----------------------------------------------------------------------------------- around the job
 

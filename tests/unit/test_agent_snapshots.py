@@ -1,6 +1,6 @@
-"""The agent shell's side of the restore step (daemon/agent/agent.py): it reads the steps its node can restore off
-the event loop, bounded, never with two reads hanging at once, and removes its local tier after a success. No
-coordinator and no worker: the Agent is only constructed."""
+"""The agent's side of the restore step (daemon/agent/snapshot_scan.py, owned by the agent shell): it reads the
+steps its node can restore off the event loop, bounded, never with two reads hanging at once, and removes its
+local tier after a success. No coordinator and no worker: the Agent is only constructed, from its config."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-from tfelastic.daemon.agent import agent as agent_module
+from tfelastic.daemon.agent import snapshot_scan
 from tfelastic.daemon.agent.agent import Agent
 from tfelastic.daemon.config import from_values
 from tfelastic.daemon.endpoint import Endpoint
@@ -65,7 +65,7 @@ def test_a_hung_read_reports_no_step_and_is_not_started_again_while_it_hangs(
         release.wait(10)
         return [99]
 
-    monkeypatch.setattr(agent_module, "SNAPSHOT_SCAN_SECONDS", 0.05)
+    monkeypatch.setattr(snapshot_scan, "SCAN_SECONDS", 0.05)
     monkeypatch.setattr(snapshots, "restorable_steps", hanging)
     agent = make_agent(tmp_path)
 
@@ -101,14 +101,14 @@ def test_after_a_success_the_nodes_tier_goes_and_the_jobs_directory_once_empty(t
     make_snapshot(tmp_path / "shm" / "mnist" / "a" / "fit", 30)
     make_snapshot(tmp_path / "shm" / "other-job" / "a" / "fit", 30)
     agent = make_agent(tmp_path)
-    agent._remove_local_tier()
+    agent._snapshots.remove_local_tier()
     assert not (tmp_path / "shm" / "mnist").exists()
     assert (tmp_path / "shm" / "other-job" / "a" / "fit").is_dir()  # another job's: untouched
-    agent._remove_local_tier()  # nothing left: nothing to do
+    agent._snapshots.remove_local_tier()  # nothing left: nothing to do
 
 
 def test_the_jobs_directory_stays_while_another_node_on_this_host_has_a_tier_there(tmp_path: Path) -> None:
     make_snapshot(tmp_path / "shm" / "mnist" / "a" / "fit", 30)
     make_snapshot(tmp_path / "shm" / "mnist" / "b" / "fit", 30)
-    make_agent(tmp_path)._remove_local_tier()
+    make_agent(tmp_path)._snapshots.remove_local_tier()
     assert sorted(p.name for p in (tmp_path / "shm" / "mnist").iterdir()) == ["b"]
