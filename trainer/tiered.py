@@ -44,6 +44,9 @@ import tensorflow as tf  # noqa: E402
 log = logging.getLogger(__name__)
 
 LOCAL, SHARED, NONE = "local", "shared", "none"  # where a restore came from
+# The coordinator's step is for the process's first restore: a second fit() in the same process continues from
+# the snapshots the first one saved, as tf_keras's BackupAndRestore would.
+_chosen_step_used = False
 
 
 @dataclass
@@ -144,9 +147,11 @@ class TieredCheckpoint:
         for store in (self.local_store, self.shared_store if self.is_chief else None):
             if store:
                 snapshots.remove_temporaries(store)
-        if self._wanted is not None:
+        global _chosen_step_used
+        first, _chosen_step_used = not _chosen_step_used, True
+        if first and self._wanted is not None:
             return self._restore_chosen(self._wanted)
-        return self._restore_newest(shared_only=self._managed)
+        return self._restore_newest(shared_only=self._managed and first)
 
     def candidates(self, step: int | None = None) -> list[tuple[str, str]]:
         """(tier, snapshot) pairs to try, newest step first, the local tier before the shared one."""

@@ -21,6 +21,7 @@ CASES = """
     from tfelastic.trainer import snapshots
     from tfelastic.trainer.checkpoint import NoRestorableCheckpointError
     from tfelastic.trainer.environment import TrainerEnvironment
+    from tfelastic.trainer import tiered
     from tfelastic.trainer.tiered import TieredCheckpoint
     import tensorflow as tf
 
@@ -33,7 +34,9 @@ CASES = """
                                  local_checkpoint_dir=local_root if local else None)
         return TieredCheckpoint(checkpoint, shared, is_chief=True, env=env, keep_local=3, keep_shared=3)
 
-    def restore(**kwargs):
+    def restore(new_process=True, **kwargs):
+        # A restore as a new trainer process makes it: the coordinator's step is for a process's first.
+        tiered._chosen_step_used = not new_process
         value.assign(tf.fill([1000], -1.0))
         try:
             result = tier(**kwargs).restore()
@@ -51,6 +54,7 @@ CASES = """
               "shared": snapshots.complete_steps(shared),
               "sealed": writer.sealed_step, "persisted": writer.persisted_step}
     report["chosen_local"] = restore(restore_step=20)
+    report["second_in_process"] = restore(restore_step=20, new_process=False)
     shutil.rmtree(os.path.join(local_root, "fit", snapshots.snapshot_name(20)))
     report["chosen_shared"] = restore(restore_step=20)
     data = os.path.join(local_root, "fit", snapshots.snapshot_name(30), "ckpt.data-00000-of-00001")
@@ -89,6 +93,11 @@ def test_every_snapshot_is_sealed_locally_and_persisted_to_the_shared_tier(cases
 def test_the_chosen_step_comes_from_the_local_tier_when_the_node_has_it(cases: dict[str, Any]) -> None:
     assert cases["chosen_local"] == {"step": 20, "tier": "local", "value": 20.0, "skipped": []}
     assert cases["chosen_shared"] == {"step": 20, "tier": "shared", "value": 20.0, "skipped": []}
+
+
+def test_a_second_restore_in_the_same_process_continues_from_the_newest_snapshot(cases: dict[str, Any]) -> None:
+    """A second fit() in one process: the coordinator chose a step for the process's start, not for it."""
+    assert cases["second_in_process"] == {"step": 30, "tier": "local", "value": 30.0, "skipped": []}
 
 
 def test_a_damaged_local_snapshot_is_set_aside_and_the_shared_copy_restores(cases: dict[str, Any]) -> None:
