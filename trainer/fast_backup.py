@@ -25,7 +25,7 @@ import tensorflow as tf
 import tf_keras as keras
 from tf_keras.src.distribute.worker_training_state import WorkerTrainingState
 from tfelastic.trainer.environment import TrainerEnvironment
-from tfelastic.trainer.loop import agree_across_workers, make_all_reduce
+from tfelastic.trainer.loop import agree_across_workers, agreed_interval, make_all_reduce
 from tfelastic.trainer.progress import Phase, ProgressReporter
 from tfelastic.trainer.save_schedule import DEFAULT_BUDGET, SaveSchedule
 from tfelastic.trainer.tiered import TieredCheckpoint, TierRestore
@@ -63,7 +63,17 @@ class TieredTrainingState(WorkerTrainingState):  # type: ignore[misc]
         """tf_keras's on-demand save exists only on Google Cloud; the graceful stop is GracefulStopCallback."""
 
     def restore(self) -> TierRestore:
-        return self.tier.restore()
+        """The fast tier's restore; with no snapshot at all, tf_keras's own BackupAndRestore checkpoint in the same
+        directory, if there is one (a job that ran before the fast tier resumes where it was: the checkpoint
+        holds the same objects)."""
+        result = self.tier.restore()
+        legacy = os.path.join(self.tier.shared_store, "chief")
+        if result.tier == "none" and tf.io.gfile.exists(os.path.join(legacy, "checkpoint")):
+            path = tf.train.latest_checkpoint(legacy)
+            if path:
+                self.tier.checkpoint.restore(path).expect_partial()
+                return TierRestore(int(self._model.optimizer.iterations.numpy()), "shared", path)
+        return result
 
     def delete_backup(self) -> None:
         """Kept: the final state lets a job restarted after fit resume at its end (see fit_callbacks)."""
@@ -123,11 +133,10 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         assert self._state is not None
         self._state._ckpt_saved_epoch.assign(epoch)
 
-    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        # The batch just finished (the last of a steps_per_execution call): a save after it resumes after it.
         assert self._state is not None
         self._state._ckpt_saved_batch.assign(batch)
-
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._step += self._steps_per_call
         self._report_sealed()
         if self.schedule.due(self._step):
@@ -137,6 +146,10 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         if self._state is not None:
             self._state.flush()  # a snapshot still being written completes before fit returns
             self._report_sealed()
+        # As tf_keras does: a later fit without this callback must not resume from this one's counters.
+        # (GracefulStopCallback, later in the list, keeps its own reference for its final save.)
+        if getattr(self.model, "_training_state", None) is self._state:
+            del self.model._training_state
 
     def save(self) -> int:
         """A snapshot now (every worker must call it at the same step); returns the step."""
@@ -148,18 +161,18 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         self.stalls.append(stall)
         proposal = self.schedule.saved(step, stall, began, self.tier.last_write_seconds)
         self.schedule.adopt(step, self._agreed(proposal))
-        self._reporter.report(step, phase=Phase.TRAIN, force=True)
+        self._reporter.report(step, phase=Phase.TRAIN, stall=stall, force=True)
         return step
 
     def _agreed(self, proposal: int) -> int:
         """The chief's interval, on every worker (a fixed one needs no agreement)."""
         if self.schedule.fixed or self._all_reduce is None:
             return proposal
-        return round(self._all_reduce(float(proposal if self._env.is_chief else 0)))
+        return agreed_interval(self.model.distribute_strategy, self._all_reduce, proposal, self._env.is_chief)
 
     def _report_sealed(self) -> None:
         state = self._state
         sealed = state.tier.sealed_step if state is not None else None
         if sealed is not None and sealed != self._reported_seal:
             self._reported_seal = sealed
-            self._reporter.report(self._step, checkpoint_step=sealed, stall=self.tier.last_stall)
+            self._reporter.report(self._step, checkpoint_step=sealed)

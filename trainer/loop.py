@@ -166,6 +166,7 @@ class TrainLoop:
             proposal = self.schedule.saved(self.step, stall, began, self.checkpoints.last_write_seconds)
             self.schedule.adopt(self.step, self._agreed(proposal))
             self._last_saved = self.step
+            self._reporter.report(self.step, examples=self._examples_seen(), stall=stall, force=True)
         if final:
             self.checkpoints.flush()
             self._all_reduce(0.0)  # the chief reaches it once its snapshot is in the shared tier
@@ -176,14 +177,13 @@ class TrainLoop:
         """The chief's interval, on every worker (a fixed one needs no agreement)."""
         if self.schedule.fixed or self.strategy.num_replicas_in_sync == 1:
             return proposal
-        return round(self._all_reduce(float(proposal if self._env.is_chief else 0)))
+        return agreed_interval(self.strategy, self._all_reduce, proposal, self._env.is_chief)
 
     def _report_sealed(self) -> None:
         sealed = self.checkpoints.sealed_step
         if sealed is not None and sealed != self._reported_seal:
             self._reported_seal = sealed
-            self._reporter.report(self.step, examples=self._examples_seen(), checkpoint_step=sealed,
-                                  stall=self.checkpoints.last_stall)
+            self._reporter.report(self.step, examples=self._examples_seen(), checkpoint_step=sealed)
 
     def run(self, steps: int) -> LoopResult:
         """Trains until the optimizer step reaches ``steps``, then saves. Raises
@@ -245,6 +245,13 @@ def make_all_reduce(strategy: Any) -> Callable[[float], float]:
 
     compiled = tf.function(local_sum)
     return lambda value: float(compiled(tf.constant(value, tf.float64)))
+
+
+def agreed_interval(strategy: Any, all_reduce: Callable[[float], float], proposal: int, is_chief: bool) -> int:
+    """The chief's save interval, on every worker (one all-reduce: every worker must call it). Each of the chief's
+    local replicas adds its share, so the sum is the chief's proposal whatever its number of GPUs."""
+    local_replicas = max(len(getattr(strategy.extended, "worker_devices", ())) or 1, 1)
+    return max(1, round(all_reduce(proposal / local_replicas if is_chief else 0.0)))
 
 
 def agree_across_workers(strategy: Any, value: int, what: str, all_reduce: Callable[[float], float] | None = None

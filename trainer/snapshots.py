@@ -33,6 +33,7 @@ MANIFEST = "MANIFEST.json"
 CHECKPOINT_PREFIX = "ckpt"  # TensorFlow's files inside a snapshot: ckpt.index, ckpt.data-00000-of-00001
 _SNAPSHOT = re.compile(r"^step-(\d{12})$")
 _TEMPORARY = ".partial-"
+DAMAGED_PREFIX = "damaged-"  # a snapshot that did not restore, kept for an operator; no scan counts it
 MAX_REPORTED = 16  # the newest steps an agent reports per tier: enough to find a common one
 
 
@@ -109,6 +110,12 @@ def snapshot_step(path: str) -> int | None:
 
 def is_complete(snapshot: str) -> bool:
     """Whether the manifest names the snapshot's step and every file it lists has the recorded size."""
+    return _check(snapshot) is True
+
+
+def _check(snapshot: str) -> bool | None:
+    """True: complete; False: incomplete (a file missing or of another size, a manifest missing or wrong);
+    None: unknown (the storage failed to answer: a network file system's transient error)."""
     try:
         with open(os.path.join(snapshot, MANIFEST), encoding="utf-8") as f:
             manifest = json.load(f)
@@ -116,8 +123,10 @@ def is_complete(snapshot: str) -> bool:
         if manifest["step"] != snapshot_step(snapshot) or not isinstance(files, dict) or not files:
             return False
         return all(os.path.getsize(os.path.join(snapshot, name)) == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError):
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
         return False
+    except OSError:
+        return None
 
 
 def complete_steps(store: str) -> list[int]:
@@ -149,18 +158,48 @@ def restorable_steps(tier_roots: Iterable[str], limit: int = MAX_REPORTED) -> li
     return sorted(found, reverse=True)[:limit]
 
 
-def prune(store: str, keep: int) -> None:
-    """Keeps the ``keep`` newest complete snapshots of ``store``; removes older and incomplete ones. (Not the
-    temporary directories: one may be a snapshot being written; see :func:`remove_temporaries`.)"""
+def prune(store: str, keep: int, protect: Iterable[int] = ()) -> None:
+    """Keeps the ``keep`` newest complete snapshots of ``store`` and those of ``protect`` (one being copied);
+    removes older and incomplete ones. Not the temporary directories (one may be a snapshot being written: see
+    :func:`remove_temporaries`), and nothing the storage failed to describe."""
     try:
         names = os.listdir(store)
     except OSError:
         return
-    kept = set(complete_steps(store)[:keep])
+    kept = set(complete_steps(store)[:keep]) | set(protect)
     for name in names:
         step = snapshot_step(name)
-        if step is not None and step not in kept:
+        if step is not None and step not in kept and _check(os.path.join(store, name)) is not None:
             shutil.rmtree(os.path.join(store, name), ignore_errors=True)
+
+
+def remove_newer(store: str, step: int | None) -> list[int]:
+    """Removes the snapshots of ``store`` newer than ``step`` (all, for None): after a restore of an older step
+    they are another history, which a later restore must not pick up. Returns the steps removed."""
+    try:
+        names = os.listdir(store)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        found = snapshot_step(name)
+        if found is not None and (step is None or found > step) and _check(os.path.join(store, name)) is not None:
+            shutil.rmtree(os.path.join(store, name), ignore_errors=True)
+            removed.append(found)
+    return sorted(removed)
+
+
+def set_aside(snapshot: str) -> str | None:
+    """Renames a snapshot that did not restore to ``damaged-...`` in its store (no scan counts it; nothing
+    removes it: it is there for an operator). Returns the new path, or None when the rename failed."""
+    store = os.path.dirname(os.path.normpath(snapshot))
+    target = os.path.join(store, f"{DAMAGED_PREFIX}{os.path.basename(os.path.normpath(snapshot))}-"
+                                 f"{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(snapshot, target)
+    except OSError:
+        return None
+    return target
 
 
 def remove_temporaries(store: str) -> None:

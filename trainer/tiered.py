@@ -14,11 +14,14 @@ shared one. When the agents found no common step (or the store is outside the ag
 they do not look), every worker restores the newest snapshot of the shared tier, which all of them see (an
 agreement check after the restore stops workers that did not); without an agent, the newest snapshot of either
 tier that restores. A snapshot whose
-manifest is complete but which does not restore (damaged storage) is set aside, so that the next round does not
-choose it again.
+manifest is complete but whose data does not read back (TensorFlow's checksums: damaged storage) is set aside as
+``damaged-...``, so that the next round does not choose it again; any other restore error (a model that no
+longer matches the snapshot) is raised as it is. After a restore, this worker's snapshots newer than the step
+restored are removed: they belong to an abandoned history, which a later restore must not pick up.
 
 Errors of the background write surface at the next save or at :meth:`TieredCheckpoint.flush`; a failed copy to
-the shared tier is logged and retried with the next snapshot.
+the shared tier is logged and retried with the next snapshot, and :meth:`TieredCheckpoint.flush` (a graceful
+stop, the end of training) tries the newest once more itself and raises if it still fails.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ import tensorflow as tf  # noqa: E402
 log = logging.getLogger(__name__)
 
 LOCAL, SHARED, NONE = "local", "shared", "none"  # where a restore came from
+# What a damaged snapshot raises when it is read: a checksum that does not match, a short read.
+_DAMAGED_DATA = (tf.errors.DataLossError, tf.errors.OutOfRangeError, IndexError)
 # The coordinator's step is for the process's first restore: a second fit() in the same process continues from
 # the snapshots the first one saved, as tf_keras's BackupAndRestore would.
 _chosen_step_used = False
@@ -89,6 +94,8 @@ class TieredCheckpoint:
         self.last_stall = 0.0
         self.last_write_seconds: float | None = None  # save() to sealed (and persisted, on the chief): the latest
         self._save_began: dict[int, float] = {}
+        self._last_started: int | None = None
+        self._copying: int | None = None  # the step the persister copies: the sealer's prune keeps it
 
     @property
     def write_store(self) -> str:
@@ -103,8 +110,12 @@ class TieredCheckpoint:
         return self._scratch
 
     def save(self, step: int) -> float:
-        """Starts a snapshot of ``step``; returns how long training was held up (seconds)."""
+        """Starts a snapshot of ``step``; returns how long training was held up (seconds). A second save of the
+        same step (a graceful stop right after a periodic save) does nothing."""
         self._raise_background_error()
+        if step == self._last_started:
+            return 0.0
+        self._last_started = step
         self._start_threads()
         store = self.write_store
         os.makedirs(store, exist_ok=True)
@@ -124,6 +135,13 @@ class TieredCheckpoint:
         with self._persisting:
             self._persisting.wait_for(lambda: self._to_persist is None and not self._busy_persisting)
         self._raise_background_error()
+        sealed = self.sealed_step
+        if self._persister() and sealed is not None and self.persisted_step != sealed:
+            assert self.local_store is not None
+            self._persist(sealed, self.local_store)  # once more, here: the copy in the background failed
+            if self.persisted_step != sealed:
+                raise RuntimeError(f"snapshot step {sealed} could not be copied to the shared tier "
+                                   f"{self.shared_store} (see the warning above); it exists on this node only")
 
     def close(self) -> None:
         """Flushes, then stops the background threads."""
@@ -150,8 +168,11 @@ class TieredCheckpoint:
         global _chosen_step_used
         first, _chosen_step_used = not _chosen_step_used, True
         if first and self._wanted is not None:
-            return self._restore_chosen(self._wanted)
-        return self._restore_newest(shared_only=self._managed and first)
+            result = self._restore_chosen(self._wanted)
+        else:
+            result = self._restore_newest(shared_only=self._managed and first)
+        self._forget_newer(result.step)
+        return result
 
     def candidates(self, step: int | None = None) -> list[tuple[str, str]]:
         """(tier, snapshot) pairs to try, newest step first, the local tier before the shared one."""
@@ -163,11 +184,16 @@ class TieredCheckpoint:
         return [(tier, path) for _, _, tier, path in sorted(found, reverse=True)]
 
     def _restore_chosen(self, step: int) -> TierRestore:
+        candidates = self.candidates(step)
+        if not candidates:  # the step is another store's (a job with two), or the scan was stale
+            log.warning("the coordinator chose snapshot step %d, which %s does not hold: restoring its newest "
+                        "shared snapshot instead", step, self.shared_store)
+            return self._restore_newest(shared_only=True)
         result = TierRestore(None, NONE)
-        for tier, path in self.candidates(step):
+        for tier, path in candidates:
             if self._try_restore(path, result):
                 return TierRestore(step, tier, path, result.skipped)
-        why = "; ".join(f"{p}: {r}" for p, r in result.skipped) or "this worker has no complete snapshot of it"
+        why = "; ".join(f"{p}: {r}" for p, r in result.skipped)
         raise NoRestorableCheckpointError(
             f"snapshot step {step}, which the coordinator chose, does not restore here ({why}). A damaged snapshot "
             "is set aside, so the next generation chooses an older step")
@@ -191,15 +217,33 @@ class TieredCheckpoint:
         return result
 
     def _try_restore(self, path: str, result: TierRestore) -> bool:
+        """Restores ``path``; False when its data is damaged (it is set aside); any other error is raised."""
         try:
             self.checkpoint.restore(snapshots.checkpoint_prefix(path)).expect_partial()
             return True
-        except Exception as e:  # a damaged file surfaces as OpError, ValueError or IndexError
+        except Exception as e:
+            if not isinstance(e, _DAMAGED_DATA) and snapshots.is_complete(path):
+                raise  # not the storage: a model that no longer matches the snapshot, an out-of-memory error
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            log.warning("snapshot %s does not restore (%s); setting it aside", path, reason)
             result.skipped.append((path, reason))
-            _set_aside(path)
+            mine = path.startswith(self.write_store + os.sep) or self.is_chief
+            moved = snapshots.set_aside(path) if mine else None
+            log.warning("snapshot %s does not restore (%s)%s", path, reason,
+                        f"; set aside as {moved}" if moved else "")
             return False
+
+    def _forget_newer(self, restored: int | None) -> None:
+        """Removes this worker's snapshots newer than the step restored (see the module docstring)."""
+        # Nothing restored: the shared tier is left alone (a shared file system that failed to list it must not
+        # cost the job its history); the local tier is this worker's own.
+        stores = [self.local_store] + ([self.shared_store] if self.is_chief and restored is not None else [])
+        for store in stores:
+            if store is None:
+                continue
+            removed = snapshots.remove_newer(store, restored)
+            if removed:
+                log.info("removed snapshots newer than the step restored (%s) from %s: steps %s",
+                         "none" if restored is None else restored, store, ", ".join(map(str, removed)))
 
     def _start_threads(self) -> None:
         if self._threads:
@@ -229,7 +273,9 @@ class TieredCheckpoint:
             shutil.rmtree(building, ignore_errors=True)
             return
         snapshots.seal(building, store, step)
-        snapshots.prune(store, self._keep_local if store == self.local_store else self._keep_shared)
+        copying = self._copying
+        snapshots.prune(store, self._keep_local if store == self.local_store else self._keep_shared,
+                        protect=() if copying is None else (copying,))
         self.sealed_step = step
         if store == self.shared_store:
             self.persisted_step = step
@@ -248,10 +294,12 @@ class TieredCheckpoint:
                 self._busy_persisting = step != -1
             if step == -1:
                 return
+            self._copying = step
             try:
                 assert step is not None and self.local_store is not None
                 self._persist(step, self.local_store)
             finally:
+                self._copying = None
                 with self._persisting:
                     self._busy_persisting = False
                     self._persisting.notify_all()
@@ -264,9 +312,8 @@ class TieredCheckpoint:
             self.persisted_step = step
             self._written(step)
         except (OSError, snapshots.SnapshotError) as e:
-            if os.path.isdir(source):  # not merely pruned by a newer snapshot meanwhile
-                log.warning("could not copy snapshot %s to the shared tier %s (%s); the next snapshot tries "
-                            "again", source, self.shared_store, e)
+            log.warning("could not copy snapshot %s to the shared tier %s (%s); the next snapshot tries again",
+                        source, self.shared_store, e)
 
     def _persister(self) -> bool:
         """Whether this worker copies its snapshots to the shared tier (the chief, when it has a local tier)."""
@@ -283,13 +330,3 @@ class TieredCheckpoint:
         error, self._error = self._error, None
         if error is not None:
             raise RuntimeError(f"a snapshot could not be written to {self.write_store}: {error}") from error
-
-
-def _set_aside(snapshot: str) -> None:
-    """Renames a damaged snapshot to a temporary name, which no scan counts and the next prune removes."""
-    store = os.path.dirname(os.path.normpath(snapshot))
-    step = snapshots.snapshot_step(snapshot)
-    try:
-        os.rename(snapshot, snapshots.temporary_dir(store, step if step is not None else 0))
-    except OSError as e:
-        log.warning("could not set aside %s (%s)", snapshot, e)

@@ -53,24 +53,34 @@ CASES = """
     report = {"local": snapshots.complete_steps(os.path.join(local_root, "fit")),
               "shared": snapshots.complete_steps(shared),
               "sealed": writer.sealed_step, "persisted": writer.persisted_step}
-    report["chosen_local"] = restore(restore_step=20)
-    report["second_in_process"] = restore(restore_step=20, new_process=False)
-    shutil.rmtree(os.path.join(local_root, "fit", snapshots.snapshot_name(20)))
-    report["chosen_shared"] = restore(restore_step=20)
     data = os.path.join(local_root, "fit", snapshots.snapshot_name(30), "ckpt.data-00000-of-00001")
     with open(data, "r+b") as f:  # same size, other bytes: the manifest cannot tell, the restore can
         f.seek(200)
         f.write(b"\\xff" * 64)
     report["damaged_local"] = restore(restore_step=30)
     report["local_after_damage"] = snapshots.complete_steps(os.path.join(local_root, "fit"))
+    report["set_aside"] = sorted(n for n in os.listdir(os.path.join(local_root, "fit")) if n.startswith("damaged-"))
+    other = tf.train.Checkpoint(value=tf.Variable(tf.zeros([7])))  # a model changed since the snapshots
+    try:
+        TieredCheckpoint(other, shared, is_chief=True, env=TrainerEnvironment(restore_step=30)).restore()
+    except Exception as e:
+        report["model_changed"] = {"error": type(e).__name__, "shared": snapshots.complete_steps(shared)}
+    report["chosen_local"] = restore(restore_step=20)  # an older step: 30 is another history now
+    report["after_older_restore"] = {"local": snapshots.complete_steps(os.path.join(local_root, "fit")),
+                                     "shared": snapshots.complete_steps(shared)}
+    report["second_in_process"] = restore(restore_step=10, new_process=False)
+    shutil.rmtree(os.path.join(local_root, "fit", snapshots.snapshot_name(20)))
+    report["chosen_shared"] = restore(restore_step=20)
     report["nobody_has_it"] = restore(restore_step=25)
     value.assign(tf.fill([1000], 40.0))
     local_only = tier(local=True)
     local_only.is_chief = False  # a non-chief keeps its snapshot in the local tier only
     local_only.save(40)
     local_only.close()
-    report["no_common_step"] = restore(restore_step=None)
     report["standalone"] = restore(restore_step=None, managed=False)
+    report["no_common_step"] = restore(restore_step=None)
+    report["after_no_common_step"] = {"local": snapshots.complete_steps(os.path.join(local_root, "fit")),
+                                      "shared": snapshots.complete_steps(shared)}
     print(json.dumps(report))
 """
 
@@ -97,20 +107,31 @@ def test_the_chosen_step_comes_from_the_local_tier_when_the_node_has_it(cases: d
 
 def test_a_second_restore_in_the_same_process_continues_from_the_newest_snapshot(cases: dict[str, Any]) -> None:
     """A second fit() in one process: the coordinator chose a step for the process's start, not for it."""
-    assert cases["second_in_process"] == {"step": 30, "tier": "local", "value": 30.0, "skipped": []}
+    assert cases["second_in_process"] == {"step": 20, "tier": "local", "value": 20.0, "skipped": []}
 
 
 def test_a_damaged_local_snapshot_is_set_aside_and_the_shared_copy_restores(cases: dict[str, Any]) -> None:
     assert cases["damaged_local"] == {"step": 30, "tier": "shared", "value": 30.0,
                                       "skipped": ["local/fit/step-000000000030"]}
-    assert cases["local_after_damage"] == [10]  # 30 set aside (20 was removed by the test)
+    assert cases["local_after_damage"] == [20, 10]  # 30 set aside
+    assert [name[:len("damaged-step-000000000030")] for name in cases["set_aside"]] == ["damaged-step-000000000030"]
 
 
-def test_a_step_this_worker_cannot_restore_is_an_error_naming_it(cases: dict[str, Any]) -> None:
-    assert "snapshot step 25, which the coordinator chose, does not restore here" in cases["nobody_has_it"]["error"]
-    assert "no complete snapshot of it" in cases["nobody_has_it"]["error"]
+def test_a_snapshot_that_no_longer_fits_the_model_is_an_error_and_is_kept(cases: dict[str, Any]) -> None:
+    assert cases["model_changed"] == {"error": "ValueError", "shared": [30, 20, 10]}
+
+
+def test_a_chosen_step_this_store_does_not_hold_falls_back_to_its_newest_shared_one(cases: dict[str, Any]) -> None:
+    """Another store's step (a job with two), or a scan gone stale: the agreement check covers the workers."""
+    assert cases["nobody_has_it"] == {"step": 20, "tier": "shared", "value": 20.0, "skipped": []}
 
 
 def test_without_a_chosen_step_the_workers_take_the_shared_tier_and_alone_the_newest(cases: dict[str, Any]) -> None:
-    assert cases["no_common_step"] == {"step": 30, "tier": "shared", "value": 30.0, "skipped": []}
     assert cases["standalone"] == {"step": 40, "tier": "local", "value": 40.0, "skipped": []}
+    assert cases["no_common_step"] == {"step": 20, "tier": "shared", "value": 20.0, "skipped": []}
+    assert cases["after_no_common_step"] == {"local": [10], "shared": [20, 10]}  # the local 40 was newer
+
+
+def test_after_restoring_an_older_step_the_newer_snapshots_are_gone(cases: dict[str, Any]) -> None:
+    """Step 30 is another history once 20 was restored: a later restore must not pick it up."""
+    assert cases["after_older_restore"] == {"local": [20, 10], "shared": [20, 10]}

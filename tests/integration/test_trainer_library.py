@@ -306,7 +306,8 @@ def test_fit_on_the_fast_tier_reports_each_snapshot_its_stall_and_the_restore(tm
     assert [r["step"] for r in reports if r["phase"] == "save"] == [20, 40, 60, 80, 100, 100], reports
     snapshots_reported = [r for r in reports if r["ckpt"] is not None]
     assert sorted({r["ckpt"] for r in snapshots_reported}) == [20, 40, 60, 80, 100], reports
-    assert all(r["stall"] is not None and 0 <= r["stall"] < 30 for r in snapshots_reported if not r["done"]), reports
+    stalls = [(r["step"], r["stall"]) for r in reports if r["stall"] is not None]  # one report per save
+    assert [step for step, _ in stalls] == [20, 40, 60, 80, 100] and all(0 <= t < 30 for _, t in stalls), reports
     assert all(r["step"] >= r["ckpt"] for r in snapshots_reported), reports  # reported once complete, not before
     assert reports[-1]["done"] and reports[-1]["ckpt"] == 100, reports
     assert sorted(p.name for p in (tmp_path / "backup").iterdir()) == [snapshot_name(s) for s in (60, 80, 100)]
@@ -421,3 +422,26 @@ def test_the_loss_reported_on_two_workers_is_the_mean_not_the_sum(tmp_path: Path
     for summary in workers.summaries():
         assert summary["keras"] == pytest.approx(1.0)
         assert summary["losses"] and all(loss == pytest.approx(1.0) for loss in summary["losses"]), summary
+
+
+def test_a_job_saved_by_backup_and_restore_resumes_on_the_fast_tier(tmp_path: Path) -> None:
+    """Upgrading in the middle of a job: fit_callbacks(fast_tier=False) saved tf_keras checkpoints; the fast tier
+    finds no snapshot, restores the newest of those, and carries on in snapshots."""
+    run = """
+        import sys
+        from tfelastic.trainer.callbacks import fit_callbacks
+        import numpy as np, tf_keras as keras
+        model = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        x = np.random.default_rng(0).normal(size=(320, 8)).astype("float32")
+        callbacks = fit_callbacks("backup", save_every=7, fast_tier=sys.argv[1] == "fast")
+        model.fit(x, x.sum(1, keepdims=True), batch_size=32, epochs=int(sys.argv[2]), verbose=0, callbacks=callbacks)
+        restored = getattr(callbacks[1], "restored", None)
+        print(restored and restored.step, int(model.optimizer.iterations.numpy()))
+    """
+    for variant, epochs, expected in (("synchronous", "2", "None 20"), ("fast", "3", "20 30")):
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(run), variant, epochs], cwd=tmp_path,
+                                env=worker_env(), capture_output=True, text=True, timeout=240)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.splitlines()[-1] == expected
+    assert snapshot_name(30) in {p.name for p in (tmp_path / "backup").iterdir()}

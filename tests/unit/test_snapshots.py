@@ -105,3 +105,51 @@ def test_the_local_tier_has_one_directory_per_job_and_node(tmp_path: Path) -> No
     assert snapshots.local_store_root(root, "mnist", "gpu-01") == os.path.join(root, "mnist", "gpu-01")
     assert snapshots.local_store_root(root, "../x", "a/b") == os.path.join(root, ".._x", "a_b")
     assert snapshots.local_store_root(root, "..", "") == os.path.join(root, "_", "_")
+
+
+def test_remove_newer_drops_another_historys_snapshots(tmp_path: Path) -> None:
+    for step in (10, 20, 30):
+        build(tmp_path, step)
+    assert snapshots.remove_newer(str(tmp_path), 10) == [20, 30]
+    assert snapshots.complete_steps(str(tmp_path)) == [10]
+    assert snapshots.remove_newer(str(tmp_path), None) == [10]
+    assert snapshots.remove_newer(str(tmp_path / "missing"), None) == []
+
+
+def test_prune_keeps_a_protected_snapshot_being_copied(tmp_path: Path) -> None:
+    for step in (10, 20, 30):
+        build(tmp_path, step)
+    snapshots.prune(str(tmp_path), keep=1, protect=(10,))
+    assert snapshots.complete_steps(str(tmp_path)) == [30, 10]
+
+
+def test_a_set_aside_snapshot_is_kept_under_another_name_that_no_scan_counts(tmp_path: Path) -> None:
+    build(tmp_path, 10)
+    snapshot = build(tmp_path, 20)
+    moved = snapshots.set_aside(str(snapshot))
+    assert moved is not None and Path(moved).name.startswith("damaged-step-000000000020-")
+    assert snapshots.complete_steps(str(tmp_path)) == [10]
+    snapshots.prune(str(tmp_path), keep=1)
+    snapshots.remove_temporaries(str(tmp_path))
+    assert Path(moved).is_dir()  # for an operator to look at
+    assert snapshots.set_aside(str(snapshot)) is None  # gone already: nothing to rename
+
+
+def test_nothing_is_removed_that_the_storage_failed_to_describe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    for step in (10, 20, 30):
+        build(tmp_path, step)
+    real_getsize = os.path.getsize
+
+    def flaky(path: str) -> int:  # a network file system's transient error on one snapshot
+        if "step-000000000010" in str(path):
+            raise OSError(5, "Input/output error")
+        return real_getsize(path)
+
+    monkeypatch.setattr(os.path, "getsize", flaky)
+    assert snapshots.complete_steps(str(tmp_path)) == [30, 20]  # not restorable while it cannot be read
+    snapshots.prune(str(tmp_path), keep=1)  # 20 goes (complete, older than the one kept); 10 stays
+    assert snapshots.complete_steps(str(tmp_path)) == [30]
+    assert snapshots.remove_newer(str(tmp_path), None) == [30]
+    monkeypatch.undo()
+    assert snapshots.complete_steps(str(tmp_path)) == [10]
