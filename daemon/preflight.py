@@ -138,6 +138,7 @@ def local_tier_or_off(config: AgentConfig) -> AgentConfig:
         return config
     try:
         os.makedirs(tier, exist_ok=True)
+        os.chmod(tier, 0o700)  # snapshots hold the model's weights: /dev/shm is readable by every user
         with tempfile.NamedTemporaryFile(dir=tier, prefix=".tfelastic-check-"):
             pass
     except OSError as e:

@@ -96,6 +96,7 @@ def test_a_writable_root_keeps_the_tier_and_creates_the_nodes_directory(tmp_path
     assert local_tier_or_off(config) is config
     tier = tmp_path / "shm" / "mnist" / "node-a"
     assert tier.is_dir() and os.listdir(tier) == []  # the probe file is gone
+    assert tier.stat().st_mode & 0o777 == 0o700  # the model's weights: not for other users of /dev/shm
 
 
 def test_an_unwritable_root_turns_the_tier_off_with_a_warning(tmp_path: Path,
