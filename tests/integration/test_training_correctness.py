@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tfelastic.trainer.snapshots import snapshot_name
 
 from tests.cluster import FORM_WITH_ALL, Cluster, members, wait_for
 from tests.conftest import ClusterFactory
@@ -179,7 +180,8 @@ def test_world_size_2_3_2_keeps_the_batch_policy_and_loses_nothing_on_the_planne
     resumed = final[0]["initial_step"]
     assert step - SAVE_EVERY <= resumed, (step, resumed)
     assert resumed % SAVE_EVERY == 0 or resumed == stopped[0]["final_step"], (resumed, stopped[0]["final_step"])
-    assert final[0]["restored_from"].endswith(f"/ckpt-{resumed}"), final[0]
+    assert final[0]["restored_from"].endswith(f"/{snapshot_name(resumed)}"), final[0]
+    assert f"{tmp_path}/shm/" in final[0]["restored_from"], final[0]  # a surviving node: from its memory
     # Every generation's chief logged its plan at start.
     plans = re.findall(r"\[rank 0\] world size (\d+), (\d+) replicas: global batch (\d+), (\d+) per replica, "
                        rf"learning rate (\S+) \({policy}\)", cluster.agents[0].log())
