@@ -59,7 +59,8 @@ def overhead(variants: list[str], rounds: int, steps: int, warmup: int, root: Pa
             output = run(variant, steps, work, local)
             samples[variant].append(seconds_per_step(output, warmup))
             done = json.loads(output.strip().splitlines()[-1])
-            extra = f"  stalls {done['stalls']} interval {done['interval']}" if done["stalls"] else ""
+            extra = (f"  stalls {done['stalls']} interval {done['interval']} interference per save "
+                     f"{done['interference']}" if done["stalls"] else "")
             print(f"round {round_number} {variant:>7}: {samples[variant][-1]:.3f} s/step{extra}", flush=True)
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(local, ignore_errors=True)

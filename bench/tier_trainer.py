@@ -60,4 +60,5 @@ elif variant != "none":
     raise SystemExit(f"unknown variant {variant!r}: none, sync20 or fast")
 model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[*callbacks, StepClock()])
 print(json.dumps({"done": True, "stalls": [round(s, 4) for s in getattr(restorer, "stalls", [])],
-                  "interval": restorer.schedule.interval if restorer else None}), flush=True)
+                  "interval": restorer.schedule.interval if restorer else None,
+                  "interference": restorer and restorer.schedule.mean_interference}), flush=True)

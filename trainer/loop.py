@@ -219,6 +219,7 @@ class TrainLoop:
     def _after_step(self, loss: Any, guard: Any) -> None:
         if self._on_step is not None:
             self._on_step(self.step, loss)
+        self.schedule.step_done(time.monotonic(), self.checkpoints.busy)
         self._report_sealed()
         if self.schedule.due(self.step):
             self.save()

@@ -9,10 +9,14 @@ are not used: the first allocates the host copies, the second traces the copy fu
 Every worker must save at the same step, so in a multi-worker job the workers adopt the chief's interval
 (:meth:`SaveSchedule.adopt`).
 
-The interval is also at least one step more than a snapshot's background write takes (to the local tier, and
-on the chief to the shared one): a save that came sooner would wait for the previous write, and the stalls
-would swing between nothing and a whole write. The write's CPU time, which competes with training on a host
-whose CPUs train, is not charged to the budget (measured on 2 CPU cores: within the noise; docs/benchmarks.md).
+A save costs more than its stall where the host's CPUs also train: TensorFlow serializes the snapshot, and the
+chief copies it to shared storage, in background threads that compete with the training step (on 2 CPU cores,
+a 400 MB snapshot slowed the steps during its write by about 40 %: docs/benchmarks.md). So the cost charged to
+the budget is the stall plus the write's *interference*: the time the steps that ran during the write took
+beyond the step time measured with no write under way (the callers report every step with
+:meth:`SaveSchedule.step_done`). On a GPU node, whose training does not run on the CPUs, that is about nothing.
+The interval is also at least one step more than a write takes, so that a save never waits for the previous
+one and the step time without a write can be measured.
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ class SaveSchedule:
         self._stall = _Average()
         self._step_seconds = _Average()
         self._write_seconds = _Average()
+        self._quiet_step = _Average()  # a step's time with no write under way
+        self._interference = _Average()  # what the steps during a write took beyond quiet steps, per save
+        self._during_write = (0.0, 0)  # (seconds, steps) of the write under way
+        self._step_ended: float | None = None
         self._saves = 0
         self._last_save: tuple[int, float] | None = None  # (step, time the save returned)
         self._last_write: float | None = None
@@ -62,6 +70,20 @@ class SaveSchedule:
         else:
             self.next_step = step + self.interval
         self._last_save = None
+
+    def step_done(self, now: float, writing: bool) -> None:
+        """A training step ended at ``now``; ``writing``: a snapshot was being written in the background."""
+        if self._step_ended is not None:
+            duration = max(now - self._step_ended, 0.0)
+            seconds, steps = self._during_write
+            if writing:
+                self._during_write = (seconds + duration, steps + 1)
+            else:
+                if steps and self._quiet_step.value is not None and self._saves > WARMUP_SAVES:
+                    self._interference.add(max(seconds - steps * self._quiet_step.value, 0.0))
+                self._during_write = (0.0, 0)
+                self._quiet_step.add(duration)
+        self._step_ended = now
 
     def due(self, step: int) -> bool:
         return self.next_step is not None and step >= self.next_step
@@ -80,6 +102,7 @@ class SaveSchedule:
         if self._saves > WARMUP_SAVES:
             self._stall.add(max(stall, 0.0))
         self._last_save = (step, began + stall)
+        self._step_ended = began + stall  # the stall is not a step's time
         return self.fixed or self._proposal()
 
     def adopt(self, step: int, interval: int) -> None:
@@ -95,13 +118,19 @@ class SaveSchedule:
     def mean_step_seconds(self) -> float | None:
         return self._step_seconds.value
 
+    @property
+    def mean_interference(self) -> float | None:
+        return self._interference.value
+
     def _proposal(self) -> int:
         stall, step = self._stall.value, self._step_seconds.value
         if stall is None or step is None:
             return self.interval
         if step <= 0:
             return self.maximum
-        budgeted = math.ceil(stall / (self.budget * step))
+        step = self._quiet_step.value or step
+        cost = stall + (self._interference.value or 0.0)
+        budgeted = math.ceil(cost / (self.budget * step) - 1e-9)  # 20.000000000000004 steps are 20
         write = self._write_seconds.value
         unqueued = math.ceil(write / step) + 1 if write is not None else 1
         return max(1, min(max(budgeted, unqueued), self.maximum))

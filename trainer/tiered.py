@@ -5,7 +5,8 @@ background. The layout is :mod:`tfelastic.trainer.snapshots`.
 (``CheckpointOptions(experimental_enable_async_checkpoint=True)``; it also waits for the previous snapshot's
 write, if that is still going). TensorFlow writes the files in its own thread; then a sealer thread of ours seals
 the snapshot (manifest, flush, rename: :func:`~tfelastic.trainer.snapshots.seal`) in the local tier and prunes
-the old ones, and on the chief a persister thread copies the newest sealed snapshot to the shared tier. Every
+the old ones, and on the chief a persister thread copies the newest sealed snapshot to the shared tier, at most
+every ``persist_seconds`` (30 s; and always the newest at :meth:`TieredCheckpoint.flush`). Every
 worker saves at the same step (saving may run collectives) and keeps its own local copy.
 
 :meth:`TieredCheckpoint.restore` restores the step the coordinator chose (``TFELASTIC_RESTORE_STEP``: the newest
@@ -49,6 +50,9 @@ log = logging.getLogger(__name__)
 LOCAL, SHARED, NONE = "local", "shared", "none"  # where a restore came from
 # What a damaged snapshot raises when it is read: a checksum that does not match, a short read.
 _DAMAGED_DATA = (tf.errors.DataLossError, tf.errors.OutOfRangeError, IndexError)
+# The chief copies a snapshot to the shared tier at most this often: the copy competes with training where the
+# CPUs train, and the local tier covers a worker's crash; the shared tier is for a lost node.
+PERSIST_SECONDS = 30.0
 # The coordinator's step is for the process's first restore: a second fit() in the same process continues from
 # the snapshots the first one saved, as tf_keras's BackupAndRestore would.
 _chosen_step_used = False
@@ -67,7 +71,7 @@ class TieredCheckpoint:
     the same name (see the module docstring)."""
 
     def __init__(self, checkpoint: Any, shared_store: str, *, is_chief: bool, env: TrainerEnvironment | None = None,
-                 keep_local: int = 2, keep_shared: int = 3) -> None:
+                 keep_local: int = 2, keep_shared: int = 3, persist_seconds: float = PERSIST_SECONDS) -> None:
         if keep_local < 1 or keep_shared < 2:
             raise ValueError(f"keep_local={keep_local} must be at least 1 and keep_shared={keep_shared} at least 2 "
                              "(one to fall back to when the newest is damaged)")
@@ -81,6 +85,8 @@ class TieredCheckpoint:
         self._managed = environment.managed
         self._wanted = environment.restore_step
         self._keep_local, self._keep_shared = keep_local, keep_shared
+        self._persist_seconds = persist_seconds
+        self._persist_began = -float("inf")  # when the persister last took a snapshot
         self._options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
         self._scratch: str | None = None  # a non-chief without a local tier writes here, and keeps nothing
         self._sealing: queue.Queue[tuple[int, str] | None] = queue.Queue()
@@ -95,6 +101,7 @@ class TieredCheckpoint:
         self.last_write_seconds: float | None = None  # save() to sealed (and persisted, on the chief): the latest
         self._save_began: dict[int, float] = {}
         self._last_started: int | None = None
+        self._written_step: int | None = None  # the newest snapshot whose background work is over
         self._copying: int | None = None  # the step the persister copies: the sealer's prune keeps it
 
     @property
@@ -138,7 +145,7 @@ class TieredCheckpoint:
         sealed = self.sealed_step
         if self._persister() and sealed is not None and self.persisted_step != sealed:
             assert self.local_store is not None
-            self._persist(sealed, self.local_store)  # once more, here: the copy in the background failed
+            self._persist(sealed, self.local_store)  # the newest was not copied (throttled, or the copy failed)
             if self.persisted_step != sealed:
                 raise RuntimeError(f"snapshot step {sealed} could not be copied to the shared tier "
                                    f"{self.shared_store} (see the warning above); it exists on this node only")
@@ -271,6 +278,7 @@ class TieredCheckpoint:
         store = self.write_store
         if store == self._scratch:
             shutil.rmtree(building, ignore_errors=True)
+            self._written(step)
             return
         snapshots.seal(building, store, step)
         copying = self._copying
@@ -279,9 +287,10 @@ class TieredCheckpoint:
         self.sealed_step = step
         if store == self.shared_store:
             self.persisted_step = step
-        if not self._persister():
-            self._written(step)
+        if not self._persister() or time.monotonic() - self._persist_began < self._persist_seconds:
+            self._written(step)  # the shared tier gets a newer one later (flush() copies the newest)
         else:
+            self._persist_began = time.monotonic()
             with self._persisting:
                 self._to_persist = step
                 self._persisting.notify_all()
@@ -314,12 +323,19 @@ class TieredCheckpoint:
         except (OSError, snapshots.SnapshotError) as e:
             log.warning("could not copy snapshot %s to the shared tier %s (%s); the next snapshot tries again",
                         source, self.shared_store, e)
+            self._written(step)  # its background work is over, if unsuccessfully
 
     def _persister(self) -> bool:
         """Whether this worker copies its snapshots to the shared tier (the chief, when it has a local tier)."""
         return self.is_chief and self.local_store is not None
 
+    @property
+    def busy(self) -> bool:
+        """Whether a snapshot is being written in the background (or copied to the shared tier)."""
+        return self._last_started is not None and self._written_step != self._last_started
+
     def _written(self, step: int) -> None:
+        self._written_step = step
         began = self._save_began.pop(step, None)
         for older in [s for s in self._save_began if s < step]:  # skipped by the persister: a newer one is done
             del self._save_began[older]

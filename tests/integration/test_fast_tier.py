@@ -32,7 +32,8 @@ CASES = """
     def tier(restore_step=None, managed=True, local=True):
         env = TrainerEnvironment(progress_socket="agent.sock" if managed else None, restore_step=restore_step,
                                  local_checkpoint_dir=local_root if local else None)
-        return TieredCheckpoint(checkpoint, shared, is_chief=True, env=env, keep_local=3, keep_shared=3)
+        return TieredCheckpoint(checkpoint, shared, is_chief=True, env=env, keep_local=3, keep_shared=3,
+                                persist_seconds=0)
 
     def restore(new_process=True, **kwargs):
         # A restore as a new trainer process makes it: the coordinator's step is for a process's first.
@@ -50,7 +51,14 @@ CASES = """
         value.assign(tf.fill([1000], float(step)))
         writer.save(step)
     writer.close()
-    report = {"local": snapshots.complete_steps(os.path.join(local_root, "fit")),
+    throttled_shared = os.path.abspath("throttled/fit")
+    throttled = TieredCheckpoint(checkpoint, throttled_shared, is_chief=True, env=TrainerEnvironment(
+        progress_socket="agent.sock", local_checkpoint_dir=os.path.abspath("throttled-local")))
+    for step in (1, 2, 3):
+        throttled.save(step)
+        throttled.flush() if step == 3 else throttled.checkpoint.sync()
+    report = {"throttled": snapshots.complete_steps(throttled_shared),
+              "local": snapshots.complete_steps(os.path.join(local_root, "fit")),
               "shared": snapshots.complete_steps(shared),
               "sealed": writer.sealed_step, "persisted": writer.persisted_step}
     data = os.path.join(local_root, "fit", snapshots.snapshot_name(30), "ckpt.data-00000-of-00001")
@@ -98,6 +106,11 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_every_snapshot_is_sealed_locally_and_persisted_to_the_shared_tier(cases: dict[str, Any]) -> None:
     assert cases["local"] == [30, 20, 10] and cases["shared"] == [30, 20, 10]
     assert (cases["sealed"], cases["persisted"]) == (30, 30)
+
+
+def test_the_copy_to_the_shared_tier_is_throttled_and_flush_copies_the_newest(cases: dict[str, Any]) -> None:
+    """Three snapshots within the 30 s: the first is copied in the background, the newest at flush()."""
+    assert cases["throttled"] == [3, 1]
 
 
 def test_the_chosen_step_comes_from_the_local_tier_when_the_node_has_it(cases: dict[str, Any]) -> None:

@@ -310,6 +310,7 @@ def test_fit_on_the_fast_tier_reports_each_snapshot_its_stall_and_the_restore(tm
     assert [step for step, _ in stalls] == [20, 40, 60, 80, 100] and all(0 <= t < 30 for _, t in stalls), reports
     assert all(r["step"] >= r["ckpt"] for r in snapshots_reported), reports  # reported once complete, not before
     assert reports[-1]["done"] and reports[-1]["ckpt"] == 100, reports
+    # Without an agent there is no local tier: the chief writes the shared one itself, the 3 newest.
     assert sorted(p.name for p in (tmp_path / "backup").iterdir()) == [snapshot_name(s) for s in (60, 80, 100)]
 
 

@@ -90,3 +90,35 @@ def test_saves_come_no_sooner_than_the_background_write_allows() -> None:
     assert schedule.interval == 6
     now += 3.0
     assert schedule.saved(46, stall=0.001, began=now, write_seconds=None) == 6  # nothing new: the average holds
+
+
+def test_the_interference_of_a_background_write_is_charged_to_the_budget() -> None:
+    """Steps of 0.5 s take 0.7 s while a snapshot is written (the 2 steps after a save): 0.4 s of interference
+    per save, and a stall of 1 ms. At 1 %: ceil(0.401 / (0.01 * 0.5)) = 81 steps, where the stall alone would
+    allow a save every 3 steps (the write's 2, and one)."""
+    schedule = SaveSchedule()
+    schedule.start(0)
+    now, last_saved = 0.0, -100
+    for step in range(1, 2000):
+        writing = step - last_saved <= 2
+        now += 0.7 if writing else 0.5
+        schedule.step_done(now, writing=writing)
+        if schedule.due(step):
+            schedule.adopt(step, schedule.saved(step, stall=0.001, began=now, write_seconds=1.4))
+            now += 0.001
+            last_saved = step
+    assert schedule.mean_interference == pytest.approx(0.4)
+    assert schedule.interval == 81
+
+
+def test_without_interference_the_stall_alone_decides() -> None:
+    schedule = SaveSchedule()
+    schedule.start(0)
+    now = 0.0
+    for step in range(1, 200):
+        now += 0.5
+        schedule.step_done(now, writing=False)
+        if schedule.due(step):
+            schedule.adopt(step, schedule.saved(step, stall=0.1, began=now))
+            now += 0.1
+    assert schedule.mean_interference is None and schedule.interval == 20
