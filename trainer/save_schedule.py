@@ -115,10 +115,6 @@ class SaveSchedule:
         return self._stall.value
 
     @property
-    def mean_step_seconds(self) -> float | None:
-        return self._step_seconds.value
-
-    @property
     def mean_interference(self) -> float | None:
         return self._interference.value
 

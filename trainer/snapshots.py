@@ -214,13 +214,6 @@ def remove_temporaries(store: str) -> None:
             shutil.rmtree(os.path.join(store, name), ignore_errors=True)
 
 
-def snapshot_bytes(snapshot: str) -> int:
-    try:
-        return sum(e.stat().st_size for e in os.scandir(snapshot) if e.is_file())
-    except OSError:
-        return 0
-
-
 def _safe(part: str) -> str:
     """A job or node id as one path component."""
     cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", part)
