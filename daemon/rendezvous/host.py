@@ -71,9 +71,12 @@ class CoordinatorHost:
         self._collector = (registry, register_cluster_collector(registry, lambda: self._servicer.published))
 
     async def hand_over(self, timeout: float) -> None:
-        """Before stepping down on purpose (etcd): the orders waiting for their state to be written go out."""
+        """Before stepping down on purpose (etcd): every change is written and the orders waiting for it go out;
+        from then on this coordinator decides nothing (no await in between), so its successor takes over exactly
+        what the agents were told."""
         if self._servicer.persistence is not None:
             await self._servicer.persistence.flush(timeout)
+        self._servicer.stop_deciding()
 
     async def wait_agents_gone(self, timeout: float = AGENTS_GONE_SECONDS) -> None:
         """After the job ended: give the agents time to read the verdict and hang up."""

@@ -46,6 +46,7 @@ class Persistence:
         self._deliver = deliver
         self._held: deque[tuple[int, Sequence[api.Send]]] = deque()
         self._version = 0  # changes so far
+        self._recorded = 0  # the changes up to this one are written (or were not worth a write)
         self._saved: DurableState | None = None
         self._changed = asyncio.Event()
         self.problem = ""  # why the last write failed, while it is retried
@@ -70,11 +71,12 @@ class Persistence:
         return any(isinstance(send.order, api.Assignment) for _, sends in self._held for send in sends)
 
     async def flush(self, timeout: float) -> None:
-        """Before a leader steps down on purpose: until the orders it holds are written and delivered (or it is
-        deposed, or ``timeout``). A successor that took over a generation whose members were never told of it
-        would count each of them lost, for no fault."""
+        """Before a leader steps down on purpose: until every change so far is written and the orders it holds
+        are delivered (or it is deposed, or ``timeout``). A successor that took over a generation whose members
+        were never told of it would count each of them lost, for no fault."""
         deadline = asyncio.get_running_loop().time() + timeout
-        while self._held and not self.deposed.is_set() and asyncio.get_running_loop().time() < deadline:
+        while (self._held or self._recorded < self._version) and not self.deposed.is_set() and \
+                asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
 
     async def run(self) -> None:
@@ -85,9 +87,11 @@ class Persistence:
             version = self._version
             state = self._rendezvous.durable(self._wall_offset)
             if _significant(state) == self._saved and not self._held:
+                self._recorded = version
                 continue
             if not await self._write(state):
                 return
+            self._recorded = version
             while self._held and self._held[0][0] <= version:
                 self._deliver(self._held.popleft()[1])
 

@@ -78,6 +78,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self.published = rendezvous.snapshot()
         self.finished = asyncio.Event()
         self._probes = asyncio.Semaphore(MAX_PROBES)
+        self._deciding = True  # False once the job is handed over: a successor decides from what etcd holds
 
     def start(self) -> None:
         if self.rendezvous.state.is_terminal:  # a job taken over from etcd after its verdict: nothing to run
@@ -93,6 +94,14 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             return
         log.error("writing the job's state failed: %r; stepping down", task.exception())
         self.persistence.deposed.set()
+
+    def stop_deciding(self) -> None:
+        """The job goes to a successor: no message, timer or command changes its state here any more. An order
+        decided after the last write would reach no agent before the sessions close, and the successor, taking
+        over what etcd holds, would count its members lost."""
+        self._deciding = False
+        if self._ticker is not None:
+            self._ticker.cancel()
 
     def close_sessions(self, details: str) -> None:
         for session in self._sessions.values():
@@ -173,6 +182,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def _operator(self, context: grpc.aio.ServicerContext[Any, Any],
                         command: Callable[[], list[api.Send]]) -> None:
         """Run an operator command on the state machine; a refusal becomes the call's status."""
+        if not self._deciding:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is handing the job over to another; "
+                                                              "try again in a few seconds")
         try:
             sends = command()
         except api.RendezvousError as e:
@@ -245,6 +257,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     def _handle(self, session: _Session, wire: pb.AgentMessage, unreachable: str = "") -> None:
         """``wire`` is within bounds: the guard checked it (bounds.check_message) before it got here."""
+        if not self._deciding:
+            return  # handed over: the agent tells the successor again
         if not session.node_id and not wire.HasField("join"):
             raise api.ProtocolError("the first message of a session must be a Join")
         message = convert.agent_message_from_proto(wire, self._clock())
@@ -296,7 +310,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         if session.node_id and self._sessions.get(session.node_id) is session:
             del self._sessions[session.node_id]
             log.info("node %s disconnected", session.node_id)
-            self._dispatch(self.rendezvous.disconnect(session.node_id))
+            if self._deciding:
+                self._dispatch(self.rendezvous.disconnect(session.node_id))
 
     def _dispatch(self, sends: Sequence[api.Send]) -> None:
         if self.persistence is not None:

@@ -7,14 +7,24 @@ import asyncio
 from collections.abc import Sequence
 
 import pytest
-from tfelastic.daemon.rendezvous import persistence
-from tfelastic.daemon.rendezvous.api import Assignment, JobState, RestartReason, Send, StopWorkers, WorkerProgress
+from tfelastic.daemon.rendezvous import convert, persistence
+from tfelastic.daemon.rendezvous.api import (
+    Assignment,
+    JobState,
+    Join,
+    RestartReason,
+    Send,
+    StopWorkers,
+    WorkerProgress,
+)
 from tfelastic.daemon.rendezvous.durable import Deposed, DurableState, StoreUnavailable, Takeover
 from tfelastic.daemon.rendezvous.host import create_server
 from tfelastic.daemon.rendezvous.persistence import Persistence
+from tfelastic.daemon.rendezvous.server import RendezvousServicer, _Session
+from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 
 from tests.fakes import FakeClock
-from tests.unit.test_rendezvous_state import SETTINGS, rejoin_all, running
+from tests.unit.test_rendezvous_state import SETTINGS, SPEC, info, rejoin_all, running
 
 
 class InMemoryStore:
@@ -170,5 +180,56 @@ def test_a_flush_gives_up_after_its_timeout() -> None:
         await asyncio.wait_for(writer.flush(timeout=0.05), 1.0)
         assert writer.holding_assignments  # etcd never answered: nothing went out, and the leader may leave
         assert kinds(delivered) == ["StopWorkers", "StopWorkers"]
+
+    asyncio.run(scenario())
+
+
+def test_a_flush_waits_for_a_write_under_way_even_with_no_order_held() -> None:
+    """A stop goes out at once, but the state that records it is still being written: a successor that took over
+    before that write would run the stopped generation on."""
+    async def scenario() -> None:
+        store = SlowStore()
+        rv = running(FakeClock(), ["a", "b"], max_nodes=2)
+        writer = Persistence(store, rv, FakeClock(), lambda sends: None)
+        asyncio.get_running_loop().create_task(writer.run())
+        writer.dispatch(rv.worker_failed("a", 1, RestartReason.WORKER_EXIT, "exit 1"))
+        await settle()
+        assert not writer.holding
+        flushing = asyncio.get_running_loop().create_task(writer.flush(timeout=5.0))
+        await settle()
+        assert not flushing.done()
+        store.answer.set()
+        await asyncio.wait_for(flushing, 1.0)
+        assert store.saved[-1].generation == 1 and store.saved[-1].state is not JobState.RUNNING
+
+    asyncio.run(scenario())
+
+
+def test_a_coordinator_that_handed_the_job_over_decides_nothing_more() -> None:
+    """The chaos soak found it: a drained leader flushed, then its members' Joins formed one more generation; etcd
+    recorded it, the sessions closed before any member heard of it, and the successor counted a member lost."""
+    async def scenario() -> None:
+        clock = FakeClock()
+        rv = running(clock, ["a", "b"], max_nodes=2)
+        store = InMemoryStore()
+        servicer = RendezvousServicer(rv, clock, 0.5, store=store)
+        servicer.start()
+        sessions = {node: _Session(peer=node, node_id=node) for node in "ab"}
+        servicer._sessions.update(sessions)
+        servicer._dispatch(rv.worker_failed("a", 1, RestartReason.WORKER_EXIT, "exit 1"))
+        assert servicer.persistence is not None
+        await servicer.persistence.flush(timeout=1.0)
+        servicer.stop_deciding()
+        written = len(store.saved)
+        for node, session in sessions.items():  # the two rejoins that would form generation 2
+            join = Join(info(node, last_generation=1), rv.spec or SPEC)
+            servicer._handle(session, convert.agent_message_to_proto(join, clock()))
+        servicer._end(sessions["a"])
+        await settle()
+        assert rv.generation == 1 and len(store.saved) == written
+        queued = [session.outbox.get_nowait() for session in sessions.values()
+                  for _ in range(session.outbox.qsize())]
+        assert not any(isinstance(item, pb.CoordinatorMessage) and item.HasField("assignment") for item in queued)
+        await servicer.stop()
 
     asyncio.run(scenario())
