@@ -184,7 +184,10 @@ class Soak:
         try:
             code = self.agents[node].wait(timeout)
         except subprocess.TimeoutExpired:
-            self.violations.append(f"agent {node} did not exit within {timeout:g}s")
+            self.agents[node].proc.send_signal(signal.SIGUSR1)  # it logs where it waits (or, loop gone, dies)
+            time.sleep(2.0)
+            tail = "\n    ".join(self.agents[node].log().splitlines()[-60:])
+            self.violations.append(f"agent {node} did not exit within {timeout:g}s; its log ends:\n    {tail}")
             self.agents[node].proc.kill()
             code = self.agents[node].wait(10)
         self.exits.append((node, code))

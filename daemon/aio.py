@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
+import traceback
 from collections.abc import Awaitable
 
 
@@ -14,3 +17,24 @@ async def first_of(*waits: Awaitable[object], timeout: float | None = None) -> N
     finally:
         for task in tasks:
             task.cancel()
+
+
+def stacks() -> str:
+    """Where every asyncio task of the running loop and every thread waits: for an operator asking why an agent
+    does not move on (SIGUSR1)."""
+    lines = [f"task {task.get_name()}: {' > '.join(_awaiting(task.get_coro()))}\n" for task in asyncio.all_tasks()]
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        lines.append(f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)[-3:]))
+    return "".join(lines)
+
+
+def _awaiting(coro: object) -> list[str]:
+    """The chain of awaits a coroutine is suspended in, outermost first (a task's own stack has only the first)."""
+    chain: list[str] = []
+    while coro is not None and len(chain) < 32:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            chain.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno})")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return chain or [repr(coro)]

@@ -41,7 +41,7 @@ from tfelastic.daemon.agent.placement import EmbeddedPlacement, EtcdPlacement
 from tfelastic.daemon.agent.runner import WorkerRunner, agent_environment, trainer_env
 from tfelastic.daemon.agent.session import CoordinatorSession, open_session
 from tfelastic.daemon.agent.snapshot_scan import SnapshotScan
-from tfelastic.daemon.aio import first_of
+from tfelastic.daemon.aio import first_of, stacks
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.etcd.client import EtcdCredentials
@@ -65,7 +65,8 @@ STANDBY_AFTER_PROGRESS_SECONDS = 10.0  # the next standby: this long after the t
 STANDBY_DELAY_SECONDS = 40.0  # or this long after its launch (a trainer that does not report)
 NODE_CHECK_SECONDS = MATMUL_TIMEOUT_SECONDS + 30.0  # the matmul's own bound, and the rest of the check
 # A terminal closed under `tfelastic run` (SIGHUP) or Ctrl-\ (SIGQUIT) is a request to stop, like SIGTERM and
-# Ctrl-C: the agent leaves the job cleanly. SIGUSR1 logs what the agent is doing; SIGUSR2 is ignored.
+# Ctrl-C: the agent leaves the job cleanly. SIGUSR1 logs what the agent is doing and where it waits; SIGUSR2 is
+# ignored.
 LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -306,6 +307,8 @@ class Agent:
                  core.worker.state.value, a.generation if a else "-", f" as rank {a.rank}" if a else "",
                  "connected" if self._session is not None else "not connected",
                  "nothing else to do on this signal" if signum == signal.SIGUSR2 else "SIGTERM or SIGHUP leaves")
+        if signum == signal.SIGUSR1:
+            log.info("SIGUSR1: where the agent waits:\n%s", stacks())
 
     def _on_signal(self, signum: int) -> None:
         self._signalled.set()

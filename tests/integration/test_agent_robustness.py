@@ -43,6 +43,7 @@ def test_a_hangup_or_quit_leaves_the_job_cleanly(make_cluster: ClusterFactory, s
     assert f"agent stopped ({sig.name})" in leaving.log() and "node c leaves" in cluster.logs()
     assert other.proc.poll() is None, other.log()
     assert "SIGUSR1" in other.log()
+    assert re.search(r"where the agent waits:\n.*task .*_run_sessions", other.log(), re.S), other.log()
 
 
 def test_a_launch_failure_is_reported_as_such_with_backoff(make_cluster: ClusterFactory, tmp_path: Path) -> None:
