@@ -41,6 +41,10 @@ class SnapshotError(RuntimeError):
     """A snapshot could not be written or copied; the message names the path."""
 
 
+class NothingWritten(SnapshotError):
+    """The checkpoint's writer left no index: its write failed (TensorFlow raises why at its next write)."""
+
+
 def local_store_root(root: str, job: str, node_id: str) -> str:
     """This node's local tier of ``job``: one directory per node, so that agents sharing a host keep apart."""
     return os.path.join(root, _safe(job), _safe(node_id))
@@ -70,7 +74,7 @@ def seal(building: str, store: str, step: int) -> str:
     files = {name: os.path.getsize(os.path.join(building, name)) for name in sorted(os.listdir(building))
              if name != MANIFEST}
     if not any(name.endswith(".index") for name in files):
-        raise SnapshotError(f"{building} holds no checkpoint index: nothing to seal for step {step}")
+        raise NothingWritten(f"{building} holds no checkpoint index: nothing to seal for step {step}")
     manifest = os.path.join(building, MANIFEST)
     with open(manifest, "w", encoding="utf-8") as out:
         json.dump({"step": step, "files": files}, out)
@@ -127,6 +131,15 @@ def _check(snapshot: str) -> bool | None:
         return False
     except OSError:
         return None
+
+
+def snapshot_size(snapshot: str) -> int:
+    """The bytes of a snapshot's files, from its manifest (0 when it cannot be read)."""
+    try:
+        with open(os.path.join(snapshot, MANIFEST), encoding="utf-8") as f:
+            return sum(int(size) for size in json.load(f)["files"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0
 
 
 def complete_steps(store: str) -> list[int]:

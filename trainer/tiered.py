@@ -20,6 +20,10 @@ manifest is complete but whose data does not read back (TensorFlow's checksums: 
 longer matches the snapshot) is raised as it is. After a restore, this worker's snapshots newer than the step
 restored are removed: they belong to an abandoned history, which a later restore must not pick up.
 
+The local tier is bounded: before a snapshot, the room it needs (the newest snapshot's size, with headroom) is
+made by removing all but the newest local snapshot; when even that is not enough, or a write runs out of space,
+this worker's snapshots go to the shared tier from then on (the chief's; the others keep none), with a warning.
+
 Errors of the background write surface at the next save or at :meth:`TieredCheckpoint.flush`; a failed copy to
 the shared tier is logged and retried with the next snapshot, and :meth:`TieredCheckpoint.flush` (a graceful
 stop, the end of training) tries the newest once more itself and raises if it still fails.
@@ -27,6 +31,7 @@ stop, the end of training) tries the newest once more itself and raises if it st
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -53,6 +58,9 @@ _DAMAGED_DATA = (tf.errors.DataLossError, tf.errors.OutOfRangeError, IndexError)
 # The chief copies a snapshot to the shared tier at most this often: the copy competes with training where the
 # CPUs train, and the local tier covers a worker's crash; the shared tier is for a lost node.
 PERSIST_SECONDS = 30.0
+# The room a local snapshot needs, as a multiple of the newest one's size: TensorFlow's temporary files, a model
+# that grew a little. The first snapshot's size is not known: its write shows whether it fits.
+LOCAL_HEADROOM = 1.1
 # The coordinator's step is for the process's first restore: a second fit() in the same process continues from
 # the snapshots the first one saved, as tf_keras's BackupAndRestore would.
 _chosen_step_used = False
@@ -89,7 +97,8 @@ class TieredCheckpoint:
         self._persist_began = -float("inf")  # when the persister last took a snapshot
         self._options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
         self._scratch: str | None = None  # a non-chief without a local tier writes here, and keeps nothing
-        self._sealing: queue.Queue[tuple[int, str] | None] = queue.Queue()
+        self._local_full = False  # the local tier has no room for a snapshot: write as without one
+        self._sealing: queue.Queue[tuple[int, str, str] | None] = queue.Queue()
         self._persisting = threading.Condition()
         self._to_persist: int | None = None  # the newest sealed step the persister has not copied yet
         self._busy_persisting = False
@@ -108,7 +117,7 @@ class TieredCheckpoint:
     def write_store(self) -> str:
         """Where this worker's snapshots go: the local tier; without one, the shared tier on the chief and a
         scratch directory elsewhere (the save must still run on every worker: it may run collectives)."""
-        if self.local_store:
+        if self.local_store and not self._local_full:
             return self.local_store
         if self.is_chief:
             return self.shared_store
@@ -119,6 +128,10 @@ class TieredCheckpoint:
     def save(self, step: int) -> float:
         """Starts a snapshot of ``step``; returns how long training was held up (seconds). A second save of the
         same step (a graceful stop right after a periodic save) does nothing."""
+        began = time.monotonic()
+        # TensorFlow's write waits for the previous one anyway; the seal after it is short. Then the previous
+        # write's error is the sealer's to see (TensorFlow hands it to the first caller), and its size is known.
+        self._sealing.join()
         self._raise_background_error()
         if step == self._last_started:
             return 0.0
@@ -126,14 +139,49 @@ class TieredCheckpoint:
         self._start_threads()
         store = self.write_store
         os.makedirs(store, exist_ok=True)
+        if store == self.local_store and not self._make_room(store):
+            store = self.write_store
+            os.makedirs(store, exist_ok=True)
         building = snapshots.temporary_dir(store, step)
         os.makedirs(building)
-        began = time.monotonic()
         self._save_began[step] = began
-        self.checkpoint.write(snapshots.checkpoint_prefix(building), options=self._options)
+        try:
+            self.checkpoint.write(snapshots.checkpoint_prefix(building), options=self._options)
+        except Exception as e:  # the previous write's error, which TensorFlow raises here, before this write
+            shutil.rmtree(building, ignore_errors=True)
+            if store != self.local_store or not _out_of_space(e):
+                raise
+            self._leave_local_tier(f"writing the previous snapshot ran out of space: {_first_line(e)}")
+            store = self.write_store
+            os.makedirs(store, exist_ok=True)
+            building = snapshots.temporary_dir(store, step)
+            os.makedirs(building)
+            self.checkpoint.write(snapshots.checkpoint_prefix(building), options=self._options)
         self.last_stall = time.monotonic() - began
-        self._sealing.put((step, building))
+        self._sealing.put((step, building, store))
         return self.last_stall
+
+    def _make_room(self, store: str) -> bool:
+        """Whether the local tier has room for one more snapshot, after removing all but its newest one if it
+        had not; if it has none, this worker stops using it (see the module docstring)."""
+        newest = snapshots.complete_steps(store)
+        need = LOCAL_HEADROOM * snapshots.snapshot_size(snapshots.snapshot_dir(store, newest[0])) if newest else 0
+        if shutil.disk_usage(store).free >= need:
+            return True
+        snapshots.prune(store, 1, protect=() if self._copying is None else (self._copying,))
+        free = shutil.disk_usage(store).free
+        if free >= need:
+            return True
+        self._leave_local_tier(f"{free / 2**20:.0f} MiB free, less than the {need / 2**20:.0f} MiB a snapshot needs")
+        return False
+
+    def _leave_local_tier(self, why: str) -> None:
+        if self._local_full:
+            return
+        self._local_full = True
+        log.warning("the local checkpoint tier %s has no room for a snapshot (%s): %s", self.local_store, why,
+                    f"snapshots go to the shared tier {self.shared_store} from now on" if self.is_chief else
+                    "this worker keeps no snapshot from now on (the chief's go to the shared tier)")
 
     def flush(self) -> None:
         """Waits until every snapshot started is sealed and, on the chief, the newest is in the shared tier."""
@@ -143,6 +191,9 @@ class TieredCheckpoint:
             self._persisting.wait_for(lambda: self._to_persist is None and not self._busy_persisting)
         self._raise_background_error()
         sealed = self.sealed_step
+        if self._last_started is not None and sealed != self._last_started and self.write_store != self._scratch:
+            raise RuntimeError(f"snapshot step {self._last_started} was not written to {self.write_store} (see "
+                               "TensorFlow's error above): the state at this stop is not saved")
         if self._persister() and sealed is not None and self.persisted_step != sealed:
             assert self.local_store is not None
             self._persist(sealed, self.local_store)  # the newest was not copied (throttled, or the copy failed)
@@ -263,19 +314,26 @@ class TieredCheckpoint:
 
     def _seal_loop(self) -> None:
         while (job := self._sealing.get()) is not None:
-            step, building = job
+            step, building, store = job
             try:
                 self.checkpoint.sync()  # TensorFlow's writer thread has finished this snapshot's files
-                self._seal(step, building)
+                self._seal(step, building, store)
             except BaseException as e:
-                self._error = e
                 shutil.rmtree(building, ignore_errors=True)
+                if store == self.local_store and _out_of_space(e):
+                    self._leave_local_tier(f"sealing step {step} ran out of space")  # this snapshot is lost
+                    self._written(step)
+                elif isinstance(e, snapshots.NothingWritten):  # the next save() or flush() deals with it
+                    log.warning("snapshot step %d was not written to %s (TensorFlow's error follows at the next "
+                                "save)", step, store)
+                    self._written(step)
+                else:
+                    self._error = e
             finally:
                 self._sealing.task_done()
         self._sealing.task_done()
 
-    def _seal(self, step: int, building: str) -> None:
-        store = self.write_store
+    def _seal(self, step: int, building: str, store: str) -> None:
         if store == self._scratch:
             shutil.rmtree(building, ignore_errors=True)
             self._written(step)
@@ -287,7 +345,8 @@ class TieredCheckpoint:
         self.sealed_step = step
         if store == self.shared_store:
             self.persisted_step = step
-        if not self._persister() or time.monotonic() - self._persist_began < self._persist_seconds:
+        if store != self.local_store or not self._persister() or \
+                time.monotonic() - self._persist_began < self._persist_seconds:
             self._written(step)  # the shared tier gets a newer one later (flush() copies the newest)
         else:
             self._persist_began = time.monotonic()
@@ -346,3 +405,13 @@ class TieredCheckpoint:
         error, self._error = self._error, None
         if error is not None:
             raise RuntimeError(f"a snapshot could not be written to {self.write_store}: {error}") from error
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+
+
+def _out_of_space(error: BaseException) -> bool:
+    """Whether a write failed for want of space (an OSError, or TensorFlow's error that carries its message)."""
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or \
+        "No space left on device" in str(error) or "ENOSPC" in str(error)

@@ -5,9 +5,11 @@ aside, and what happens without a chosen step. One subprocess runs every case (T
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -148,3 +150,53 @@ def test_without_a_chosen_step_the_workers_take_the_shared_tier_and_alone_the_ne
 def test_after_restoring_an_older_step_the_newer_snapshots_are_gone(cases: dict[str, Any]) -> None:
     """Step 30 is another history once 20 was restored: a later restore must not pick it up."""
     assert cases["after_older_restore"] == {"local": [20, 10], "shared": [20, 10]}
+
+
+FULL_TIER = """
+    import json, os, sys
+    from tfelastic.trainer import snapshots
+    from tfelastic.trainer.environment import TrainerEnvironment
+    from tfelastic.trainer.tiered import TieredCheckpoint
+    import tensorflow as tf
+
+    local_root, shared = sys.argv[1], os.path.abspath("shared/fit")
+    value = tf.Variable(tf.zeros([1 << 20]))  # a 4 MiB snapshot
+    checkpoint = tf.train.Checkpoint(value=value)
+    env = TrainerEnvironment(progress_socket="agent.sock", local_checkpoint_dir=local_root)
+    writer = TieredCheckpoint(checkpoint, shared, is_chief=True, env=env, persist_seconds=3600)
+    for step in (1, 2, 3, 4):
+        value.assign(tf.fill([1 << 20], float(step)))
+        writer.save(step)
+    writer.close()
+    value.assign(tf.zeros([1 << 20]))
+    restored = TieredCheckpoint(checkpoint, shared, is_chief=True, env=env).restore()
+    print(json.dumps({"local": snapshots.complete_steps(os.path.join(local_root, "fit")),
+                      "shared": snapshots.complete_steps(shared), "restored": [restored.step, restored.tier],
+                      "value": float(value.numpy()[0])}))
+"""
+
+
+@pytest.mark.parametrize(("tier_mib", "local", "shared", "warned"), [
+    (10, [4, 3], [4, 1], False),  # room for two: the older ones make room (the chief copied 1 first, 4 at the end)
+    (6, [1], [4, 3, 2], True),  # room for one: the snapshots after it go to the shared tier
+    (2, [], [4, 3, 2], True),  # not even one: its write fails, and the next goes to the shared tier
+], ids=["room-for-two", "room-for-one", "room-for-none"])
+def test_a_local_tier_without_room_hands_the_snapshots_to_the_shared_tier(
+        tmp_path: Path, tier_mib: int, local: list[int], shared: list[int], warned: bool) -> None:
+    """The local tier is bounded by its file system (a /dev/shm of a few GiB on a node with a large model):
+    never a crashed trainer for want of room there, and never a snapshot lost at the end."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    tier = tmp_path / "shm"
+    tier.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={tier_mib}m", "tfelastic-test-tier", str(tier)], check=True)
+    try:
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(FULL_TIER), str(tier)], cwd=tmp_path,
+                                env=worker_env(), capture_output=True, text=True, timeout=120)
+    finally:
+        subprocess.run(["umount", "-l", str(tier)], check=False)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert (report["local"], report["shared"]) == (local, shared)
+    assert report["restored"][0] == 4 and report["value"] == 4.0
+    assert ("has no room for a snapshot" in result.stderr) is warned, result.stderr[-4000:]

@@ -28,6 +28,8 @@ def test_a_sealed_snapshot_is_complete_and_named_by_its_step(tmp_path: Path) -> 
     assert snapshots.is_complete(str(snapshot))
     assert snapshots.complete_steps(str(tmp_path)) == [120]
     assert snapshots.checkpoint_prefix(str(snapshot)) == str(snapshot / "ckpt")
+    assert snapshots.snapshot_size(str(snapshot)) == 105  # what the local tier's room is measured by
+    assert snapshots.snapshot_size(str(tmp_path / "step-000000000999")) == 0
 
 
 @pytest.mark.parametrize("damage", ["truncate", "remove_data", "remove_manifest", "bad_manifest", "wrong_step"])
@@ -64,7 +66,7 @@ def test_seal_refuses_a_directory_without_an_index(tmp_path: Path) -> None:
     building = tmp_path / "b"
     building.mkdir()
     (building / "ckpt.data-00000-of-00001").write_bytes(b"x")
-    with pytest.raises(snapshots.SnapshotError, match="holds no checkpoint index"):
+    with pytest.raises(snapshots.NothingWritten, match="holds no checkpoint index"):
         snapshots.seal(str(building), str(tmp_path), 5)
 
 
