@@ -21,12 +21,16 @@ async def first_of(*waits: Awaitable[object], timeout: float | None = None) -> N
 
 def stacks() -> str:
     """Where every asyncio task of the running loop and every thread waits: for an operator asking why an agent
-    does not move on (SIGUSR1)."""
+    does not move on (SIGUSR1). Call it on the loop's thread."""
     lines = [f"task {task.get_name()}: {' > '.join(_awaiting(task.get_coro()))}\n" for task in asyncio.all_tasks()]
+    return "".join(lines) + thread_stacks()
+
+
+def thread_stacks() -> str:
+    """Where every thread is (any thread may call it)."""
     names = {t.ident: t.name for t in threading.enumerate()}
-    for ident, frame in sys._current_frames().items():
-        lines.append(f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)[-3:]))
-    return "".join(lines)
+    return "".join(f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)[-3:])
+                   for ident, frame in sys._current_frames().items())
 
 
 def _awaiting(coro: object) -> list[str]:

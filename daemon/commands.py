@@ -21,6 +21,7 @@ from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.etcd.client import EtcdCredentials
 from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.exit_codes import ExitCode
+from tfelastic.daemon.exit_guard import exit_within
 from tfelastic.daemon.netutil import host_port
 from tfelastic.daemon.preflight import (
     check_agent,
@@ -37,6 +38,9 @@ from tfelastic.daemon.preflight import (
 from tfelastic.daemon.rendezvous.api import CoordinatorInfo, JobState
 from tfelastic.daemon.sdnotify import Notifier, journal_handler, run_notifying
 from tfelastic.daemon.slurm import SlurmStep
+
+# After an agent's own wind-down: asyncio's teardown (cancelled tasks, its thread pool) and the interpreter's.
+EXIT_TEARDOWN_SECONDS = 10.0
 
 
 def setup_logging(level: str, node: str = "") -> None:
@@ -92,6 +96,7 @@ def run_agent(config: AgentConfig, slurm: SlurmStep | None = None) -> int:
     if slurm is not None:
         logging.getLogger("tfelastic").info("%s", slurm.note)
     agent = Agent(config, token, metrics_token=scrape_token, etcd=etcd)
+    agent.on_exit_decided = lambda code, seconds: exit_within(seconds + EXIT_TEARDOWN_SECONDS, code, "exiting")
     return asyncio.run(run_notifying(agent, notifier, f"joining the rendezvous at {config.rendezvous.endpoint}"))
 
 

@@ -52,6 +52,7 @@ from tfelastic.daemon.metrics.host import register_host_collector
 from tfelastic.daemon.metrics.http import MetricsServer, serve_metrics
 from tfelastic.daemon.netutil import free_port, host_port, route_address
 from tfelastic.daemon.rendezvous import api
+from tfelastic.daemon.rendezvous.host import AGENTS_GONE_SECONDS
 from tfelastic.daemon.worker.process import WorkerSpec
 from tfelastic.daemon.worker.progress import ProgressListener
 from tfelastic.daemon.worker.states import WorkerState
@@ -113,6 +114,9 @@ class Agent:
         self._ticked_at = clock()  # the control loop's last turn, for systemd's watchdog
         self.on_status: Callable[[str], None] = lambda text: None  # systemd STATUS= lines hook here
         self.on_ready: Callable[[], None] = lambda: None  # systemd READY=1: the coordinator has taken us in
+        # The process's exit code is decided, and what is left is bounded by the seconds given: the daemon arms
+        # its exit guard here (exit_guard.py); nothing in-process.
+        self.on_exit_decided: Callable[[int, float], object] = lambda code, seconds: None
 
     # ------------------------------------------------------------------------------------------ main loop
 
@@ -126,12 +130,13 @@ class Agent:
         self._listener.start()
         self._serve_metrics()
         self._spawn(self._watch_gpus())
+        code = int(ExitCode.FAILED)  # unless the job or the rendezvous says otherwise
         try:
             await self._placement.start()
-            return int(await self._run_sessions())
+            code = int(await self._run_sessions())
         except FatalSessionError as e:
             self.core.refused(str(e), e.exit_code)
-            return e.exit_code
+            code = e.exit_code
         finally:
             self._apply(self.core.final_stop())
             await self.runner.idle()
@@ -139,7 +144,8 @@ class Agent:
             self._listener.close()
             if self.core.exit_code is ExitCode.SUCCEEDED:  # the job succeeded: nothing will resume from it
                 await asyncio.to_thread(self._snapshots.remove_local_tier)
-            await self._wind_down()
+            await self._wind_down(code)
+        return code
 
     async def _run_sessions(self) -> ExitCode:
         while True:
@@ -352,9 +358,10 @@ class Agent:
 
     # ----------------------------------------------------------------------------------- around the job
 
-    async def _wind_down(self) -> None:
+    async def _wind_down(self, code: int) -> None:
         """A drained node that hosts the coordinator keeps serving it; after a failure /metrics stays up for
-        ``metrics_linger`` so that Prometheus records the verdict; then the hosted coordinator stops."""
+        ``metrics_linger`` so that Prometheus records the verdict; then the hosted coordinator stops (an etcd
+        leader hands the job over), for at most :meth:`_closing_seconds`: past that, the exit goes on."""
         leaving = self.core.leaving
         if leaving is not None and leaving.drained and self._placement.host is not None:
             self.on_status("drained: hosting the coordinator until the job ends")
@@ -366,9 +373,19 @@ class Agent:
             log.info("job failed: keeping /metrics up for %gs", linger)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._leaving.wait(), linger)
-        await self._placement.close()
+        self.on_exit_decided(code, self._closing_seconds())
+        closing = asyncio.ensure_future(self._placement.close())
+        done, _ = await asyncio.wait({closing}, timeout=self._closing_seconds())
+        if not done:
+            log.error("stepping down did not finish within %gs; exiting anyway. Where the agent waits:\n%s",
+                      self._closing_seconds(), stacks())
+            closing.cancel()
         if self._metrics_server is not None:
             self._metrics_server.close()
+
+    def _closing_seconds(self) -> float:
+        """A hand-over to another coordinator, the agents' last reads of a verdict, an etcd resignation."""
+        return self.config.rendezvous.node_timeout + AGENTS_GONE_SECONDS + 5.0
 
     def _serve_metrics(self) -> None:
         metrics = self.config.metrics

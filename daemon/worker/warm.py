@@ -178,11 +178,10 @@ class Standby:
         message = json.dumps({"argv": list(spec.command), "env": dict(spec.env),
                               "cwd": os.path.abspath(spec.cwd or os.getcwd())}).encode()
         self._launch_prefix = spec.log_prefix
-        try:
-            await asyncio.to_thread(_write_all, self._launch_fd, message)
-        finally:
-            os.close(self._launch_fd)
-            self._launch_fd = -1
+        # The thread owns the fd from here: cancelled, this coroutine must not close a number the thread may
+        # still write to, and that the process may have reused (a gRPC socket) by then.
+        fd, self._launch_fd = self._launch_fd, -1
+        await asyncio.to_thread(_write_all_and_close, fd, message)
         try:
             taken = await asyncio.wait_for(asyncio.shield(self._taken), TAKE_SECONDS)
         except asyncio.TimeoutError:
@@ -201,11 +200,14 @@ class Standby:
         await self.worker.stop(1.0)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
+def _write_all_and_close(fd: int, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+    finally:
+        os.close(fd)
 
 
 async def start_standby(spec: WorkerSpec) -> Standby | None:

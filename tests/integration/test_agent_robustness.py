@@ -8,7 +8,9 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections import Counter
@@ -181,3 +183,20 @@ def test_a_generation_that_starts_below_a_saved_checkpoint_is_a_warning(make_clu
     assert doc["warnings"] and "below the checkpoint of step" in doc["warnings"][0], doc
     assert cluster.wait_all(90) == [0, 0], cluster.logs()
     assert re.search(r"WARNING .*generation 2 resumed at step \d+, below the checkpoint of step 40", cluster.logs())
+
+
+def test_an_agent_whose_exit_hangs_still_exits_with_the_code_it_decided() -> None:
+    """The exit guard (exit_guard.py): the process decided on its exit code, and then its teardown hangs (here a
+    thread that never ends, which interpreter exit waits for; in the chaos soak, a gRPC that went silent). It
+    exits anyway, with that code, and the log says where each thread was."""
+    script = textwrap.dedent("""
+        import logging, threading
+        from tfelastic.daemon.exit_guard import exit_within
+        logging.basicConfig(level=logging.INFO)
+        exit_within(0.5, 0, "tearing down")
+        threading.Thread(target=threading.Event().wait, name="hung-teardown").start()
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "decided to exit with code 0 but is still tearing down 0.5s later" in result.stderr, result.stderr
+    assert "thread hung-teardown" in result.stderr, result.stderr
