@@ -97,7 +97,17 @@ def run_agent(config: AgentConfig, slurm: SlurmStep | None = None) -> int:
         logging.getLogger("tfelastic").info("%s", slurm.note)
     agent = Agent(config, token, metrics_token=scrape_token, etcd=etcd)
     agent.on_exit_decided = lambda code, seconds: exit_within(seconds + EXIT_TEARDOWN_SECONDS, code, "exiting")
-    return asyncio.run(run_notifying(agent, notifier, f"joining the rendezvous at {config.rendezvous.endpoint}"))
+    return asyncio.run(_with_grpc_held(run_notifying(agent, notifier,
+                                                     f"joining the rendezvous at {config.rendezvous.endpoint}")))
+
+
+async def _with_grpc_held(main: Coroutine[Any, Any, int]) -> int:
+    """One reference to gRPC's asyncio state for the whole life of the process, taken on the loop's thread: gRPC
+    shuts its completion queue down whenever its last channel or server goes (a thread of its own joined, from
+    whichever thread dropped that reference), which can hang (grpc/grpc#22365, #40989); an agent drops and makes
+    channels all along. The operating system reclaims it at exit."""
+    grpc.aio.init_grpc_aio()  # type: ignore[attr-defined]  # exported by grpc.aio, absent from its stubs
+    return await main
 
 
 def run_coordinator(config: AgentConfig, listen: Endpoint) -> int:
