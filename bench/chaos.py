@@ -77,6 +77,7 @@ NETNS = Path(__file__).resolve().parent.parent / "tests" / "netns-hosts.sh"
 PREFIX, SUBNET = "tfec", "10.231.13"
 NETNS_ENV = {"TFE_NETNS_PREFIX": PREFIX, "TFE_NETNS_SUBNET": SUBNET}
 TOKEN = "chaos-soak-secret"
+BOUNDED_EXIT = ("stepping down did not finish within", "decided to exit with code")  # agent.py, exit_guard.py
 
 
 @dataclass(frozen=True)
@@ -446,6 +447,10 @@ def report(results: list[Result], soak: Soak) -> None:
               f"max {max(times):6.2f}s")
     total = sum((r.restarts for r in results), Counter())
     print(f"restarts: {dict(sorted(total.items()))}")
+    # Not a violation (the agent still exits with its code), but a hang on the way out that the bound cut short.
+    bounded = [line for agent in soak.agents.values() for line in agent.log().splitlines()
+               if any(mark in line for mark in BOUNDED_EXIT)]
+    print(f"exits cut short by their bound: {len(bounded)}" + "".join(f"\n  {line[:300]}" for line in bounded))
     print("violations: none" if not soak.violations else "VIOLATIONS:\n  " + "\n  ".join(soak.violations))
 
 
