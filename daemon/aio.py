@@ -19,6 +19,22 @@ async def first_of(*waits: Awaitable[object], timeout: float | None = None) -> N
             task.cancel()
 
 
+async def within(awaitable: Awaitable[object], timeout: float) -> bool:
+    """Awaits ``awaitable`` for at most ``timeout`` seconds: True if it finished (raising what it raised), False
+    if the time ran out (it is then cancelled). Unlike ``asyncio.wait_for`` in Python 3.11, a cancellation of the
+    caller that comes as ``awaitable`` finishes is never lost (python/cpython#86296): a loop around wait_for that
+    lost one ran on forever, and the coordinator's stop waited for it forever (the chaos soak's drained leader)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    finally:
+        if not task.done():
+            task.cancel()
+    if done:
+        task.result()
+    return bool(done)
+
+
 def stacks() -> str:
     """Where every asyncio task of the running loop and every thread waits: for an operator asking why an agent
     does not move on (SIGUSR1). Call it on the loop's thread."""

@@ -27,6 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
+from tfelastic.daemon.aio import within
 from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdError, EtcdUnavailable, KeyValue
 from tfelastic.daemon.etcd.metrics import EtcdMetrics
 from tfelastic.daemon.etcd.rpc import rpc_pb2
@@ -214,9 +215,7 @@ class Election:
         starts = [int(kv.mod_revision) + 1, revision + 1] if kv is not None else [revision + 1]
         for start in starts:
             try:
-                await asyncio.wait_for(self._deleted(start), self.ttl)
-                return
-            except asyncio.TimeoutError:
+                await within(self._deleted(start), self.ttl)  # deleted, or a TTL to look again
                 return
             except EtcdUnavailable:
                 raise

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from tfelastic.daemon.aio import within
 from tfelastic.daemon.netutil import host_port
 from tfelastic.daemon.rendezvous import api, convert
 from tfelastic.daemon.rendezvous.bounds import printable
@@ -72,6 +73,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._heartbeat_interval = heartbeat_interval
         self._sessions: dict[str, _Session] = {}
         self._ticker: asyncio.Task[None] | None = None
+        self._ticking = True  # False: the ticker ends at its next turn (a stop, a hand-over)
         self._timers_changed = asyncio.Event()
         self._assignment_template: pb.Assignment | None = None
         # What other threads (the /metrics server) may read: republished by the ticker, never mutated.
@@ -100,14 +102,20 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         decided after the last write would reach no agent before the sessions close, and the successor, taking
         over what etcd holds, would count its members lost."""
         self._deciding = False
-        if self._ticker is not None:
-            self._ticker.cancel()
+        self._stop_ticking()
 
     def close_sessions(self, details: str) -> None:
         for session in self._sessions.values():
             session.outbox.put_nowait(_Close(grpc.StatusCode.UNAVAILABLE, details))
 
+    def _stop_ticking(self) -> None:
+        self._ticking = False
+        self._timers_changed.set()
+        if self._ticker is not None:
+            self._ticker.cancel()
+
     async def stop(self) -> None:
+        self._stop_ticking()
         for task in (self._ticker, self._persisting):
             if task is not None:
                 task.cancel()
@@ -356,7 +364,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def _tick_forever(self) -> None:
         """Fire the state machine's timers when they are due, and send heartbeats; sleep in between."""
         next_heartbeat = 0.0
-        while True:
+        while self._ticking:
             deadline = self.rendezvous.next_deadline()
             if deadline is not None and self._clock() >= deadline:
                 try:
@@ -372,5 +380,4 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 self.published = self.snapshot()
             self._timers_changed.clear()
             wake = min(next_heartbeat, deadline if deadline is not None else next_heartbeat)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._timers_changed.wait(), max(0.001, wake - self._clock() + 0.001))
+            await within(self._timers_changed.wait(), max(0.001, wake - self._clock() + 0.001))
