@@ -37,6 +37,7 @@ made. Needs root for the tmpfs (without it, full_backup is left out) and for --n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
@@ -186,7 +187,9 @@ class Soak:
             code = self.agents[node].wait(timeout)
         except subprocess.TimeoutExpired:
             self.agents[node].proc.send_signal(signal.SIGUSR1)  # it logs where it waits (or, loop gone, dies)
-            time.sleep(2.0)
+            with contextlib.suppress(AssertionError):
+                wait_for(lambda: "where the agent waits" in self.agents[node].log() or
+                         self.agents[node].proc.poll() is not None, 5.0, "the agent's SIGUSR1 dump")
             tail = "\n    ".join(self.agents[node].log().splitlines()[-60:])
             self.violations.append(f"agent {node} did not exit within {timeout:g}s; its log ends:\n    {tail}")
             self.agents[node].proc.kill()

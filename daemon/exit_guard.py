@@ -1,11 +1,11 @@
 """The last resort of a process that has decided how to exit: if it is still running some seconds later, it logs
 where every thread is and ends with the exit code it decided on.
 
-An agent's way out awaits gRPC (a leader hands the job over and steps down in etcd) and then tears down gRPC's
-completion queue at interpreter exit. A gRPC that stopped delivering completions would hold the process forever:
-the chaos soak found a drained leader whose gRPC, server and etcd channel alike, went silent while its event loop
-ran on, and whose exit never came (grpc/grpc#40989 is one known way for the teardown to hang). A drained node must
-leave, and systemd must see the exit code the agent decided on, not a kill after TimeoutStopSec.
+An agent's way out awaits its own tasks and gRPC (a leader hands the job over and steps down in etcd), then
+asyncio's and gRPC's teardown at interpreter exit. One await that never ends holds the process forever: the chaos
+soak found a drained leader whose coordinator ticker had lost its cancel (server.py) and whose exit never came;
+gRPC's teardown can hang too (grpc/grpc#40989). A drained node must leave, and systemd must see the exit code
+the agent decided on, not a kill after TimeoutStopSec.
 """
 
 from __future__ import annotations

@@ -137,13 +137,10 @@ class TieredCheckpoint:
             return 0.0
         self._last_started = step
         self._start_threads()
-        store = self.write_store
-        os.makedirs(store, exist_ok=True)
-        if store == self.local_store and not self._make_room(store):
-            store = self.write_store
-            os.makedirs(store, exist_ok=True)
-        building = snapshots.temporary_dir(store, step)
-        os.makedirs(building)
+        os.makedirs(self.write_store, exist_ok=True)
+        if self.write_store == self.local_store:
+            self._make_room(self.local_store)
+        store, building = self._building(step)
         self._save_began[step] = began
         try:
             self.checkpoint.write(snapshots.checkpoint_prefix(building), options=self._options)
@@ -151,29 +148,33 @@ class TieredCheckpoint:
             shutil.rmtree(building, ignore_errors=True)
             if store != self.local_store or not _out_of_space(e):
                 raise
-            self._leave_local_tier(f"writing the previous snapshot ran out of space: {_first_line(e)}")
-            store = self.write_store
-            os.makedirs(store, exist_ok=True)
-            building = snapshots.temporary_dir(store, step)
-            os.makedirs(building)
+            self._leave_local_tier(f"writing the previous snapshot ran out of space: {_last_line(e)}")
+            store, building = self._building(step)
             self.checkpoint.write(snapshots.checkpoint_prefix(building), options=self._options)
         self.last_stall = time.monotonic() - began
         self._sealing.put((step, building, store))
         return self.last_stall
 
-    def _make_room(self, store: str) -> bool:
-        """Whether the local tier has room for one more snapshot, after removing all but its newest one if it
-        had not; if it has none, this worker stops using it (see the module docstring)."""
+    def _building(self, step: int) -> tuple[str, str]:
+        """The write store now, and a new temporary directory in it for ``step``."""
+        store = self.write_store
+        os.makedirs(store, exist_ok=True)
+        building = snapshots.temporary_dir(store, step)
+        os.makedirs(building)
+        return store, building
+
+    def _make_room(self, store: str) -> None:
+        """Makes room in the local tier for one more snapshot, removing all but its newest one if need be; without
+        room, this worker stops using it (see the module docstring)."""
         newest = snapshots.complete_steps(store)
         need = LOCAL_HEADROOM * snapshots.snapshot_size(snapshots.snapshot_dir(store, newest[0])) if newest else 0
         if shutil.disk_usage(store).free >= need:
-            return True
+            return
         snapshots.prune(store, 1, protect=() if self._copying is None else (self._copying,))
         free = shutil.disk_usage(store).free
         if free >= need:
-            return True
+            return
         self._leave_local_tier(f"{free / 2**20:.0f} MiB free, less than the {need / 2**20:.0f} MiB a snapshot needs")
-        return False
 
     def _leave_local_tier(self, why: str) -> None:
         if self._local_full:
@@ -407,7 +408,8 @@ class TieredCheckpoint:
             raise RuntimeError(f"a snapshot could not be written to {self.write_store}: {error}") from error
 
 
-def _first_line(error: BaseException) -> str:
+def _last_line(error: BaseException) -> str:
+    """The line of a TensorFlow error that says what failed (its first lines are the op's context)."""
     return str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
 
 

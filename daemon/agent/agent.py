@@ -373,12 +373,13 @@ class Agent:
             log.info("job failed: keeping /metrics up for %gs", linger)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._leaving.wait(), linger)
-        self.on_exit_decided(code, self._closing_seconds())
+        bound = self._closing_seconds()
+        self.on_exit_decided(code, bound)
         closing = asyncio.ensure_future(self._placement.close())
-        done, _ = await asyncio.wait({closing}, timeout=self._closing_seconds())
+        done, _ = await asyncio.wait({closing}, timeout=bound)
         if not done:
             log.error("stepping down did not finish within %gs; exiting anyway. Where the agent waits:\n%s",
-                      self._closing_seconds(), stacks())
+                      bound, stacks())
             closing.cancel()
         if self._metrics_server is not None:
             self._metrics_server.close()
