@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tfelastic.trainer import snapshots
+from tfelastic.trainer import flash, snapshots
 from tfelastic.trainer.batching import epoch_steps
 from tfelastic.trainer.data import ExamplesFn, distribute_epoch
 from tfelastic.trainer.environment import TrainerEnvironment
@@ -147,9 +147,12 @@ class TrainLoop:
 
     @property
     def last_checkpoint(self) -> str | None:
-        """The checkpoint prefix of the last restore, or of the last save that :meth:`save` flushed (``final``:
-        the end of :meth:`run`, a graceful stop), in the shared tier."""
+        """The checkpoint prefix of the last save that :meth:`save` flushed (``final``: the end of :meth:`run`, a
+        graceful stop), or of the last restore, in the shared tier; a TensorFlow checkpoint, which any TensorFlow
+        tool reads (None after a restore from a flash snapshot, which is not: ``trainer/flash.py``)."""
         if self._last_saved is None:
+            return None
+        if flash.is_flash(snapshots.snapshot_dir(self.checkpoints.shared_store, self._last_saved)):
             return None
         return snapshots.checkpoint_prefix(snapshots.snapshot_dir(self.checkpoints.shared_store, self._last_saved))
 
@@ -161,13 +164,14 @@ class TrainLoop:
             self._epoch.assign(self.epoch)
             self._examples_done.assign(self.examples_done)
             began = time.monotonic()
-            stall = self.checkpoints.save(self.step)
+            stall = self.checkpoints.save(self.step, portable=final)
             self.stalls.append(stall)
             proposal = self.schedule.saved(self.step, stall, began, self.checkpoints.last_write_seconds)
             self.schedule.adopt(self.step, self._agreed(proposal))
             self._last_saved = self.step
             self._reporter.report(self.step, examples=self._examples_seen(), stall=stall, force=True)
         if final:
+            self.checkpoints.save(self.step, portable=True)  # last_checkpoint: TensorFlow's format
             self.checkpoints.flush()
             self._all_reduce(0.0)  # the chief reaches it once its snapshot is in the shared tier
             self._report_sealed()
@@ -219,7 +223,7 @@ class TrainLoop:
     def _after_step(self, loss: Any, guard: Any) -> None:
         if self._on_step is not None:
             self._on_step(self.step, loss)
-        self.schedule.step_done(time.monotonic(), self.checkpoints.busy)
+        self.schedule.step_done(time.monotonic(), self.checkpoints.writing)
         self._report_sealed()
         if self.schedule.due(self.step):
             self.save()

@@ -2,7 +2,8 @@
 it too.
 
 A *store* is a directory of snapshots, one per step: ``STORE/step-000000000120/``, holding TensorFlow's
-checkpoint files (``ckpt.index``, ``ckpt.data-*``) and ``MANIFEST.json`` (the step and every file's size). A
+checkpoint files (``ckpt.index``, ``ckpt.data-*``) or a flash snapshot's (``flash.bin``, ``flash.json``:
+:mod:`tfelastic.trainer.flash`), and ``MANIFEST.json`` (the step and every file's size). A
 snapshot is complete when its directory has that name and its manifest agrees with the files on disk; it is
 built under a temporary name and renamed into place once its files are written and flushed, so a kill at any
 moment leaves either a complete snapshot or one that :func:`complete_steps` ignores (and :func:`prune` removes).
@@ -31,6 +32,7 @@ from collections.abc import Iterable
 LOCAL_ROOT_DEFAULT = "/dev/shm/tfelastic"
 MANIFEST = "MANIFEST.json"
 CHECKPOINT_PREFIX = "ckpt"  # TensorFlow's files inside a snapshot: ckpt.index, ckpt.data-00000-of-00001
+FLASH_DATA, FLASH_LAYOUT = "flash.bin", "flash.json"  # or a flash snapshot's (tfelastic.trainer.flash)
 _SNAPSHOT = re.compile(r"^step-(\d{12})$")
 _TEMPORARY = ".partial-"
 DAMAGED_PREFIX = "damaged-"  # a snapshot that did not restore, kept for an operator; no scan counts it
@@ -73,7 +75,7 @@ def seal(building: str, store: str, step: int) -> str:
     snapshot. Returns the snapshot's path. An older snapshot of the same step is replaced."""
     files = {name: os.path.getsize(os.path.join(building, name)) for name in sorted(os.listdir(building))
              if name != MANIFEST}
-    if not any(name.endswith(".index") for name in files):
+    if not any(name.endswith(".index") or name == FLASH_LAYOUT for name in files):
         raise NothingWritten(f"{building} holds no checkpoint index: nothing to seal for step {step}")
     manifest = os.path.join(building, MANIFEST)
     with open(manifest, "w", encoding="utf-8") as out:
@@ -86,6 +88,22 @@ def seal(building: str, store: str, step: int) -> str:
     os.rename(building, final)
     _fsync_dir(store)
     return final
+
+
+def retire_oldest(store: str, keep: int, protect: Iterable[int] = ()) -> str | None:
+    """When ``store`` holds ``keep`` complete snapshots (and at least two), takes its oldest apart, so that a new
+    flash snapshot can reuse its data file's memory: the snapshot is renamed to a temporary name (no longer
+    complete, at once) and the path of its data file there is returned; the caller removes that directory. None
+    when there is nothing to reuse."""
+    steps = complete_steps(store)
+    if len(steps) < max(keep, 2) or steps[-1] in set(protect):
+        return None
+    oldest = snapshot_dir(store, steps[-1])
+    if not os.path.isfile(os.path.join(oldest, FLASH_DATA)):
+        return None
+    retired = temporary_dir(store, steps[-1])
+    os.rename(oldest, retired)
+    return os.path.join(retired, FLASH_DATA)
 
 
 def copy_snapshot(snapshot: str, store: str) -> str:

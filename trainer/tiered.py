@@ -1,13 +1,18 @@
-"""The fast checkpoint tier: asynchronous snapshots to node-local memory, persisted to shared storage in the
-background. The layout is :mod:`tfelastic.trainer.snapshots`.
+"""The fast checkpoint tier: snapshots to node-local memory, persisted to shared storage in the background. The
+layout is :mod:`tfelastic.trainer.snapshots`.
 
-:meth:`TieredCheckpoint.save` holds training up only while TensorFlow copies the variables to host memory
-(``CheckpointOptions(experimental_enable_async_checkpoint=True)``; it also waits for the previous snapshot's
-write, if that is still going). TensorFlow writes the files in its own thread; then a sealer thread of ours seals
-the snapshot (manifest, flush, rename: :func:`~tfelastic.trainer.snapshots.seal`) in the local tier and prunes
-the old ones, and on the chief a persister thread copies the newest sealed snapshot to the shared tier, at most
-every ``persist_seconds`` (30 s; and always the newest at :meth:`TieredCheckpoint.flush`). Every
-worker saves at the same step (saving may run collectives) and keeps its own local copy.
+The first snapshot of a process is TensorFlow's asynchronous checkpoint
+(``CheckpointOptions(experimental_enable_async_checkpoint=True)``): :meth:`TieredCheckpoint.save` holds training
+up while TensorFlow copies the variables, and TensorFlow writes the files in its own thread. When the checkpoint's
+state is all plain variables (a model, its optimizer, counters), the next ones are *flash snapshots*
+(:mod:`tfelastic.trainer.flash`): the variables' bytes written in the training thread into a file the oldest
+local snapshot gave up, which costs a fraction of TensorFlow's write (no new memory) and needs no background
+work. Either way a sealer thread of ours then seals the snapshot (manifest, flush, rename:
+:func:`~tfelastic.trainer.snapshots.seal`) in the local tier and prunes the old ones, and on the chief a persister
+thread copies the newest sealed snapshot to the shared tier, at most every ``persist_seconds`` (30 s; and always
+the newest at :meth:`TieredCheckpoint.flush`). Every worker saves at the same step (TensorFlow's save may run
+collectives) and keeps its own local copy. A ``portable`` save is TensorFlow's format whatever the state (the
+custom loop's final save, whose path it hands to the user).
 
 :meth:`TieredCheckpoint.restore` restores the step the coordinator chose (``TFELASTIC_RESTORE_STEP``: the newest
 step every member of the generation can restore), from the local tier when this node has it, else from the
@@ -42,9 +47,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tfelastic.trainer import snapshots
+from tfelastic.trainer import flash, snapshots
 from tfelastic.trainer.checkpoint import NoRestorableCheckpointError
 from tfelastic.trainer.environment import TrainerEnvironment
+from tfelastic.trainer.persister import Persister
 from tfelastic.trainer.tfkeras import ensure_legacy_keras
 
 ensure_legacy_keras()
@@ -54,7 +60,7 @@ log = logging.getLogger(__name__)
 
 LOCAL, SHARED, NONE = "local", "shared", "none"  # where a restore came from
 # What a damaged snapshot raises when it is read: a checksum that does not match, a short read.
-_DAMAGED_DATA = (tf.errors.DataLossError, tf.errors.OutOfRangeError, IndexError)
+_DAMAGED_DATA = (tf.errors.DataLossError, tf.errors.OutOfRangeError, IndexError, flash.FlashDamagedError)
 # The chief copies a snapshot to the shared tier at most this often: the copy competes with training where the
 # CPUs train, and the local tier covers a worker's crash; the shared tier is for a lost node.
 PERSIST_SECONDS = 30.0
@@ -93,25 +99,26 @@ class TieredCheckpoint:
         self._managed = environment.managed
         self._wanted = environment.restore_step
         self._keep_local, self._keep_shared = keep_local, keep_shared
-        self._persist_seconds = persist_seconds
-        self._persist_began = -float("inf")  # when the persister last took a snapshot
         self._options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
         self._scratch: str | None = None  # a non-chief without a local tier writes here, and keeps nothing
         self._local_full = False  # the local tier has no room for a snapshot: write as without one
         self._sealing: queue.Queue[tuple[int, str, str] | None] = queue.Queue()
-        self._persisting = threading.Condition()
-        self._to_persist: int | None = None  # the newest sealed step the persister has not copied yet
-        self._busy_persisting = False
+        # The chief copies its local snapshots to the shared tier (without a local tier, it writes there).
+        self._persister = Persister(self.local_store, self.shared_store, keep_shared, persist_seconds) \
+            if is_chief and self.local_store else None
         self._error: BaseException | None = None
-        self._threads: list[threading.Thread] = []
+        self._sealer: threading.Thread | None = None
         self.sealed_step: int | None = None  # the newest snapshot complete in this worker's write tier
-        self.persisted_step: int | None = None  # the newest the chief copied to the shared tier
+        self._sealed_in_shared: int | None = None
         self.last_stall = 0.0
-        self.last_write_seconds: float | None = None  # save() to sealed (and persisted, on the chief): the latest
+        self.last_write_seconds: float | None = None  # save() to sealed: the latest
         self._save_began: dict[int, float] = {}
         self._last_started: int | None = None
         self._written_step: int | None = None  # the newest snapshot whose background work is over
-        self._copying: int | None = None  # the step the persister copies: the sealer's prune keeps it
+        self._flash: flash.FlashWriter | None = None  # decided at the second save, from the first (TensorFlow's)
+        self._reference: str | None = None  # the first snapshot TensorFlow wrote, until the decision
+        self._writer_chosen = False
+        self._last_flash = False  # the last snapshot started was a flash snapshot
 
     @property
     def write_store(self) -> str:
@@ -125,35 +132,67 @@ class TieredCheckpoint:
             self._scratch = tempfile.mkdtemp(prefix="tfelastic-scratch-")
         return self._scratch
 
-    def save(self, step: int) -> float:
+    def save(self, step: int, portable: bool = False) -> float:
         """Starts a snapshot of ``step``; returns how long training was held up (seconds). A second save of the
-        same step (a graceful stop right after a periodic save) does nothing."""
+        same step (a graceful stop right after a periodic save) does nothing, unless it asks for a ``portable``
+        snapshot (TensorFlow's format, for any TensorFlow tool) where the first was a flash snapshot."""
         began = time.monotonic()
         # TensorFlow's write waits for the previous one anyway; the seal after it is short. Then the previous
         # write's error is the sealer's to see (TensorFlow hands it to the first caller), and its size is known.
         self._sealing.join()
         self._raise_background_error()
-        if step == self._last_started:
+        if step == self._last_started and not (portable and self._last_flash):
             return 0.0
         self._last_started = step
-        self._start_threads()
+        self._start_sealer()
         os.makedirs(self.write_store, exist_ok=True)
         if self.write_store == self.local_store:
             self._make_room(self.local_store)
+        if self._reference is not None:
+            self._choose_writer(self._reference)
         store, building = self._building(step)
         self._save_began[step] = began
         try:
-            self.checkpoint.write(snapshots.checkpoint_prefix(building), options=self._options)
-        except Exception as e:  # the previous write's error, which TensorFlow raises here, before this write
+            self._write(store, building, portable)
+        except Exception as e:  # TensorFlow raises the previous write's error here, before this write
             shutil.rmtree(building, ignore_errors=True)
             if store != self.local_store or not _out_of_space(e):
                 raise
-            self._leave_local_tier(f"writing the previous snapshot ran out of space: {_last_line(e)}")
+            self._leave_local_tier(f"writing a snapshot ran out of space: {_last_line(e)}")
             store, building = self._building(step)
-            self.checkpoint.write(snapshots.checkpoint_prefix(building), options=self._options)
+            self._write(store, building, portable)
+        self._last_flash = self._flash is not None and not portable
         self.last_stall = time.monotonic() - began
         self._sealing.put((step, building, store))
         return self.last_stall
+
+    def _write(self, store: str, building: str, portable: bool) -> None:
+        """A flash snapshot, synchronously (none on a worker that keeps none); else TensorFlow's asynchronous
+        write, which TensorFlow finishes in its own thread."""
+        if self._flash is None or portable:
+            self.checkpoint.write(snapshots.checkpoint_prefix(building), options=self._options)
+        elif store != self._scratch:
+            recycled = snapshots.retire_oldest(store, self._keep_local, protect=self._protected()) \
+                if store == self.local_store else None
+            try:
+                self._flash.write(building, recycled)
+            finally:
+                if recycled:
+                    shutil.rmtree(os.path.dirname(recycled), ignore_errors=True)
+
+    def _choose_writer(self, reference: str) -> None:
+        """Flash snapshots from now on, when the checkpoint's state allows (see :mod:`tfelastic.trainer.flash`)."""
+        self._reference, self._writer_chosen = None, True
+        try:
+            self._flash = flash.FlashWriter.from_tensorflow_snapshot(self.checkpoint, reference)
+        finally:
+            if self._scratch and reference.startswith(self._scratch + os.sep):
+                shutil.rmtree(reference, ignore_errors=True)
+
+    def _protected(self) -> tuple[int, ...]:
+        """The step the persister copies: the local tier keeps it until then."""
+        copying = self._persister.copying if self._persister else None
+        return () if copying is None else (copying,)
 
     def _building(self, step: int) -> tuple[str, str]:
         """The write store now, and a new temporary directory in it for ``step``."""
@@ -170,8 +209,12 @@ class TieredCheckpoint:
         need = LOCAL_HEADROOM * snapshots.snapshot_size(snapshots.snapshot_dir(store, newest[0])) if newest else 0
         if shutil.disk_usage(store).free >= need:
             return
-        snapshots.prune(store, 1, protect=() if self._copying is None else (self._copying,))
+        snapshots.prune(store, 1, protect=self._protected())
         free = shutil.disk_usage(store).free
+        if free < need and self._protected() and self._persister:  # the copy to the shared tier holds one
+            self._persister.wait_idle()
+            snapshots.prune(store, 1)
+            free = shutil.disk_usage(store).free
         if free >= need:
             return
         self._leave_local_tier(f"{free / 2**20:.0f} MiB free, less than the {need / 2**20:.0f} MiB a snapshot needs")
@@ -188,19 +231,18 @@ class TieredCheckpoint:
         """Waits until every snapshot started is sealed and, on the chief, the newest is in the shared tier."""
         self.checkpoint.sync()
         self._sealing.join()
-        with self._persisting:
-            self._persisting.wait_for(lambda: self._to_persist is None and not self._busy_persisting)
+        if self._persister:
+            self._persister.wait_idle()
         self._raise_background_error()
         sealed = self.sealed_step
         if self._last_started is not None and sealed != self._last_started and self.write_store != self._scratch:
             raise RuntimeError(f"snapshot step {self._last_started} was not written to {self.write_store} (see "
                                "TensorFlow's error above): the state at this stop is not saved")
-        if self._persister() and sealed is not None and self.persisted_step != sealed:
-            assert self.local_store is not None
-            self._persist(sealed, self.local_store)  # the newest was not copied (throttled, or the copy failed)
-            if self.persisted_step != sealed:
-                raise RuntimeError(f"snapshot step {sealed} could not be copied to the shared tier "
-                                   f"{self.shared_store} (see the warning above); it exists on this node only")
+        # The newest was not copied (throttled, or the copy failed): now.
+        if self._persister and sealed is not None and self.persisted_step != sealed and \
+                not self._persister.copy_now(sealed):
+            raise RuntimeError(f"snapshot step {sealed} could not be copied to the shared tier "
+                               f"{self.shared_store} (see the warning above); it exists on this node only")
 
     def close(self) -> None:
         """Flushes, then stops the background threads."""
@@ -208,12 +250,11 @@ class TieredCheckpoint:
             self.flush()
         finally:
             self._sealing.put(None)
-            with self._persisting:
-                self._to_persist = -1
-                self._persisting.notify_all()
-            for thread in self._threads:
-                thread.join()
-            self._threads = []
+            if self._persister:
+                self._persister.stop()
+            if self._sealer:
+                self._sealer.join()
+                self._sealer = None
             if self._scratch:
                 shutil.rmtree(self._scratch, ignore_errors=True)
 
@@ -278,7 +319,10 @@ class TieredCheckpoint:
     def _try_restore(self, path: str, result: TierRestore) -> bool:
         """Restores ``path``; False when its data is damaged (it is set aside); any other error is raised."""
         try:
-            self.checkpoint.restore(snapshots.checkpoint_prefix(path)).expect_partial()
+            if flash.is_flash(path):
+                flash.restore(self.checkpoint, path)
+            else:
+                self.checkpoint.restore(snapshots.checkpoint_prefix(path)).expect_partial()
             return True
         except Exception as e:
             if not isinstance(e, _DAMAGED_DATA) and snapshots.is_complete(path):
@@ -304,14 +348,10 @@ class TieredCheckpoint:
                 log.info("removed snapshots newer than the step restored (%s) from %s: steps %s",
                          "none" if restored is None else restored, store, ", ".join(map(str, removed)))
 
-    def _start_threads(self) -> None:
-        if self._threads:
-            return
-        self._threads = [threading.Thread(target=self._seal_loop, name="tfelastic-seal", daemon=True)]
-        if self._persister():
-            self._threads.append(threading.Thread(target=self._persist_loop, name="tfelastic-persist", daemon=True))
-        for thread in self._threads:
-            thread.start()
+    def _start_sealer(self) -> None:
+        if self._sealer is None:
+            self._sealer = threading.Thread(target=self._seal_loop, name="tfelastic-seal", daemon=True)
+            self._sealer.start()
 
     def _seal_loop(self) -> None:
         while (job := self._sealing.get()) is not None:
@@ -335,63 +375,37 @@ class TieredCheckpoint:
         self._sealing.task_done()
 
     def _seal(self, step: int, building: str, store: str) -> None:
+        first = not self._writer_chosen and self._reference is None
         if store == self._scratch:
-            shutil.rmtree(building, ignore_errors=True)
+            if first and os.path.exists(snapshots.checkpoint_prefix(building) + ".index"):
+                self._reference = building  # read at the next save, then removed
+            else:
+                shutil.rmtree(building, ignore_errors=True)
             self._written(step)
             return
-        snapshots.seal(building, store, step)
-        copying = self._copying
+        sealed = snapshots.seal(building, store, step)
+        if first and not flash.is_flash(sealed):
+            self._reference = sealed
         snapshots.prune(store, self._keep_local if store == self.local_store else self._keep_shared,
-                        protect=() if copying is None else (copying,))
+                        protect=self._protected())
         self.sealed_step = step
         if store == self.shared_store:
-            self.persisted_step = step
-        if store != self.local_store or not self._persister() or \
-                time.monotonic() - self._persist_began < self._persist_seconds:
-            self._written(step)  # the shared tier gets a newer one later (flush() copies the newest)
-        else:
-            self._persist_began = time.monotonic()
-            with self._persisting:
-                self._to_persist = step
-                self._persisting.notify_all()
-
-    def _persist_loop(self) -> None:
-        while True:
-            with self._persisting:
-                self._persisting.wait_for(lambda: self._to_persist is not None)
-                step, self._to_persist = self._to_persist, None
-                self._busy_persisting = step != -1
-            if step == -1:
-                return
-            self._copying = step
-            try:
-                assert step is not None and self.local_store is not None
-                self._persist(step, self.local_store)
-            finally:
-                self._copying = None
-                with self._persisting:
-                    self._busy_persisting = False
-                    self._persisting.notify_all()
-
-    def _persist(self, step: int, local_store: str) -> None:
-        source = snapshots.snapshot_dir(local_store, step)
-        try:
-            snapshots.copy_snapshot(source, self.shared_store)
-            snapshots.prune(self.shared_store, self._keep_shared)
-            self.persisted_step = step
-            self._written(step)
-        except (OSError, snapshots.SnapshotError) as e:
-            log.warning("could not copy snapshot %s to the shared tier %s (%s); the next snapshot tries again",
-                        source, self.shared_store, e)
-            self._written(step)  # its background work is over, if unsuccessfully
-
-    def _persister(self) -> bool:
-        """Whether this worker copies its snapshots to the shared tier (the chief, when it has a local tier)."""
-        return self.is_chief and self.local_store is not None
+            self._sealed_in_shared = step
+        elif self._persister:
+            self._persister.offer(step)  # unless throttled: the shared tier gets a newer one later, or at flush()
+        self._written(step)
 
     @property
-    def busy(self) -> bool:
-        """Whether a snapshot is being written in the background (or copied to the shared tier)."""
+    def persisted_step(self) -> int | None:
+        """The newest snapshot this worker put in the shared tier (the chief's copy, or its own write there)."""
+        copied = self._persister.persisted_step if self._persister else None
+        steps = [s for s in (copied, self._sealed_in_shared) if s is not None]
+        return max(steps) if steps else None
+
+    @property
+    def writing(self) -> bool:
+        """Whether a snapshot is being written in the background (the copy to the shared tier aside: it comes
+        at most every ``persist_seconds`` whatever the interval between snapshots)."""
         return self._last_started is not None and self._written_step != self._last_started
 
     def _written(self, step: int) -> None:

@@ -31,10 +31,10 @@ CASES = """
     value = tf.Variable(tf.zeros([1000]))
     checkpoint = tf.train.Checkpoint(value=value)
 
-    def tier(restore_step=None, managed=True, local=True):
+    def tier(restore_step=None, managed=True, local=True, chief=True):
         env = TrainerEnvironment(progress_socket="agent.sock" if managed else None, restore_step=restore_step,
                                  local_checkpoint_dir=local_root if local else None)
-        return TieredCheckpoint(checkpoint, shared, is_chief=True, env=env, keep_local=3, keep_shared=3,
+        return TieredCheckpoint(checkpoint, shared, is_chief=chief, env=env, keep_local=3, keep_shared=3,
                                 persist_seconds=0)
 
     def restore(new_process=True, **kwargs):
@@ -62,8 +62,11 @@ CASES = """
     report = {"throttled": snapshots.complete_steps(throttled_shared),
               "local": snapshots.complete_steps(os.path.join(local_root, "fit")),
               "shared": snapshots.complete_steps(shared),
-              "sealed": writer.sealed_step, "persisted": writer.persisted_step}
-    data = os.path.join(local_root, "fit", snapshots.snapshot_name(30), "ckpt.data-00000-of-00001")
+              "sealed": writer.sealed_step, "persisted": writer.persisted_step,
+              "formats": {tier_name: [sorted(os.listdir(os.path.join(store, snapshots.snapshot_name(s))))
+                                      for s in (10, 20, 30)]
+                          for tier_name, store in (("local", os.path.join(local_root, "fit")), ("shared", shared))}}
+    data = os.path.join(local_root, "fit", snapshots.snapshot_name(30), snapshots.FLASH_DATA)
     with open(data, "r+b") as f:  # same size, other bytes: the manifest cannot tell, the restore can
         f.seek(200)
         f.write(b"\\xff" * 64)
@@ -83,8 +86,7 @@ CASES = """
     report["chosen_shared"] = restore(restore_step=20)
     report["nobody_has_it"] = restore(restore_step=25)
     value.assign(tf.fill([1000], 40.0))
-    local_only = tier(local=True)
-    local_only.is_chief = False  # a non-chief keeps its snapshot in the local tier only
+    local_only = tier(local=True, chief=False)  # a non-chief keeps its snapshot in the local tier only
     local_only.save(40)
     local_only.close()
     report["standalone"] = restore(restore_step=None, managed=False)
@@ -108,6 +110,14 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_every_snapshot_is_sealed_locally_and_persisted_to_the_shared_tier(cases: dict[str, Any]) -> None:
     assert cases["local"] == [30, 20, 10] and cases["shared"] == [30, 20, 10]
     assert (cases["sealed"], cases["persisted"]) == (30, 30)
+
+
+def test_the_first_snapshot_is_tensorflows_and_the_next_are_flash_snapshots(cases: dict[str, Any]) -> None:
+    """The first snapshot, TensorFlow's, maps the variables onto its keys; the next copy them into one file."""
+    tensorflow = ["MANIFEST.json", "ckpt.data-00000-of-00001", "ckpt.index"]
+    flash = ["MANIFEST.json", "flash.bin", "flash.json", "objects.pb"]
+    for tier in ("local", "shared"):
+        assert cases["formats"][tier] == [tensorflow, flash, flash]
 
 
 def test_the_copy_to_the_shared_tier_is_throttled_and_flush_copies_the_newest(cases: dict[str, Any]) -> None:

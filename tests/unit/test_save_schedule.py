@@ -30,8 +30,8 @@ def test_a_fixed_interval_saves_at_its_multiples_also_after_a_restore() -> None:
 def test_the_adaptive_interval_spends_the_budget_on_the_measured_stall() -> None:
     # 0.5 s steps, 0.1 s stall, 1 %: ceil(0.1 / (0.01 * 0.5)) = 20 steps.
     saved = run(SaveSchedule(budget=0.01), 200, 0.5, 0.1)
-    assert saved[:3] == [FIRST_INTERVAL, 2 * FIRST_INTERVAL, 3 * FIRST_INTERVAL]  # warm-up: nothing measured yet
-    gaps = {b - a for a, b in itertools.pairwise(saved[2:])}
+    assert saved[:4] == [FIRST_INTERVAL * n for n in (1, 2, 3, 4)]  # warm-up: nothing measured yet
+    gaps = {b - a for a, b in itertools.pairwise(saved[3:])}
     assert gaps == {20}
 
 
@@ -49,12 +49,14 @@ def test_the_interval_is_clamped(stall: float, step_seconds: float, interval: in
 def test_the_warm_up_saves_do_not_count_their_stall() -> None:
     schedule = SaveSchedule()
     schedule.start(0)
-    assert schedule.saved(10, stall=30.0, began=10.0) == FIRST_INTERVAL  # allocates the host copies
+    assert schedule.saved(10, stall=30.0, began=10.0) == FIRST_INTERVAL  # TensorFlow's: allocates its copies
     schedule.adopt(10, FIRST_INTERVAL)
-    assert schedule.saved(20, stall=5.0, began=50.0) == FIRST_INTERVAL  # traces the copy
-    assert schedule.mean_stall is None
+    assert schedule.saved(20, stall=5.0, began=50.0) == FIRST_INTERVAL  # a flash snapshot into a new file
     schedule.adopt(20, FIRST_INTERVAL)
-    assert schedule.saved(30, stall=0.02, began=100.0) == 1  # 4.5 s steps: 0.02 s is 0.4 %
+    assert schedule.saved(30, stall=1.0, began=95.0) == FIRST_INTERVAL  # and another
+    assert schedule.mean_stall is None
+    schedule.adopt(30, FIRST_INTERVAL)
+    assert schedule.saved(40, stall=0.02, began=141.0) == 1  # 4.5 s steps: 0.02 s is 0.4 %
     assert schedule.mean_stall == 0.02
 
 

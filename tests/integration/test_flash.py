@@ -1,0 +1,160 @@
+"""Flash snapshots (trainer/flash.py) with real TensorFlow: a Keras model with its optimizer restores exactly
+(directly, and deferred to an optimizer built later), a checkpoint with more than variables keeps TensorFlow's
+writer, damage and a changed model are caught, and the local tier reuses its files' memory. One subprocess runs
+every case (TensorFlow stays out of pytest)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+from tests.workers import worker_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
+
+CASES = """
+    import json, os, shutil
+    import numpy as np
+    from tfelastic.trainer import flash, snapshots
+    from tfelastic.trainer.environment import TrainerEnvironment
+    from tfelastic.trainer.tiered import TieredCheckpoint
+    import tensorflow as tf
+    import tf_keras as keras
+
+    def build():
+        model = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(3)])
+        model.compile(keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    def state(model):  # every variable, in a fixed order: the model's, then the optimizer's
+        return [v.numpy().tolist() for v in model.variables + model.optimizer.variables()]
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, size=64)
+    model = build()
+    model.fit(x, y, epochs=2, batch_size=16, verbose=0)
+    checkpoint = tf.train.Checkpoint(model=model)
+    checkpoint.write("reference/ckpt")
+    writer = flash.FlashWriter.from_tensorflow_snapshot(checkpoint, "reference")
+    os.makedirs("one")
+    writer.write("one")
+    report = {"format": sorted(os.listdir("one")), "size": writer.size}
+    saved = state(model)
+
+    direct = build()
+    direct.optimizer.build(direct.trainable_variables)
+    flash.restore(tf.train.Checkpoint(model=direct), "one")
+    report["direct_equal"] = state(direct) == saved
+
+    deferred = build()  # no optimizer slots yet: they are created by the first step
+    flash.restore(tf.train.Checkpoint(model=deferred), "one")
+    deferred.optimizer.build(deferred.trainable_variables)
+    report["deferred_equal"] = state(deferred) == saved
+    report["deferred_iterations"] = int(deferred.optimizer.iterations.numpy())
+
+    dataset = tf.data.Dataset.range(10)
+    iterator = iter(dataset)
+    with_iterator = tf.train.Checkpoint(model=model, iterator=iterator)
+    with_iterator.write("iterator/ckpt")
+    report["iterator_writer"] = flash.FlashWriter.from_tensorflow_snapshot(with_iterator, "iterator") is None
+
+    shutil.copytree("one", "damaged")
+    with open("damaged/flash.bin", "r+b") as f:  # same size, other bytes
+        f.seek(100)
+        f.write(b"\\xff" * 8)
+    try:
+        flash.restore(tf.train.Checkpoint(model=build()), "damaged")
+    except flash.FlashDamagedError as e:
+        report["damaged"] = "checksum" in str(e) and "model/layer_with_weights-0/kernel" in str(e)
+    shutil.copytree("one", "garbled")
+    with open("garbled/flash.json", "r+b") as f:
+        f.write(b"}")
+    try:
+        flash.restore(tf.train.Checkpoint(model=build()), "garbled")
+    except flash.FlashDamagedError:
+        report["garbled"] = True
+
+    changed = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(17), keras.layers.Dense(3)])
+    try:
+        flash.restore(tf.train.Checkpoint(model=changed), "one")
+    except ValueError as e:
+        report["changed"] = str(e)
+
+    # The local tier: the oldest snapshot's file becomes the newest's (same inode, no new memory).
+    value = tf.Variable(tf.zeros([1000]))
+    local = os.path.abspath("local")
+    tier = TieredCheckpoint(tf.train.Checkpoint(value=value), os.path.abspath("shared/v"), is_chief=True,
+                            env=TrainerEnvironment(progress_socket="agent.sock", local_checkpoint_dir=local),
+                            keep_local=2, persist_seconds=3600)
+    inodes = {}
+    for step in range(1, 7):
+        value.assign(tf.fill([1000], float(step)))
+        tier.save(step)
+        tier.flush() if step == 6 else tier.checkpoint.sync()
+        data = os.path.join(local, "v", snapshots.snapshot_name(step), "flash.bin")
+        tier._sealing.join()
+        tier._persister.wait_idle()  # the copy to the shared tier holds its snapshot in the local tier until done
+        inodes[step] = os.stat(data).st_ino if os.path.exists(data) else None
+    tier.close()
+    report["inodes"] = inodes
+    report["local"] = sorted(os.listdir(os.path.join(local, "v")))
+    value.assign(tf.zeros([1000]))
+    restored = TieredCheckpoint(tf.train.Checkpoint(value=value), os.path.abspath("shared/v"), is_chief=True,
+                                env=TrainerEnvironment(local_checkpoint_dir=local)).restore()
+    report["restored"] = [restored.step, restored.tier, float(value.numpy()[0])]
+    print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("flash")
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(CASES)], cwd=tmp, env=worker_env(),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    report: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    return report
+
+
+def test_a_flash_snapshot_is_one_data_file_with_its_layout_and_object_graph(cases: dict[str, Any]) -> None:
+    assert cases["format"] == ["flash.bin", "flash.json", "objects.pb"]
+    assert cases["size"] >= (8 * 16 + 16 + 16 * 3 + 3) * 4 * 3  # weights and Adam's two slots
+
+
+def test_a_model_and_its_optimizer_restore_exactly(cases: dict[str, Any]) -> None:
+    assert cases["direct_equal"] is True
+
+
+def test_slots_created_after_the_restore_get_the_snapshots_values(cases: dict[str, Any]) -> None:
+    """TensorFlow's deferred restore: an optimizer built after the restore still gets its slots back."""
+    assert cases["deferred_equal"] is True
+    assert cases["deferred_iterations"] == 8  # 2 epochs of 4 batches
+
+
+def test_a_checkpoint_with_more_than_variables_keeps_tensorflows_writer(cases: dict[str, Any]) -> None:
+    assert cases["iterator_writer"] is True
+
+
+def test_damaged_data_or_layout_is_reported_as_damage(cases: dict[str, Any]) -> None:
+    assert cases.get("damaged") is True
+    assert cases.get("garbled") is True
+
+
+def test_a_model_that_changed_is_an_error_naming_the_variable(cases: dict[str, Any]) -> None:
+    assert "model/layer_with_weights-0/kernel" in cases["changed"]
+    assert "(8, 17)" in cases["changed"] and "(8, 16)" in cases["changed"]
+
+
+def test_the_local_tier_reuses_the_oldest_snapshots_file(cases: dict[str, Any]) -> None:
+    """Step 1 is TensorFlow's; 2 and 3 get new files; from 4 on each takes over the file of the one two before."""
+    inodes = {int(step): inode for step, inode in cases["inodes"].items()}
+    assert inodes[1] is None and inodes[2] != inodes[3]
+    assert (inodes[4], inodes[5], inodes[6]) == (inodes[2], inodes[3], inodes[2])
+    assert cases["local"] == ["step-000000000005", "step-000000000006"]  # nothing temporary left
+    assert cases["restored"] == [6, "local", 6.0]
