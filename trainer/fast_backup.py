@@ -158,7 +158,10 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         step = self._step = int(self.model.optimizer.iterations.numpy())
         self._reporter.report(step, phase=Phase.SAVE)
         began = time.monotonic()
-        stall = self._state.back_up(epoch=0)
+        self.tier.wait_sealed()  # the previous snapshot is reported before this one can overtake it
+        self._report_sealed()
+        self._state.back_up(epoch=0)
+        stall = time.monotonic() - began  # with the wait for the previous seal: it held training up too
         self.stalls.append(stall)
         proposal = self.schedule.saved(step, stall, began, self.tier.last_write_seconds)
         self.schedule.adopt(step, self._agreed(proposal))

@@ -2,24 +2,25 @@
 snapshot to snapshot.
 
 Why not TensorFlow's own writer for the local tier: measured here (docs/benchmarks.md), most of a snapshot's cost
-on the host is not copying bytes but getting fresh memory for them. TensorFlow's asynchronous checkpoint copies the
-variables into new buffers and writes new files, and each new page is a page fault (on this VM about 1 s per
+on the host is not copying bytes but getting fresh memory for them. TensorFlow's asynchronous checkpoint copies
+the variables into new buffers and writes new files, and each new page is a page fault (on this VM about 1 s per
 400 MB, against 0.03 s to copy into memory already in use). A flash snapshot copies each variable's bytes
-straight into a file of the local tier that an older snapshot of the same size owned, so its pages are already
-there: the copy is the whole cost, and it is short enough to do synchronously, between two steps, which also
-makes the snapshot consistent without a second copy.
+straight into a data file that an older snapshot of the same size owned, mapped into memory once, so its pages
+are already there: the copy is the whole cost, and it is short enough to do synchronously, between two steps,
+which also makes the snapshot consistent without a second copy.
 
-A snapshot directory (:mod:`tfelastic.trainer.snapshots`) then holds ``flash.bin`` (the variables' bytes, each at a
-64-byte aligned offset), ``flash.json`` (per variable: its path in the checkpoint's object graph, TensorFlow's
-checkpoint key, dtype, shape, offset, size and a checksum: the sum of its 64-bit words, modulo 2**64) and
-``objects.pb`` (TensorFlow's object graph of the checkpoint). The manifest and the rename into place work as for
-TensorFlow's files.
+A snapshot directory (:mod:`tfelastic.trainer.snapshots`) then holds ``flash.bin`` (the variables' bytes, each
+at a 64-byte aligned offset), ``flash.json`` (per variable: its path in the checkpoint's object graph,
+TensorFlow's checkpoint key, dtype, shape, offset, size and a checksum: the sum of its 64-bit words, modulo
+2**64) and ``objects.pb`` (TensorFlow's object graph of the checkpoint). The manifest and the rename into place
+work as for TensorFlow's files.
 
-Only checkpoints whose saved state is plain variables of fixed-size types are written this way (a model with its
-optimizer and counters); one that also saves something else (a ``tf.data`` iterator, a string variable) keeps
-TensorFlow's writer. The mapping from variables to TensorFlow's keys is taken from, and checked against, a
-snapshot TensorFlow wrote of the same checkpoint (the tier's first), so a flash snapshot restores exactly what
-that one would.
+Only checkpoints whose saved state is plain variables of fixed-size types in host memory are written this way
+(a model with its optimizer and counters, trained on CPUs); one that also saves something else (a ``tf.data``
+iterator, a string variable), or whose variables are on a GPU, keeps TensorFlow's writer: that one copies the
+variables into host buffers it keeps from save to save, and writes while the GPUs train. The mapping from
+variables to TensorFlow's keys is taken from, and checked against, a snapshot TensorFlow wrote of the same
+checkpoint (the tier's first), so a flash snapshot restores exactly what that one would.
 
 :func:`restore` assigns every variable that exists now. Variables that do not exist yet (an optimizer's slots
 before its first step, a model not built yet) are restored as TensorFlow restores them: the snapshot is
@@ -32,6 +33,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import mmap
 import os
 import shutil
 import tempfile
@@ -55,6 +57,7 @@ SAVE_COUNTER_KEY = "save_counter/.ATTRIBUTES/VARIABLE_VALUE"
 _VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 _ALIGN = 64
 _CHUNK = 1 << 20  # copied and summed while still in the CPU's cache
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # a new file's pages faulted in at once, not one by one
 
 
 class FlashDamagedError(ValueError):
@@ -109,6 +112,15 @@ def _saves_tensors(trackable: Any) -> bool:
         getattr(base, "_gather_saveables_for_checkpoint", None)
 
 
+def _in_host_memory(variable: tf.Variable) -> bool:
+    return host_device(variable.device)  # a distributed variable's: its primary component's
+
+
+def host_device(device: str) -> bool:
+    """Whether a TensorFlow device name is the host's (an empty one is: the default device on a CPU host)."""
+    return not device or tf.DeviceSpec.from_string(device).device_type in (None, "CPU")
+
+
 def tensorflow_key(path: str) -> str:
     """TensorFlow's checkpoint key of a variable at ``path`` (its names escaped as TensorFlow escapes them)."""
     return "/".join(name.replace(".", "..").replace("/", ".S") for name in path.split("/")) + _VALUE_SUFFIX
@@ -117,9 +129,11 @@ def tensorflow_key(path: str) -> str:
 class FlashWriter:
     """Writes flash snapshots of ``checkpoint``; built by :meth:`from_tensorflow_snapshot`."""
 
-    def __init__(self, variables: dict[str, tf.Variable], object_graph: bytes) -> None:
+    def __init__(self, variables: dict[str, tf.Variable], object_graph: bytes, mapped_files: int = 2) -> None:
         self._variables = variables
         self._object_graph = object_graph
+        self._maps: dict[int, mmap.mmap] = {}  # the local tier's data files, by inode, mapped once each
+        self._mapped_files = mapped_files
         self._layout: list[Entry] = []
         offset = 0
         for path, variable in variables.items():
@@ -138,6 +152,11 @@ class FlashWriter:
             log.info("the checkpoint saves more than variables of fixed shape: its snapshots keep TensorFlow's "
                      "writer")
             return None
+        if not all(_in_host_memory(v) for v in variables.values()):
+            # TensorFlow's writer copies them into host buffers it keeps, and writes while the GPUs train.
+            log.info("the checkpoint's variables are not all in host memory: its snapshots keep TensorFlow's "
+                     "writer")
+            return None
         reader = tf.train.load_checkpoint(snapshots.checkpoint_prefix(snapshot))
         written = set(reader.get_variable_to_shape_map()) - {OBJECT_GRAPH_KEY, SAVE_COUNTER_KEY}
         ours = {tensorflow_key(path) for path in variables} - {SAVE_COUNTER_KEY}
@@ -148,9 +167,11 @@ class FlashWriter:
             return None
         return cls(variables, bytes(reader.get_tensor(OBJECT_GRAPH_KEY)))
 
-    def write(self, building: str, recycled: str | None = None) -> None:
+    def write(self, building: str, recycled: str | None = None, *, in_memory: bool = False) -> None:
         """Writes a snapshot of the variables' values now into ``building``; ``recycled``: a data file of an
-        older snapshot, no longer needed, whose memory the new one takes over."""
+        older snapshot, no longer needed, whose memory the new one takes over. ``in_memory``: the directory is
+        in memory (tmpfs): the data file is mapped, and the mapping kept for the file's next turn, so that the
+        copy is a plain memory copy (written, the kernel would look up each page of the file again)."""
         data = os.path.join(building, DATA)
         if recycled is not None:
             os.rename(recycled, data)
@@ -158,7 +179,8 @@ class FlashWriter:
         try:
             if os.fstat(fd).st_size != self.size:
                 os.ftruncate(fd, self.size)
-            entries = [self._write_one(entry, fd) for entry in self._layout]
+            entries = self._copy_mapped(fd) if in_memory and self.size else \
+                [self._write_one(entry, fd) for entry in self._layout]
         finally:
             os.close(fd)
         with open(os.path.join(building, LAYOUT), "w", encoding="utf-8") as out:
@@ -166,10 +188,48 @@ class FlashWriter:
         with open(os.path.join(building, OBJECTS), "wb") as out:
             out.write(self._object_graph)
 
+    def release(self) -> None:
+        """Unmaps the data files (a removed file's memory is freed once no mapping holds it)."""
+        for mapped in self._maps.values():
+            mapped.close()
+        self._maps.clear()
+
+    def _copy_mapped(self, fd: int) -> list[Entry]:
+        target = np.frombuffer(self._mapping(fd), dtype=np.uint8)
+        try:
+            return [self._copy_one(entry, target) for entry in self._layout]
+        finally:
+            del target  # a map closes only once no array refers to it
+
+    def _mapping(self, fd: int) -> mmap.mmap:
+        inode = os.fstat(fd).st_ino
+        if inode not in self._maps:
+            while len(self._maps) >= self._mapped_files:
+                self._maps.pop(next(iter(self._maps))).close()  # the oldest: its file is gone, or comes back later
+            self._maps[inode] = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
+        return self._maps[inode]
+
+    def _copy_one(self, entry: Entry, target: np.ndarray) -> Entry:
+        value = np.asarray(self._variables[entry.path].read_value())  # no copy for a variable in host memory
+        checksum = _copy_summing(value, target[entry.offset:entry.offset + entry.padded])
+        return Entry(**{**asdict(entry), "checksum": checksum})
+
     def _write_one(self, entry: Entry, fd: int) -> Entry:
         value = np.asarray(self._variables[entry.path].read_value())  # no copy for a variable in host memory
         checksum = _write_summing(fd, value, entry.offset)
         return Entry(**{**asdict(entry), "checksum": checksum})  # the value's reference ends before the next step
+
+
+def _copy_summing(value: np.ndarray, region: np.ndarray) -> int:
+    """Copies ``value``'s bytes into ``region`` (zero padded to 8 bytes) and returns their checksum."""
+    source = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+    region[source.size:] = 0
+    total = 0
+    for start in range(0, region.size, _CHUNK):
+        end = min(start + _CHUNK, region.size)
+        np.copyto(region[start:min(end, source.size)], source[start:end])
+        total += int(np.add.reduce(region[start:end].view(np.uint64), dtype=np.uint64))  # still in the cache
+    return total % 2**64
 
 
 def _write_summing(fd: int, value: np.ndarray, offset: int) -> int:

@@ -164,7 +164,10 @@ class TrainLoop:
             self._epoch.assign(self.epoch)
             self._examples_done.assign(self.examples_done)
             began = time.monotonic()
-            stall = self.checkpoints.save(self.step, portable=final)
+            self.checkpoints.wait_sealed()  # the previous snapshot is reported before this one can overtake it
+            self._report_sealed()
+            self.checkpoints.save(self.step, portable=final)
+            stall = time.monotonic() - began  # with the wait for the previous seal: it held training up too
             self.stalls.append(stall)
             proposal = self.schedule.saved(self.step, stall, began, self.checkpoints.last_write_seconds)
             self.schedule.adopt(self.step, self._agreed(proposal))

@@ -67,6 +67,7 @@ PERSIST_SECONDS = 30.0
 # The room a local snapshot needs, as a multiple of the newest one's size: TensorFlow's temporary files, a model
 # that grew a little. The first snapshot's size is not known: its write shows whether it fits.
 LOCAL_HEADROOM = 1.1
+_SPARE = "spare-flash.bin"  # a scratch directory's data file, for the next flash snapshot there
 # The coordinator's step is for the process's first restore: a second fit() in the same process continues from
 # the snapshots the first one saved, as tf_keras's BackupAndRestore would.
 _chosen_step_used = False
@@ -167,18 +168,26 @@ class TieredCheckpoint:
         return self.last_stall
 
     def _write(self, store: str, building: str, portable: bool) -> None:
-        """A flash snapshot, synchronously (none on a worker that keeps none); else TensorFlow's asynchronous
-        write, which TensorFlow finishes in its own thread."""
+        """A flash snapshot, synchronously; else TensorFlow's asynchronous write, which TensorFlow finishes in its
+        own thread. A worker that keeps no snapshot writes one too: reading a sync-on-read variable is an
+        all-reduce, which every worker must join."""
         if self._flash is None or portable:
             self.checkpoint.write(snapshots.checkpoint_prefix(building), options=self._options)
-        elif store != self._scratch:
-            recycled = snapshots.retire_oldest(store, self._keep_local, protect=self._protected()) \
-                if store == self.local_store else None
-            try:
-                self._flash.write(building, recycled)
-            finally:
-                if recycled:
-                    shutil.rmtree(os.path.dirname(recycled), ignore_errors=True)
+            return
+        recycled = self._reusable(store)
+        try:
+            self._flash.write(building, recycled, in_memory=store in (self.local_store, self._scratch))
+        finally:
+            if recycled and store == self.local_store:
+                shutil.rmtree(os.path.dirname(recycled), ignore_errors=True)
+
+    def _reusable(self, store: str) -> str | None:
+        """A data file whose memory the next flash snapshot in ``store`` can take over: the local tier's oldest
+        snapshot's, or the scratch directory's spare."""
+        if store == self.local_store:
+            return snapshots.retire_oldest(store, self._keep_local, protect=self._protected())
+        spare = os.path.join(store, _SPARE)
+        return spare if store == self._scratch and os.path.exists(spare) else None
 
     def _choose_writer(self, reference: str) -> None:
         """Flash snapshots from now on, when the checkpoint's state allows (see :mod:`tfelastic.trainer.flash`)."""
@@ -209,6 +218,8 @@ class TieredCheckpoint:
         need = LOCAL_HEADROOM * snapshots.snapshot_size(snapshots.snapshot_dir(store, newest[0])) if newest else 0
         if shutil.disk_usage(store).free >= need:
             return
+        if self._flash:
+            self._flash.release()  # the mapped files' memory, for the files the prune removes
         snapshots.prune(store, 1, protect=self._protected())
         free = shutil.disk_usage(store).free
         if free < need and self._protected() and self._persister:  # the copy to the shared tier holds one
@@ -226,6 +237,10 @@ class TieredCheckpoint:
         log.warning("the local checkpoint tier %s has no room for a snapshot (%s): %s", self.local_store, why,
                     f"snapshots go to the shared tier {self.shared_store} from now on" if self.is_chief else
                     "this worker keeps no snapshot from now on (the chief's go to the shared tier)")
+
+    def wait_sealed(self) -> None:
+        """Waits until every snapshot started is sealed (the next save does anyway, first)."""
+        self._sealing.join()
 
     def flush(self) -> None:
         """Waits until every snapshot started is sealed and, on the chief, the newest is in the shared tier."""
@@ -255,6 +270,8 @@ class TieredCheckpoint:
             if self._sealer:
                 self._sealer.join()
                 self._sealer = None
+            if self._flash:
+                self._flash.release()
             if self._scratch:
                 shutil.rmtree(self._scratch, ignore_errors=True)
 
@@ -380,6 +397,8 @@ class TieredCheckpoint:
             if first and os.path.exists(snapshots.checkpoint_prefix(building) + ".index"):
                 self._reference = building  # read at the next save, then removed
             else:
+                if os.path.exists(flash.data_file(building)):
+                    os.replace(flash.data_file(building), os.path.join(store, _SPARE))
                 shutil.rmtree(building, ignore_errors=True)
             self._written(step)
             return

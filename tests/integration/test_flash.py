@@ -108,6 +108,22 @@ CASES = """
     restored = TieredCheckpoint(tf.train.Checkpoint(value=value), os.path.abspath("shared/v"), is_chief=True,
                                 env=TrainerEnvironment(local_checkpoint_dir=local)).restore()
     report["restored"] = [restored.step, restored.tier, float(value.numpy()[0])]
+
+    # A worker that keeps no snapshot still writes each one (all-reduces of sync-on-read variables), into one
+    # spare file.
+    other = TieredCheckpoint(tf.train.Checkpoint(value=value), os.path.abspath("shared/w"), is_chief=False,
+                             env=TrainerEnvironment(progress_socket="agent.sock"))
+    spares = []
+    for step in range(1, 5):
+        other.save(step)
+        other._sealing.join()
+        spare = os.path.join(other._scratch, "spare-flash.bin")
+        spares.append(os.stat(spare).st_ino if os.path.exists(spare) else None)
+    report["scratch"] = {"spares": spares, "left": sorted(os.listdir(other._scratch)),
+                         "shared": os.path.exists("shared/w")}
+    other.close()
+    report["host_devices"] = [flash.host_device(d) for d in (
+        "", "/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/replica:0/task:0/device:GPU:0")]
     print(json.dumps(report))
 """
 
@@ -158,3 +174,14 @@ def test_the_local_tier_reuses_the_oldest_snapshots_file(cases: dict[str, Any]) 
     assert (inodes[4], inodes[5], inodes[6]) == (inodes[2], inodes[3], inodes[2])
     assert cases["local"] == ["step-000000000005", "step-000000000006"]  # nothing temporary left
     assert cases["restored"] == [6, "local", 6.0]
+
+
+def test_a_worker_that_keeps_no_snapshot_writes_each_into_one_spare_file(cases: dict[str, Any]) -> None:
+    """Step 1 is TensorFlow's (read at step 2, then removed); from step 2 on one file, kept as the spare."""
+    spares = cases["scratch"]["spares"]
+    assert spares[0] is None and spares[1] is not None and spares[1:] == [spares[1]] * 3
+    assert cases["scratch"]["left"] == ["spare-flash.bin"] and cases["scratch"]["shared"] is False
+
+
+def test_only_variables_in_host_memory_get_flash_snapshots(cases: dict[str, Any]) -> None:
+    assert cases["host_devices"] == [True, True, False]
