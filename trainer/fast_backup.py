@@ -28,7 +28,8 @@ from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.loop import agree_across_workers, agreed_interval, make_all_reduce
 from tfelastic.trainer.progress import Phase, ProgressReporter
 from tfelastic.trainer.save_schedule import DEFAULT_BUDGET, SaveSchedule
-from tfelastic.trainer.tiered import TieredCheckpoint, TierRestore
+from tfelastic.trainer.tier_restore import TierRestore
+from tfelastic.trainer.tiered import TieredCheckpoint
 
 
 class TieredTrainingState(WorkerTrainingState):  # type: ignore[misc]

@@ -35,7 +35,8 @@ from tfelastic.trainer.preemption import STOP, preemption_guard
 from tfelastic.trainer.progress import Phase, ProgressReporter
 from tfelastic.trainer.save_schedule import DEFAULT_BUDGET, SaveSchedule
 from tfelastic.trainer.tfkeras import check_model, ensure_legacy_keras
-from tfelastic.trainer.tiered import TieredCheckpoint, TierRestore
+from tfelastic.trainer.tier_restore import TierRestore
+from tfelastic.trainer.tiered import TieredCheckpoint
 
 ensure_legacy_keras()
 import tensorflow as tf  # noqa: E402

@@ -14,16 +14,8 @@ the newest at :meth:`TieredCheckpoint.flush`). Every worker saves at the same st
 collectives) and keeps its own local copy. A ``portable`` save is TensorFlow's format whatever the state (the
 custom loop's final save, whose path it hands to the user).
 
-:meth:`TieredCheckpoint.restore` restores the step the coordinator chose (``TFELASTIC_RESTORE_STEP``: the newest
-step every member of the generation can restore), from the local tier when this node has it, else from the
-shared one. When the agents found no common step (or the store is outside the agent's backup directory, where
-they do not look), every worker restores the newest snapshot of the shared tier, which all of them see (an
-agreement check after the restore stops workers that did not); without an agent, the newest snapshot of either
-tier that restores. A snapshot whose
-manifest is complete but whose data does not read back (TensorFlow's checksums: damaged storage) is set aside as
-``damaged-...``, so that the next round does not choose it again; any other restore error (a model that no
-longer matches the snapshot) is raised as it is. After a restore, this worker's snapshots newer than the step
-restored are removed: they belong to an abandoned history, which a later restore must not pick up.
+:meth:`TieredCheckpoint.restore` restores the step the coordinator chose, from the local tier when this node has it
+(:mod:`tfelastic.trainer.tier_restore`).
 
 The local tier is bounded: before a snapshot, the room it needs (the newest snapshot's size, with headroom) is
 made by removing all but the newest local snapshot; when even that is not enough, or a write runs out of space,
@@ -44,23 +36,16 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from tfelastic.trainer import flash, snapshots
-from tfelastic.trainer.checkpoint import NoRestorableCheckpointError
 from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.persister import Persister
-from tfelastic.trainer.tfkeras import ensure_legacy_keras
-
-ensure_legacy_keras()
-import tensorflow as tf  # noqa: E402
+from tfelastic.trainer.tier_restore import TierRestore, TierRestorer
+from tfelastic.trainer.tier_writer import SnapshotWriter
 
 log = logging.getLogger(__name__)
 
-LOCAL, SHARED, NONE = "local", "shared", "none"  # where a restore came from
-# What a damaged snapshot raises when it is read: a checksum that does not match, a short read.
-_DAMAGED_DATA = (tf.errors.DataLossError, tf.errors.OutOfRangeError, IndexError, flash.FlashDamagedError)
 # The chief copies a snapshot to the shared tier at most this often: the copy competes with training where the
 # CPUs train, and the local tier covers a worker's crash; the shared tier is for a lost node.
 PERSIST_SECONDS = 30.0
@@ -68,18 +53,6 @@ PERSIST_SECONDS = 30.0
 # that grew a little. The first snapshot's size is not known: its write shows whether it fits.
 LOCAL_HEADROOM = 1.1
 _SPARE = "spare-flash.bin"  # a scratch directory's data file, for the next flash snapshot there
-# The coordinator's step is for the process's first restore: a second fit() in the same process continues from
-# the snapshots the first one saved, as tf_keras's BackupAndRestore would.
-_chosen_step_used = False
-
-
-@dataclass
-class TierRestore:
-    step: int | None  # None: nothing restored, the state is as initialised
-    tier: str  # LOCAL, SHARED or NONE
-    path: str | None = None
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, why) of snapshots that did not restore
-
 
 class TieredCheckpoint:
     """Snapshots of ``checkpoint`` in the shared tier's store ``shared_store`` and in the local tier's store of
@@ -100,7 +73,7 @@ class TieredCheckpoint:
         self._managed = environment.managed
         self._wanted = environment.restore_step
         self._keep_local, self._keep_shared = keep_local, keep_shared
-        self._options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+        self._writer = SnapshotWriter(checkpoint)
         self._scratch: str | None = None  # a non-chief without a local tier writes here, and keeps nothing
         self._local_full = False  # the local tier has no room for a snapshot: write as without one
         self._sealing: queue.Queue[tuple[int, str, str] | None] = queue.Queue()
@@ -116,10 +89,6 @@ class TieredCheckpoint:
         self._save_began: dict[int, float] = {}
         self._last_started: int | None = None
         self._written_step: int | None = None  # the newest snapshot whose background work is over
-        self._flash: flash.FlashWriter | None = None  # decided at the second save, from the first (TensorFlow's)
-        self._reference: str | None = None  # the first snapshot TensorFlow wrote, until the decision
-        self._writer_chosen = False
-        self._last_flash = False  # the last snapshot started was a flash snapshot
 
     @property
     def write_store(self) -> str:
@@ -142,15 +111,14 @@ class TieredCheckpoint:
         # write's error is the sealer's to see (TensorFlow hands it to the first caller), and its size is known.
         self._sealing.join()
         self._raise_background_error()
-        if step == self._last_started and not (portable and self._last_flash):
+        if step == self._last_started and not (portable and self._writer.last_was_flash):
             return 0.0
         self._last_started = step
         self._start_sealer()
         os.makedirs(self.write_store, exist_ok=True)
         if self.write_store == self.local_store:
             self._make_room(self.local_store)
-        if self._reference is not None:
-            self._choose_writer(self._reference)
+        self._writer.choose(self._scratch)
         store, building = self._building(step)
         self._save_began[step] = began
         try:
@@ -162,7 +130,6 @@ class TieredCheckpoint:
             self._leave_local_tier(f"writing a snapshot ran out of space: {_last_line(e)}")
             store, building = self._building(step)
             self._write(store, building, portable)
-        self._last_flash = self._flash is not None and not portable
         self.last_stall = time.monotonic() - began
         self._sealing.put((step, building, store))
         return self.last_stall
@@ -171,12 +138,12 @@ class TieredCheckpoint:
         """A flash snapshot, synchronously; else TensorFlow's asynchronous write, which TensorFlow finishes in its
         own thread. A worker that keeps no snapshot writes one too: reading a sync-on-read variable is an
         all-reduce, which every worker must join."""
-        if self._flash is None or portable:
-            self.checkpoint.write(snapshots.checkpoint_prefix(building), options=self._options)
+        if not self._writer.flash or portable:
+            self._writer.write(building, portable)
             return
         recycled = self._reusable(store)
         try:
-            self._flash.write(building, recycled, in_memory=store in (self.local_store, self._scratch))
+            self._writer.write(building, portable, recycled, in_memory=store in (self.local_store, self._scratch))
         finally:
             if recycled and store == self.local_store:
                 shutil.rmtree(os.path.dirname(recycled), ignore_errors=True)
@@ -188,15 +155,6 @@ class TieredCheckpoint:
             return snapshots.retire_oldest(store, self._keep_local, protect=self._protected())
         spare = os.path.join(store, _SPARE)
         return spare if store == self._scratch and os.path.exists(spare) else None
-
-    def _choose_writer(self, reference: str) -> None:
-        """Flash snapshots from now on, when the checkpoint's state allows (see :mod:`tfelastic.trainer.flash`)."""
-        self._reference, self._writer_chosen = None, True
-        try:
-            self._flash = flash.FlashWriter.from_tensorflow_snapshot(self.checkpoint, reference)
-        finally:
-            if self._scratch and reference.startswith(self._scratch + os.sep):
-                shutil.rmtree(reference, ignore_errors=True)
 
     def _protected(self) -> tuple[int, ...]:
         """The step the persister copies: the local tier keeps it until then."""
@@ -218,8 +176,7 @@ class TieredCheckpoint:
         need = LOCAL_HEADROOM * snapshots.snapshot_size(snapshots.snapshot_dir(store, newest[0])) if newest else 0
         if shutil.disk_usage(store).free >= need:
             return
-        if self._flash:
-            self._flash.release()  # the mapped files' memory, for the files the prune removes
+        self._writer.release()  # the mapped files' memory, for the files the prune removes
         snapshots.prune(store, 1, protect=self._protected())
         free = shutil.disk_usage(store).free
         if free < need and self._protected() and self._persister:  # the copy to the shared tier holds one
@@ -270,100 +227,16 @@ class TieredCheckpoint:
             if self._sealer:
                 self._sealer.join()
                 self._sealer = None
-            if self._flash:
-                self._flash.release()
+            self._writer.release()
             if self._scratch:
                 shutil.rmtree(self._scratch, ignore_errors=True)
 
     def restore(self) -> TierRestore:
-        """Restores the coordinator's step (see the module docstring). Raises
+        """Restores the coordinator's step (:mod:`tfelastic.trainer.tier_restore`). Raises
         :class:`~tfelastic.trainer.checkpoint.NoRestorableCheckpointError` when the chosen step, or every
         snapshot without an agent, fails to restore."""
-        for store in (self.local_store, self.shared_store if self.is_chief else None):
-            if store:
-                snapshots.remove_temporaries(store)
-        global _chosen_step_used
-        first, _chosen_step_used = not _chosen_step_used, True
-        if first and self._wanted is not None:
-            result = self._restore_chosen(self._wanted)
-        else:
-            result = self._restore_newest(shared_only=self._managed and first)
-        self._forget_newer(result.step)
-        return result
-
-    def candidates(self, step: int | None = None) -> list[tuple[str, str]]:
-        """(tier, snapshot) pairs to try, newest step first, the local tier before the shared one."""
-        found: list[tuple[int, int, str, str]] = []
-        for order, (tier, store) in enumerate(((LOCAL, self.local_store), (SHARED, self.shared_store))):
-            if store:
-                found += [(s, -order, tier, snapshots.snapshot_dir(store, s)) for s in snapshots.complete_steps(store)
-                          if step is None or s == step]
-        return [(tier, path) for _, _, tier, path in sorted(found, reverse=True)]
-
-    def _restore_chosen(self, step: int) -> TierRestore:
-        candidates = self.candidates(step)
-        if not candidates:  # the step is another store's (a job with two), or the scan was stale
-            log.warning("the coordinator chose snapshot step %d, which %s does not hold: restoring its newest "
-                        "shared snapshot instead", step, self.shared_store)
-            return self._restore_newest(shared_only=True)
-        result = TierRestore(None, NONE)
-        for tier, path in candidates:
-            if self._try_restore(path, result):
-                return TierRestore(step, tier, path, result.skipped)
-        why = "; ".join(f"{p}: {r}" for p, r in result.skipped)
-        raise NoRestorableCheckpointError(
-            f"snapshot step {step}, which the coordinator chose, does not restore here ({why}). A damaged snapshot "
-            "is set aside, so the next generation chooses an older step")
-
-    def _restore_newest(self, shared_only: bool) -> TierRestore:
-        result = TierRestore(None, NONE)
-        candidates = self.candidates()
-        if shared_only and any(tier == LOCAL for tier, _ in candidates):
-            log.warning("the agents found no snapshot step that every member can restore; this worker's local "
-                        "snapshots are not used (the workers restore the newest one in %s)", self.shared_store)
-        for tier, path in candidates:
-            if shared_only and tier == LOCAL:
-                continue
-            if self._try_restore(path, result):
-                step = snapshots.snapshot_step(path)
-                return TierRestore(step, tier, path, result.skipped)
-        if result.skipped:
-            raise NoRestorableCheckpointError(
-                "no snapshot restores: " + "; ".join(f"{p}: {r}" for p, r in result.skipped)
-                + ". Fix the storage, or move the directories away to start from scratch")
-        return result
-
-    def _try_restore(self, path: str, result: TierRestore) -> bool:
-        """Restores ``path``; False when its data is damaged (it is set aside); any other error is raised."""
-        try:
-            if flash.is_flash(path):
-                flash.restore(self.checkpoint, path)
-            else:
-                self.checkpoint.restore(snapshots.checkpoint_prefix(path)).expect_partial()
-            return True
-        except Exception as e:
-            if not isinstance(e, _DAMAGED_DATA) and snapshots.is_complete(path):
-                raise  # not the storage: a model that no longer matches the snapshot, an out-of-memory error
-            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            result.skipped.append((path, reason))
-            mine = path.startswith(self.write_store + os.sep) or self.is_chief
-            moved = snapshots.set_aside(path) if mine else None
-            log.warning("snapshot %s does not restore (%s)%s", path, reason,
-                        f"; set aside as {moved}" if moved else "")
-            return False
-
-    def _forget_newer(self, restored: int | None) -> None:
-        """Removes this worker's snapshots newer than the step restored (see the module docstring)."""
-        # Nothing restored: the shared tier is left alone (a shared file system that failed to list it must not
-        # cost the job its history); the local tier is this worker's own.
-        stores = [self.local_store] + ([self.shared_store] if self.is_chief and restored is not None else [])
-        for store in stores:
-            if store is None:
-                continue
-            removed = snapshots.remove_newer(store, restored)
-            if removed:
-                log.info("removed snapshots newer than the step restored (%s) from %s: steps %s",
-                         "none" if restored is None else restored, store, ", ".join(map(str, removed)))
+        return TierRestorer(self.checkpoint, self.local_store, self.shared_store, is_chief=self.is_chief,
+                            write_store=self.write_store, managed=self._managed, wanted=self._wanted).restore()
 
     def _start_sealer(self) -> None:
         if self._sealer is None:
@@ -392,19 +265,14 @@ class TieredCheckpoint:
         self._sealing.task_done()
 
     def _seal(self, step: int, building: str, store: str) -> None:
-        first = not self._writer_chosen and self._reference is None
         if store == self._scratch:
-            if first and os.path.exists(snapshots.checkpoint_prefix(building) + ".index"):
-                self._reference = building  # read at the next save, then removed
-            else:
+            if not self._writer.complete(building):  # else read at the next save, then removed
                 if os.path.exists(flash.data_file(building)):
                     os.replace(flash.data_file(building), os.path.join(store, _SPARE))
                 shutil.rmtree(building, ignore_errors=True)
             self._written(step)
             return
-        sealed = snapshots.seal(building, store, step)
-        if first and not flash.is_flash(sealed):
-            self._reference = sealed
+        self._writer.complete(snapshots.seal(building, store, step))
         snapshots.prune(store, self._keep_local if store == self.local_store else self._keep_shared,
                         protect=self._protected())
         self.sealed_step = step

@@ -23,7 +23,7 @@ CASES = """
     from tfelastic.trainer import snapshots
     from tfelastic.trainer.checkpoint import NoRestorableCheckpointError
     from tfelastic.trainer.environment import TrainerEnvironment
-    from tfelastic.trainer import tiered
+    from tfelastic.trainer import tier_restore
     from tfelastic.trainer.tiered import TieredCheckpoint
     import tensorflow as tf
 
@@ -39,7 +39,7 @@ CASES = """
 
     def restore(new_process=True, **kwargs):
         # A restore as a new trainer process makes it: the coordinator's step is for a process's first.
-        tiered._chosen_step_used = not new_process
+        tier_restore._chosen_step_used = not new_process
         value.assign(tf.fill([1000], -1.0))
         try:
             result = tier(**kwargs).restore()
