@@ -31,13 +31,14 @@ created.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import mmap
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ from tfelastic.trainer.tfkeras import ensure_legacy_keras
 
 ensure_legacy_keras()
 import tensorflow as tf  # noqa: E402
+from google.protobuf import message  # noqa: E402
 from tensorflow.core.protobuf import trackable_object_graph_pb2  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -112,10 +114,6 @@ def _saves_tensors(trackable: Any) -> bool:
         getattr(base, "_gather_saveables_for_checkpoint", None)
 
 
-def _in_host_memory(variable: tf.Variable) -> bool:
-    return host_device(variable.device)  # a distributed variable's: its primary component's
-
-
 def host_device(device: str) -> bool:
     """Whether a TensorFlow device name is the host's (an empty one is: the default device on a CPU host)."""
     return not device or tf.DeviceSpec.from_string(device).device_type in (None, "CPU")
@@ -132,7 +130,7 @@ class FlashWriter:
     def __init__(self, variables: dict[str, tf.Variable], object_graph: bytes, mapped_files: int = 2) -> None:
         self._variables = variables
         self._object_graph = object_graph
-        self._maps: dict[int, mmap.mmap] = {}  # the local tier's data files, by inode, mapped once each
+        self._maps: dict[tuple[int, int], mmap.mmap] = {}  # data files by (device, inode), mapped once each
         self._mapped_files = mapped_files
         self._layout: list[Entry] = []
         offset = 0
@@ -144,7 +142,7 @@ class FlashWriter:
         self.size = offset
 
     @classmethod
-    def from_tensorflow_snapshot(cls, checkpoint: Any, snapshot: str) -> FlashWriter | None:
+    def from_tensorflow_snapshot(cls, checkpoint: Any, snapshot: str, mapped_files: int = 2) -> FlashWriter | None:
         """A writer for ``checkpoint``, whose snapshot ``snapshot`` TensorFlow wrote; None (and why, logged) when
         its state is not all plain variables or their keys do not match that snapshot's."""
         variables = checkpoint_variables(checkpoint)
@@ -152,12 +150,18 @@ class FlashWriter:
             log.info("the checkpoint saves more than variables of fixed shape: its snapshots keep TensorFlow's "
                      "writer")
             return None
-        if not all(_in_host_memory(v) for v in variables.values()):
+        if not all(host_device(v.device) for v in variables.values()):  # a distributed one's: its primary's
             # TensorFlow's writer copies them into host buffers it keeps, and writes while the GPUs train.
             log.info("the checkpoint's variables are not all in host memory: its snapshots keep TensorFlow's "
                      "writer")
             return None
-        reader = tf.train.load_checkpoint(snapshots.checkpoint_prefix(snapshot))
+        try:
+            reader = tf.train.load_checkpoint(snapshots.checkpoint_prefix(snapshot))
+            object_graph = bytes(reader.get_tensor(OBJECT_GRAPH_KEY))
+        except (tf.errors.OpError, OSError, ValueError) as e:
+            log.warning("could not read the reference snapshot %s (%s): its snapshots keep TensorFlow's writer",
+                        snapshot, e)
+            return None
         written = set(reader.get_variable_to_shape_map()) - {OBJECT_GRAPH_KEY, SAVE_COUNTER_KEY}
         ours = {tensorflow_key(path) for path in variables} - {SAVE_COUNTER_KEY}
         if ours != written:
@@ -165,59 +169,77 @@ class FlashWriter:
                      "unexpected %s): its snapshots keep TensorFlow's writer",
                      sorted(written - ours)[:5], sorted(ours - written)[:5])
             return None
-        return cls(variables, bytes(reader.get_tensor(OBJECT_GRAPH_KEY)))
+        return cls(variables, object_graph, mapped_files)
 
-    def write(self, building: str, recycled: str | None = None, *, in_memory: bool = False) -> None:
+    def matches(self, checkpoint: Any) -> bool:
+        """Whether ``checkpoint`` still saves exactly the variables this writer copies (a variable created since,
+        an optimizer's slots for a layer unfrozen, would otherwise be left out)."""
+        variables = checkpoint_variables(checkpoint)
+        return variables is not None and variables.keys() == self._variables.keys() and \
+            all(variables[path] is variable for path, variable in self._variables.items())
+
+    def write(self, building: str, recycled: str | None = None, *, keep_mapped: bool = False) -> None:
         """Writes a snapshot of the variables' values now into ``building``; ``recycled``: a data file of an
-        older snapshot, no longer needed, whose memory the new one takes over. ``in_memory``: the directory is
-        in memory (tmpfs): the data file is mapped, and the mapping kept for the file's next turn, so that the
-        copy is a plain memory copy (written, the kernel would look up each page of the file again)."""
+        older snapshot, no longer needed, whose memory the new one takes over. ``keep_mapped``: the file comes
+        back (the local tier's turns): its mapping is kept for then, so that the copy is a plain memory copy."""
+        with open(os.path.join(building, OBJECTS), "wb") as out:  # before any variable is read (see _allocate)
+            out.write(self._object_graph)
         data = os.path.join(building, DATA)
         if recycled is not None:
             os.rename(recycled, data)
-        fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)  # not O_APPEND: Linux's pwrite would append
+        fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size != self.size:
-                os.ftruncate(fd, self.size)
-            entries = self._copy_mapped(fd) if in_memory and self.size else \
-                [self._write_one(entry, fd) for entry in self._layout]
+            self._allocate(fd)
+            entries = self._copy(fd, keep_mapped) if self.size else []
         finally:
             os.close(fd)
         with open(os.path.join(building, LAYOUT), "w", encoding="utf-8") as out:
             json.dump({"entries": [asdict(e) for e in entries]}, out)
-        with open(os.path.join(building, OBJECTS), "wb") as out:
-            out.write(self._object_graph)
 
     def release(self) -> None:
         """Unmaps the data files (a removed file's memory is freed once no mapping holds it)."""
         for mapped in self._maps.values():
-            mapped.close()
+            _close(mapped)
         self._maps.clear()
 
-    def _copy_mapped(self, fd: int) -> list[Entry]:
-        target = np.frombuffer(self._mapping(fd), dtype=np.uint8)
+    def _allocate(self, fd: int) -> None:
+        """Gives the file its size with every page allocated: a mapped page the file system cannot supply would
+        kill the process (SIGBUS); allocated now, a full file system is an OSError (ENOSPC) the tier handles,
+        before any variable is read (reads may be all-reduces: a retry must not repeat them on one worker)."""
+        if os.fstat(fd).st_size != self.size:
+            os.ftruncate(fd, self.size)
+            os.posix_fallocate(fd, 0, self.size)
+        elif os.fstat(fd).st_blocks * 512 < self.size:  # sparse: a snapshot whose write was cut short
+            os.posix_fallocate(fd, 0, self.size)
+
+    def _copy(self, fd: int, keep_mapped: bool) -> list[Entry]:
+        mapped = self._mapping(fd) if keep_mapped else mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
+        target = np.frombuffer(mapped, dtype=np.uint8)
         try:
             return [self._copy_one(entry, target) for entry in self._layout]
         finally:
             del target  # a map closes only once no array refers to it
+            if not keep_mapped:
+                _close(mapped)
 
     def _mapping(self, fd: int) -> mmap.mmap:
-        inode = os.fstat(fd).st_ino
-        if inode not in self._maps:
+        status = os.fstat(fd)
+        key = (status.st_dev, status.st_ino)
+        if key not in self._maps:
             while len(self._maps) >= self._mapped_files:
-                self._maps.pop(next(iter(self._maps))).close()  # the oldest: its file is gone, or comes back later
-            self._maps[inode] = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
-        return self._maps[inode]
+                _close(self._maps.pop(next(iter(self._maps))))  # the oldest: its file is gone, or comes back later
+            self._maps[key] = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
+        return self._maps[key]
 
     def _copy_one(self, entry: Entry, target: np.ndarray) -> Entry:
         value = np.asarray(self._variables[entry.path].read_value())  # no copy for a variable in host memory
-        checksum = _copy_summing(value, target[entry.offset:entry.offset + entry.padded])
-        return Entry(**{**asdict(entry), "checksum": checksum})
+        # The value's reference ends with this call, before the next step updates the variable in place.
+        return replace(entry, checksum=_copy_summing(value, target[entry.offset:entry.offset + entry.padded]))
 
-    def _write_one(self, entry: Entry, fd: int) -> Entry:
-        value = np.asarray(self._variables[entry.path].read_value())  # no copy for a variable in host memory
-        checksum = _write_summing(fd, value, entry.offset)
-        return Entry(**{**asdict(entry), "checksum": checksum})  # the value's reference ends before the next step
+
+def _close(mapped: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # an array of a failed copy still refers to it: freed with it
+        mapped.close()
 
 
 def _copy_summing(value: np.ndarray, region: np.ndarray) -> int:
@@ -230,31 +252,6 @@ def _copy_summing(value: np.ndarray, region: np.ndarray) -> int:
         np.copyto(region[start:min(end, source.size)], source[start:end])
         total += int(np.add.reduce(region[start:end].view(np.uint64), dtype=np.uint64))  # still in the cache
     return total % 2**64
-
-
-def _write_summing(fd: int, value: np.ndarray, offset: int) -> int:
-    """Writes ``value``'s bytes at ``offset`` (zero padded to 8 bytes) and returns their checksum. In place, into
-    pages the file already has: no new memory, no page to map (mapping the file would fault every page in)."""
-    source = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
-    whole = source.size // 8 * 8
-    total = 0
-    for start in range(0, whole, _CHUNK):
-        chunk = source[start:min(start + _CHUNK, whole)]
-        _write_all(fd, chunk, offset + start)
-        total += int(np.add.reduce(chunk.view(np.uint64), dtype=np.uint64))  # the chunk is still in the cache
-    if whole < source.size:
-        tail = np.zeros(8, dtype=np.uint8)
-        tail[:source.size - whole] = source[whole:]
-        _write_all(fd, tail, offset + whole)
-        total += int(tail.view(np.uint64)[0])
-    return total % 2**64
-
-
-def _write_all(fd: int, data: np.ndarray, offset: int) -> None:
-    view = data.data.cast("B")
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
 
 
 def is_flash(snapshot: str) -> bool:
@@ -275,7 +272,7 @@ def restore(checkpoint: Any, snapshot: str) -> None:
     variables = checkpoint_variables(checkpoint) or {}
     for entry in entries:
         if entry.path in variables:
-            _assign(variables[entry.path], entry, values[entry.path])
+            _assign(variables[entry.path], entry, values[entry.path], snapshot)
     if any(e.path not in variables for e in entries):
         _restore_deferred(checkpoint, entries, values, _read_bytes(os.path.join(snapshot, OBJECTS)))
 
@@ -300,19 +297,26 @@ def _read_bytes(path: str) -> bytes:
 def _checked(entry: Entry, data: np.ndarray, snapshot: str) -> np.ndarray:
     end = entry.offset + entry.padded
     if end > data.size:
-        raise FlashDamagedError(f"{snapshot}: {DATA} is {data.size} bytes, {entry.path} ends at byte {end}")
+        raise FlashDamagedError(f"{snapshot}: {DATA} is {data.size} bytes, but {entry.path} ends at byte {end}; "
+                                "the snapshot is damaged")
     region = data[entry.offset:end]
     total = int(np.add.reduce(region.view(np.uint64), dtype=np.uint64)) % 2**64
     if total != entry.checksum:
         raise FlashDamagedError(f"{snapshot}: the checksum of {entry.path} does not match its data "
                                 f"({total} != {entry.checksum}); the snapshot is damaged")
-    return region[:entry.nbytes].view(_numpy_dtype(entry.dtype)).reshape(entry.shape)
+    try:
+        return region[:entry.nbytes].view(_numpy_dtype(entry.dtype)).reshape(entry.shape)
+    except (TypeError, ValueError) as e:  # a layout that parses but does not describe the data
+        raise FlashDamagedError(f"{snapshot}: {entry.path} ({entry.dtype} {entry.shape}) does not fit its "
+                                f"{entry.nbytes} bytes ({e}); the snapshot is damaged") from e
 
 
-def _assign(variable: tf.Variable, entry: Entry, value: np.ndarray) -> None:
+def _assign(variable: tf.Variable, entry: Entry, value: np.ndarray, snapshot: str) -> None:
     if tuple(variable.shape) != entry.shape or variable.dtype.name != entry.dtype:
-        raise ValueError(f"the model no longer matches the snapshot: {entry.path} is {variable.dtype.name} "
-                         f"{tuple(variable.shape)} now, {entry.dtype} {entry.shape} in the snapshot")
+        raise ValueError(f"the model no longer matches the snapshot {snapshot}: {entry.path} is "
+                         f"{variable.dtype.name} {tuple(variable.shape)} now, {entry.dtype} {entry.shape} in the "
+                         "snapshot. Restore with the model that saved it, or move the backup directory (and the "
+                         "local tier's) away to start from scratch")
     variable.assign(value)
 
 
@@ -322,7 +326,10 @@ def _restore_deferred(checkpoint: Any, entries: list[Entry], values: dict[str, n
     created later as they appear. TensorFlow reads the files when it does: they stay until the process ends.
     The graph's attributes the snapshot does not hold (the save counter) are left out, so that none is looked
     for."""
-    graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(object_graph)
+    try:
+        graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(object_graph)
+    except message.DecodeError as e:
+        raise FlashDamagedError(f"{OBJECTS} does not parse ({e}); the snapshot is damaged") from e
     held = {e.key for e in entries}
     for node in graph.nodes:
         kept = [a for a in node.attributes if a.checkpoint_key in held]

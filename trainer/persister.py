@@ -47,6 +47,18 @@ class Persister:
             self._changed.notify_all()
         return True
 
+    def pinned(self) -> tuple[int, ...]:
+        """The steps offered or being copied: the local tier must keep them until the copy is done."""
+        with self._changed:
+            return tuple(s for s in (self._waiting, self.copying) if s is not None and s != _STOP)
+
+    def forget(self, step: int) -> None:
+        """The local snapshot of ``step`` is being replaced (a portable save of it): the shared tier's copy of
+        it no longer counts, so that a flush copies the new one."""
+        self.wait_idle()
+        if self.persisted_step == step:
+            self.persisted_step = None
+
     def wait_idle(self) -> None:
         """Until no copy is waiting or under way."""
         with self._changed:

@@ -2,8 +2,8 @@
 it too.
 
 A *store* is a directory of snapshots, one per step: ``STORE/step-000000000120/``, holding TensorFlow's
-checkpoint files (``ckpt.index``, ``ckpt.data-*``) or a flash snapshot's (``flash.bin``, ``flash.json``:
-:mod:`tfelastic.trainer.flash`), and ``MANIFEST.json`` (the step and every file's size). A
+checkpoint files (``ckpt.index``, ``ckpt.data-*``) or a flash snapshot's (``flash.bin``, ``flash.json``,
+``objects.pb``: :mod:`tfelastic.trainer.flash`), and ``MANIFEST.json`` (the step and every file's size). A
 snapshot is complete when its directory has that name and its manifest agrees with the files on disk; it is
 built under a temporary name and renamed into place once its files are written and flushed, so a kill at any
 moment leaves either a complete snapshot or one that :func:`complete_steps` ignores (and :func:`prune` removes).
@@ -76,7 +76,8 @@ def seal(building: str, store: str, step: int) -> str:
     files = {name: os.path.getsize(os.path.join(building, name)) for name in sorted(os.listdir(building))
              if name != MANIFEST}
     if not any(name.endswith(".index") or name == FLASH_LAYOUT for name in files):
-        raise NothingWritten(f"{building} holds no checkpoint index: nothing to seal for step {step}")
+        raise NothingWritten(f"{building} holds neither a checkpoint index nor a flash layout: nothing to seal for "
+                             f"step {step}")
     manifest = os.path.join(building, MANIFEST)
     with open(manifest, "w", encoding="utf-8") as out:
         json.dump({"step": step, "files": files}, out)

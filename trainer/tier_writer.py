@@ -4,6 +4,7 @@ snapshots shows that the checkpoint's state allows it."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from typing import Any
@@ -14,10 +15,16 @@ from tfelastic.trainer.tfkeras import ensure_legacy_keras
 ensure_legacy_keras()
 import tensorflow as tf  # noqa: E402
 
+log = logging.getLogger(__name__)
+
 
 class SnapshotWriter:
-    def __init__(self, checkpoint: Any) -> None:
+    """Writes ``checkpoint``'s snapshots; ``mapped_files``: how many flash data files take turns (the local
+    tier's snapshots kept)."""
+
+    def __init__(self, checkpoint: Any, mapped_files: int = 2) -> None:
         self.checkpoint = checkpoint
+        self._mapped_files = mapped_files
         self._options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
         self._flash: flash.FlashWriter | None = None
         self._reference: str | None = None  # the first snapshot TensorFlow wrote, until the choice
@@ -32,24 +39,30 @@ class SnapshotWriter:
     def choose(self, scratch: str | None) -> None:
         """Flash snapshots from now on, when the reference snapshot shows the checkpoint allows them; a reference
         in ``scratch`` (a worker that keeps no snapshot) is removed then."""
+        if self._flash is not None and not self._flash.matches(self.checkpoint):
+            log.info("the checkpoint's variables changed: the next snapshot is TensorFlow's, and the writer is "
+                     "chosen again from it")
+            self._flash.release()
+            self._flash, self._chosen = None, False
         reference, self._reference = self._reference, None
         if reference is None:
             return
         self._chosen = True
         try:
-            self._flash = flash.FlashWriter.from_tensorflow_snapshot(self.checkpoint, reference)
+            self._flash = flash.FlashWriter.from_tensorflow_snapshot(self.checkpoint, reference, self._mapped_files)
         finally:
             if scratch and reference.startswith(scratch + os.sep):
                 shutil.rmtree(reference, ignore_errors=True)
 
-    def write(self, building: str, portable: bool, recycled: str | None = None, in_memory: bool = False) -> None:
-        """A flash snapshot, synchronously (``recycled``, ``in_memory``: see :meth:`FlashWriter.write`), unless
-        ``portable`` or not chosen; else TensorFlow's asynchronous write, finished in TensorFlow's thread."""
-        self.last_was_flash = self._flash is not None and not portable
+    def write(self, building: str, portable: bool, recycled: str | None = None, keep_mapped: bool = False) -> None:
+        """A flash snapshot, synchronously (``recycled``, ``keep_mapped``: see :meth:`FlashWriter.write`),
+        unless ``portable`` or not chosen; else TensorFlow's asynchronous write, finished in TensorFlow's
+        thread."""
+        self.last_was_flash = self.flash and not portable
         if self._flash is None or portable:
             self.checkpoint.write(snapshots.checkpoint_prefix(building), options=self._options)
         else:
-            self._flash.write(building, recycled, in_memory=in_memory)
+            self._flash.write(building, recycled, keep_mapped=keep_mapped)
 
     def complete(self, snapshot: str) -> bool:
         """A snapshot is complete at ``snapshot`` (sealed, or a scratch one written); whether it is kept as the

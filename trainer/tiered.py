@@ -28,6 +28,7 @@ stop, the end of training) tries the newest once more itself and raises if it st
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import os
@@ -73,7 +74,7 @@ class TieredCheckpoint:
         self._managed = environment.managed
         self._wanted = environment.restore_step
         self._keep_local, self._keep_shared = keep_local, keep_shared
-        self._writer = SnapshotWriter(checkpoint)
+        self._writer = SnapshotWriter(checkpoint, mapped_files=keep_local)
         self._scratch: str | None = None  # a non-chief without a local tier writes here, and keeps nothing
         self._local_full = False  # the local tier has no room for a snapshot: write as without one
         self._sealing: queue.Queue[tuple[int, str, str] | None] = queue.Queue()
@@ -84,7 +85,6 @@ class TieredCheckpoint:
         self._sealer: threading.Thread | None = None
         self.sealed_step: int | None = None  # the newest snapshot complete in this worker's write tier
         self._sealed_in_shared: int | None = None
-        self.last_stall = 0.0
         self.last_write_seconds: float | None = None  # save() to sealed: the latest
         self._save_began: dict[int, float] = {}
         self._last_started: int | None = None
@@ -100,6 +100,7 @@ class TieredCheckpoint:
             return self.shared_store
         if self._scratch is None:
             self._scratch = tempfile.mkdtemp(prefix="tfelastic-scratch-")
+            atexit.register(shutil.rmtree, self._scratch, True)  # close() may not come (an exception, a stop)
         return self._scratch
 
     def save(self, step: int, portable: bool = False) -> float:
@@ -113,6 +114,8 @@ class TieredCheckpoint:
         self._raise_background_error()
         if step == self._last_started and not (portable and self._writer.last_was_flash):
             return 0.0
+        if step == self._last_started and self._persister:
+            self._persister.forget(step)  # the shared tier gets the portable one at the next flush
         self._last_started = step
         self._start_sealer()
         os.makedirs(self.write_store, exist_ok=True)
@@ -130,9 +133,8 @@ class TieredCheckpoint:
             self._leave_local_tier(f"writing a snapshot ran out of space: {_last_line(e)}")
             store, building = self._building(step)
             self._write(store, building, portable)
-        self.last_stall = time.monotonic() - began
         self._sealing.put((step, building, store))
-        return self.last_stall
+        return time.monotonic() - began
 
     def _write(self, store: str, building: str, portable: bool) -> None:
         """A flash snapshot, synchronously; else TensorFlow's asynchronous write, which TensorFlow finishes in its
@@ -143,7 +145,7 @@ class TieredCheckpoint:
             return
         recycled = self._reusable(store)
         try:
-            self._writer.write(building, portable, recycled, in_memory=store in (self.local_store, self._scratch))
+            self._writer.write(building, portable, recycled, keep_mapped=store in (self.local_store, self._scratch))
         finally:
             if recycled and store == self.local_store:
                 shutil.rmtree(os.path.dirname(recycled), ignore_errors=True)
@@ -158,8 +160,7 @@ class TieredCheckpoint:
 
     def _protected(self) -> tuple[int, ...]:
         """The step the persister copies: the local tier keeps it until then."""
-        copying = self._persister.copying if self._persister else None
-        return () if copying is None else (copying,)
+        return self._persister.pinned() if self._persister else ()
 
     def _building(self, step: int) -> tuple[str, str]:
         """The write store now, and a new temporary directory in it for ``step``."""
@@ -209,7 +210,7 @@ class TieredCheckpoint:
         sealed = self.sealed_step
         if self._last_started is not None and sealed != self._last_started and self.write_store != self._scratch:
             raise RuntimeError(f"snapshot step {self._last_started} was not written to {self.write_store} (see "
-                               "TensorFlow's error above): the state at this stop is not saved")
+                               "the error above): the state at this stop is not saved")
         # The newest was not copied (throttled, or the copy failed): now.
         if self._persister and sealed is not None and self.persisted_step != sealed and \
                 not self._persister.copy_now(sealed):
@@ -298,7 +299,7 @@ class TieredCheckpoint:
     def _written(self, step: int) -> None:
         self._written_step = step
         began = self._save_began.pop(step, None)
-        for older in [s for s in self._save_began if s < step]:  # skipped by the persister: a newer one is done
+        for older in [s for s in self._save_began if s < step]:  # saves whose write raised: never sealed
             del self._save_began[older]
         if began is not None:
             self.last_write_seconds = time.monotonic() - began

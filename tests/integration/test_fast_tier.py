@@ -52,6 +52,8 @@ CASES = """
     for step in (10, 20, 30):
         value.assign(tf.fill([1000], float(step)))
         writer.save(step)
+        writer.wait_sealed()
+        writer._persister.wait_idle()  # a newer offer replaces one not taken on yet: every step copied here
     writer.close()
     throttled_shared = os.path.abspath("throttled/fit")
     throttled = TieredCheckpoint(checkpoint, throttled_shared, is_chief=True, env=TrainerEnvironment(

@@ -122,6 +122,43 @@ CASES = """
     report["scratch"] = {"spares": spares, "left": sorted(os.listdir(other._scratch)),
                          "shared": os.path.exists("shared/w")}
     other.close()
+
+    # Sizes that are not multiples of 8 or of the copy's chunk, and every kind of fixed-size value, on the
+    # mapped path; the second write reuses the first's file.
+    odd = {"half": tf.Variable(tf.reshape(tf.range(15, dtype=tf.float32), [3, 5])),
+           "brain": tf.Variable(tf.cast(tf.reshape(tf.range(15), [5, 3]), tf.bfloat16)),
+           "flags": tf.Variable([True, False, True, True, False, False, True]),
+           "count": tf.Variable(tf.constant(2**40 + 3, tf.int64)),
+           "small": tf.Variable(tf.constant([1.5, -2.5, 3.25, 7.0, 9.5], tf.float16)),
+           "large": tf.Variable(tf.range(300_001, dtype=tf.float32) * 0.5)}  # 1.2 MB: two chunks and a tail
+    odd_checkpoint = tf.train.Checkpoint(**odd)
+    odd_checkpoint.write("odd-reference/ckpt")
+    odd_writer = flash.FlashWriter.from_tensorflow_snapshot(odd_checkpoint, "odd-reference")
+    os.makedirs("odd1")
+    odd_writer.write("odd1", keep_mapped=True)
+    os.makedirs("odd2")
+    odd["large"].assign_add(tf.ones([300_001]))
+    odd_writer.write("odd2", recycled="odd1/flash.bin", keep_mapped=True)
+    odd_writer.release()
+    expected = {name: v.numpy().tolist() for name, v in odd.items()}
+    for v in odd.values():
+        v.assign(tf.zeros_like(v))
+    flash.restore(odd_checkpoint, "odd2")
+    report["odd"] = {"equal": {name: v.numpy().tolist() == expected[name] for name, v in odd.items()},
+                     "reused": not os.path.exists("odd1/flash.bin")}
+
+    # The custom loop's final save at a step a flash snapshot already has: TensorFlow's format in both tiers.
+    final = TieredCheckpoint(tf.train.Checkpoint(value=value), os.path.abspath("shared/final"), is_chief=True,
+                             env=TrainerEnvironment(progress_socket="agent.sock",
+                                                    local_checkpoint_dir=os.path.abspath("final-local")))
+    for step in (1, 2):
+        final.save(step)
+        final.flush()
+    final.save(2, portable=True)
+    final.close()
+    report["final"] = [sorted(os.listdir(os.path.join(root, snapshots.snapshot_name(2))))
+                       for root in ("final-local/final", "shared/final")]
+
     report["host_devices"] = [flash.host_device(d) for d in (
         "", "/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/replica:0/task:0/device:GPU:0")]
     print(json.dumps(report))
@@ -185,3 +222,15 @@ def test_a_worker_that_keeps_no_snapshot_writes_each_into_one_spare_file(cases: 
 
 def test_only_variables_in_host_memory_get_flash_snapshots(cases: dict[str, Any]) -> None:
     assert cases["host_devices"] == [True, True, False]
+
+
+def test_odd_sizes_and_every_fixed_size_type_round_trip_through_a_mapped_file(cases: dict[str, Any]) -> None:
+    assert cases["odd"] == {"equal": {name: True for name in ("half", "brain", "flags", "count", "small", "large")},
+                            "reused": True}
+
+
+def test_a_portable_save_of_a_step_already_saved_replaces_it_with_tensorflows_format_in_both_tiers(
+        cases: dict[str, Any]) -> None:
+    """TrainLoop's final save hands the shared copy's path to the user: it must be a TensorFlow checkpoint."""
+    tensorflow = ["MANIFEST.json", "ckpt.data-00000-of-00001", "ckpt.index"]
+    assert cases["final"] == [tensorflow, tensorflow]

@@ -66,7 +66,7 @@ def test_seal_refuses_a_directory_without_an_index(tmp_path: Path) -> None:
     building = tmp_path / "b"
     building.mkdir()
     (building / "ckpt.data-00000-of-00001").write_bytes(b"x")
-    with pytest.raises(snapshots.NothingWritten, match="holds no checkpoint index"):
+    with pytest.raises(snapshots.NothingWritten, match="holds neither a checkpoint index nor a flash layout"):
         snapshots.seal(str(building), str(tmp_path), 5)
 
 
