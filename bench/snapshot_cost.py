@@ -88,7 +88,7 @@ def run(repeat: int, root: str, checkpoint: tf.train.Checkpoint, values: list[np
         building = f"{root}/flash{n}"
         os.makedirs(building)
         recycled = f"{root}/flash{n - 2}/{flash.DATA}" if n >= 2 else None
-        kind = "the file of two before, mapped" if recycled else "a new file"
+        kind = "a reused, mapped file" if recycled else "a new file"
         measure(f"flash snapshot into {kind} #{n}",
                 lambda: writer.write(building, recycled, keep_mapped=True))  # noqa: B023
     writer.release()
