@@ -181,7 +181,11 @@ class Standby:
         # The thread owns the fd from here: cancelled, this coroutine must not close a number the thread may
         # still write to, and that the process may have reused (a gRPC socket) by then.
         fd, self._launch_fd = self._launch_fd, -1
-        await asyncio.to_thread(_write_all_and_close, fd, message)
+        try:
+            await asyncio.to_thread(_write_all_and_close, fd, message)
+        except OSError as e:  # its end of the pipe is closed already (EPIPE): it died after the liveness check
+            await self.retire()
+            raise OSError(f"the standby interpreter {self.worker.pid} did not take the launch ({e.strerror})") from e
         try:
             taken = await asyncio.wait_for(asyncio.shield(self._taken), TAKE_SECONDS)
         except asyncio.TimeoutError:
