@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,6 +119,16 @@ def run_alone(tmp: Path, command: Sequence[str], timeout: float = 240) -> tuple[
     output = result.stdout + result.stderr
     found = summaries(result.stdout)
     return result.returncode, output, found[-1] if found else None
+
+
+def run_script_report(script: str, cwd: Path, timeout: float = 240) -> dict[str, Any]:
+    """Runs a Python ``script`` (a test's cases, TensorFlow kept out of pytest) in ``cwd`` as a trainer would run;
+    returns the JSON report it prints last."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=cwd, env=worker_env(),
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    report: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    return report
 
 
 def wait_for_file(path: Path, timeout: float, workers: WorkerSet | None = None) -> None:

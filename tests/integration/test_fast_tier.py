@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.workers import worker_env
+from tests.workers import run_script_report, worker_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
 
@@ -101,12 +101,7 @@ CASES = """
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("fast_tier")
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(CASES)], cwd=tmp, env=worker_env(),
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr
-    report: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
-    return report
+    return run_script_report(CASES, tmp_path_factory.mktemp("fast_tier"))
 
 
 def test_every_snapshot_is_sealed_locally_and_persisted_to_the_shared_tier(cases: dict[str, Any]) -> None:

@@ -5,15 +5,11 @@ every case (TensorFlow stays out of pytest)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
 from typing import Any
 
 import pytest
 
-from tests.workers import worker_env
+from tests.workers import run_script_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
 
@@ -167,12 +163,7 @@ CASES = """
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("flash")
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(CASES)], cwd=tmp, env=worker_env(),
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    report: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
-    return report
+    return run_script_report(CASES, tmp_path_factory.mktemp("flash"))
 
 
 def test_a_flash_snapshot_is_one_data_file_with_its_layout_and_object_graph(cases: dict[str, Any]) -> None:
