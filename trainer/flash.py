@@ -38,6 +38,7 @@ import mmap
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -59,6 +60,10 @@ SAVE_COUNTER_KEY = "save_counter/.ATTRIBUTES/VARIABLE_VALUE"
 _VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 _ALIGN = 64
 _CHUNK = 1 << 20  # copied and summed while still in the CPU's cache
+_PIECE = 16 << 20  # a copy thread's unit of work: large variables are split so that the threads finish together
+# One thread does not use the memory bandwidth a host has (measured here: 406 MB in 0.040 s with one, 0.021 s
+# with two); training waits for the copy, so the CPUs it trains on are free. Bandwidth saturates after a few.
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # a new file's pages faulted in at once, not one by one
 
 
@@ -216,7 +221,7 @@ class FlashWriter:
         mapped = self._mapping(fd) if keep_mapped else mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
         target = np.frombuffer(mapped, dtype=np.uint8)
         try:
-            return [self._copy_one(entry, target) for entry in self._layout]
+            return self._copy_all(target)
         finally:
             del target  # a map closes only once no array refers to it
             if not keep_mapped:
@@ -231,10 +236,32 @@ class FlashWriter:
             self._maps[key] = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
         return self._maps[key]
 
-    def _copy_one(self, entry: Entry, target: np.ndarray) -> Entry:
-        value = np.asarray(self._variables[entry.path].read_value())  # no copy for a variable in host memory
-        # The value's reference ends with this call, before the next step updates the variable in place.
-        return replace(entry, checksum=_copy_summing(value, target[entry.offset:entry.offset + entry.padded]))
+    def _copy_all(self, target: np.ndarray) -> list[Entry]:
+        """Copies every variable into ``target``, in pieces spread over :data:`COPY_THREADS` threads; the values
+        are read in this thread (a read may be a collective), and referred to until every piece is copied: the
+        next step updates the variables in place."""
+        values = [_bytes_of(self._variables[entry.path].read_value()) for entry in self._layout]
+        pieces = [(index, start) for index, entry in enumerate(self._layout)
+                  for start in range(0, max(entry.padded, 1), _PIECE)]
+
+        def copy_piece(piece: tuple[int, int]) -> int:
+            index, start = piece
+            entry = self._layout[index]
+            end = min(start + _PIECE, entry.padded)
+            region = target[entry.offset + start:entry.offset + end]
+            return _copy_summing(values[index][start:min(end, entry.nbytes)], region)
+
+        with ThreadPoolExecutor(min(COPY_THREADS, len(pieces)), thread_name_prefix="tfelastic-flash") as pool:
+            sums = list(pool.map(copy_piece, pieces))
+        checksums = [0] * len(self._layout)
+        for (index, _), total in zip(pieces, sums, strict=True):
+            checksums[index] = (checksums[index] + total) % 2**64
+        return [replace(entry, checksum=checksum) for entry, checksum in zip(self._layout, checksums, strict=True)]
+
+
+def _bytes_of(value: Any) -> np.ndarray:
+    """A variable's value as flat bytes (no copy for a value in host memory)."""
+    return np.ascontiguousarray(np.asarray(value)).reshape(-1).view(np.uint8)
 
 
 def _close(mapped: mmap.mmap) -> None:
@@ -242,9 +269,9 @@ def _close(mapped: mmap.mmap) -> None:
         mapped.close()
 
 
-def _copy_summing(value: np.ndarray, region: np.ndarray) -> int:
-    """Copies ``value``'s bytes into ``region`` (zero padded to 8 bytes) and returns their checksum."""
-    source = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+def _copy_summing(source: np.ndarray, region: np.ndarray) -> int:
+    """Copies the bytes ``source`` into ``region`` (zero padding the rest: ``region`` is at most 7 bytes longer)
+    and returns the sum of ``region``'s 64-bit words, modulo 2**64."""
     region[source.size:] = 0
     total = 0
     for start in range(0, region.size, _CHUNK):

@@ -119,14 +119,16 @@ CASES = """
                          "shared": os.path.exists("shared/w")}
     other.close()
 
-    # Sizes that are not multiples of 8 or of the copy's chunk, and every kind of fixed-size value, on the
-    # mapped path; the second write reuses the first's file.
+    # Sizes that are not multiples of 8 or of the copy's chunk or piece, and every kind of fixed-size value, on
+    # the mapped path; the second write reuses the first's file.
     odd = {"half": tf.Variable(tf.reshape(tf.range(15, dtype=tf.float32), [3, 5])),
            "brain": tf.Variable(tf.cast(tf.reshape(tf.range(15), [5, 3]), tf.bfloat16)),
            "flags": tf.Variable([True, False, True, True, False, False, True]),
            "count": tf.Variable(tf.constant(2**40 + 3, tf.int64)),
            "small": tf.Variable(tf.constant([1.5, -2.5, 3.25, 7.0, 9.5], tf.float16)),
-           "large": tf.Variable(tf.range(300_001, dtype=tf.float32) * 0.5)}  # 1.2 MB: two chunks and a tail
+           "large": tf.Variable(tf.range(300_001, dtype=tf.float32) * 0.5),  # 1.2 MB: two chunks and a tail
+           # 16 MiB and 12 bytes: two pieces for the copy threads, whose checksums add up to the restore's
+           "huge": tf.Variable(tf.range(4_194_307, dtype=tf.int32) * 3)}
     odd_checkpoint = tf.train.Checkpoint(**odd)
     odd_checkpoint.write("odd-reference/ckpt")
     odd_writer = flash.FlashWriter.from_tensorflow_snapshot(odd_checkpoint, "odd-reference")
@@ -134,6 +136,7 @@ CASES = """
     odd_writer.write("odd1", keep_mapped=True)
     os.makedirs("odd2")
     odd["large"].assign_add(tf.ones([300_001]))
+    odd["huge"].assign_add(tf.ones([4_194_307], tf.int32))
     odd_writer.write("odd2", recycled="odd1/flash.bin", keep_mapped=True)
     odd_writer.release()
     expected = {name: v.numpy().tolist() for name, v in odd.items()}
@@ -216,7 +219,8 @@ def test_only_variables_in_host_memory_get_flash_snapshots(cases: dict[str, Any]
 
 
 def test_odd_sizes_and_every_fixed_size_type_round_trip_through_a_mapped_file(cases: dict[str, Any]) -> None:
-    assert cases["odd"] == {"equal": {name: True for name in ("half", "brain", "flags", "count", "small", "large")},
+    assert cases["odd"] == {"equal": {name: True for name in ("half", "brain", "flags", "count", "small", "large",
+                                                                "huge")},
                             "reused": True}
 
 
