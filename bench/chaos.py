@@ -1,6 +1,6 @@
 """A chaos soak: one long job under many random faults of every kind, checked for exact correctness at the end.
 
-    python -m bench.chaos [--faults 200] [--seed 1] [--netns]
+    python -m bench.chaos [--faults 200] [--seed 1] [--netns] [--stall-timeout 5|learned]
 
 On localhost (or, with --netns, on three hosts in network namespaces on a bridge, with etcd on the bridge's own
 address): a one-member etcd, three agents (``--nodes 2:3``, rendezvous on etcd, so any node may die, the
@@ -28,10 +28,12 @@ pass (so that two faults never add up to a quarantine by chance). The kinds:
 
 Afterwards: the job runs to exactly its target step, and the digest equals the chain's (no step applied twice,
 none skipped, no torn checkpoint restored); every agent exits 0 (and every exit along the way is a documented
-code); no process of the job is left; each fault's restarts are the ones its kind causes, and the coordinator's
-/metrics counts what status counts. One line per fault (kind, node, time to recover, restarts), then a summary;
-exit code 1 on any violation. Every wait is bounded; all traffic stays on loopback and on the namespace hosts it
-made. Needs root for the tmpfs (without it, full_backup is left out) and for --netns.
+code); no process of the job is left; each fault's restarts are the ones its kind causes, and none comes
+between faults (a false stall verdict); the coordinator's /metrics counts what status counts. One line per fault
+(kind, node, time to recover, restarts), then a summary; exit code 1 on any violation. Every wait is bounded;
+all traffic stays on loopback and on the namespace hosts it made. Needs root for the tmpfs (without it,
+full_backup is left out) and for --netns. ``--stall-timeout learned`` runs the agents with the default hang
+detection (a limit learned from the step times) in place of a fixed 5 s.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ from tests.trainers.ledger import chain, checkpoints
 LEDGER = [sys.executable, str(Path(__file__).resolve().parent.parent / "tests" / "trainers" / "ledger.py")]
 NODES = ("a", "b", "c")
 QUARANTINE_WINDOW = 4.0
-FLAGS = ["--stall-timeout", "5", "--stop-grace", "3", "--last-call", "0.5", "--settle", "1",
+STALL_TIMEOUT = "5"  # seconds: a hang costs 5 s, not the learned limit's floor of 20 ("learned": the default)
+FLAGS = ["--stop-grace", "3", "--last-call", "0.5", "--settle", "1",
          "--max-restarts", "100000", "--quarantine-window", str(QUARANTINE_WINDOW), "--quarantine-cooldown", "3",
          "--check-min-free-mb", "1", "--log-level", "info"]
 RECOVERY_TIMEOUT = 120.0
@@ -109,17 +112,19 @@ class Soak:
     etcd: EtcdCluster
     rng: random.Random
     hosts: Hosts
+    stall_timeout: str = STALL_TIMEOUT
     cluster: Cluster = field(init=False)
     agents: dict[str, Agent] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     exits: list[tuple[str, int]] = field(default_factory=list)  # agents that ended by themselves
     torn_restores: int = 0
+    settled_restarts: Counter[str] | None = None  # the restarts counted when the last fault had been recovered
 
     def __post_init__(self) -> None:
         env: dict[str, str | None] = {"LEDGER_EVENTS": str(self.events), "LEDGER_CONTROL_DIR": str(self.control),
                "LEDGER_TARGET_FILE": str(self.target_file), "LEDGER_STEPS": "1000000000"}
         self.control.mkdir()
-        flags = list(FLAGS)
+        flags = list(FLAGS) + ([] if self.stall_timeout == "learned" else ["--stall-timeout", self.stall_timeout])
         if self.hosts.netns:
             self.token_file.write_text(TOKEN + "\n")
             self.token_file.chmod(0o600)
@@ -312,17 +317,25 @@ def inject(soak: Soak, kind: str, last_strike: float) -> Result:
     if kind in STRIKES and wait > 0:
         time.sleep(wait)  # two faults must not add up to a quarantine by chance
     before = soak.status()
+    check_uncaused_restarts(soak, before)
     started = time.monotonic()
     node = getattr(soak, kind)(before)
     after = soak.wait(lambda d: d["generation"] > before["generation"] and soak.training(soak.furthest(before))(d),
                       f"recovery from {kind} of {node}")
     seconds = time.monotonic() - started
     restarts = Counter(after["restarts_by_reason"]) - Counter(before["restarts_by_reason"])
+    soak.settled_restarts = Counter(after["restarts_by_reason"])
     if not expected_restarts(kind, restarts):
         soak.violations.append(f"{kind} of {node}: restarts {dict(restarts)} are not what this fault causes")
     if kind == "hang":
         (soak.control / f"hang-{node}").unlink(missing_ok=True)
     return Result(kind, node, seconds, restarts)
+
+
+def check_uncaused_restarts(soak: Soak, doc: dict[str, Any]) -> None:
+    """No restart since the last fault was recovered (a false stall verdict, say): none was injected."""
+    if soak.settled_restarts is not None and (uncaused := Counter(doc["restarts_by_reason"]) - soak.settled_restarts):
+        soak.violations.append(f"restarts {dict(uncaused)} after the last fault was recovered, with none injected")
 
 
 def schedule(rng: random.Random, count: int, kinds: tuple[str, ...]) -> list[str]:
@@ -347,6 +360,7 @@ def restarts_on_metrics(soak: Soak, node: str) -> dict[str, int]:
 def finish(soak: Soak) -> None:
     """Let the job end at a known step, then check everything the soak promises."""
     doc = soak.status()
+    check_uncaused_restarts(soak, doc)
     deadline = time.monotonic() + 5.0  # /metrics shows what the coordinator published at its last heartbeat
     while (counted := restarts_on_metrics(soak, soak.leader())) != doc["restarts_by_reason"] and \
             time.monotonic() < deadline:
@@ -388,19 +402,21 @@ def stale_saves(events: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
-def run(faults: int, seed: int, tmp: Path, netns: bool, only: tuple[str, ...] = ()) -> int:
+def run(faults: int, seed: int, tmp: Path, netns: bool, only: tuple[str, ...] = (),
+        stall_timeout: str = STALL_TIMEOUT) -> int:
     if not netns:
-        return run_soak(faults, seed, tmp, Hosts(netns=False), only)
+        return run_soak(faults, seed, tmp, Hosts(netns=False), only, stall_timeout)
     subprocess.run(["bash", str(NETNS), "down", str(len(NODES))], env=NETNS_ENV, capture_output=True)
     try:
         subprocess.run(["bash", str(NETNS), "up", str(len(NODES))], env=NETNS_ENV, check=True)
         subprocess.run(["ip", "addr", "add", f"{SUBNET}.254/24", "dev", f"{PREFIX}br0"], check=True)
-        return run_soak(faults, seed, tmp, Hosts(netns=True), only)
+        return run_soak(faults, seed, tmp, Hosts(netns=True), only, stall_timeout)
     finally:
         subprocess.run(["bash", str(NETNS), "down", str(len(NODES))], env=NETNS_ENV, check=True)
 
 
-def run_soak(faults: int, seed: int, tmp: Path, hosts: Hosts, only: tuple[str, ...] = ()) -> int:
+def run_soak(faults: int, seed: int, tmp: Path, hosts: Hosts, only: tuple[str, ...] = (),
+             stall_timeout: str = STALL_TIMEOUT) -> int:
     rng = random.Random(seed)
     (tmp / "etcd").mkdir()
     etcd = EtcdCluster(tmp / "etcd", size=1, hosts=[f"{SUBNET}.254"] if hosts.netns else []).start()
@@ -411,7 +427,7 @@ def run_soak(faults: int, seed: int, tmp: Path, hosts: Hosts, only: tuple[str, .
                        check=True)
     kinds = tuple(k for k in KINDS if k != "full_backup" or mounted) + (("partition",) if hosts.netns else ())
     kinds = tuple(k for k in kinds if k in only) if only else kinds
-    soak = Soak(tmp, etcd, rng, hosts)
+    soak = Soak(tmp, etcd, rng, hosts, stall_timeout)
     results: list[Result] = []
     try:
         for node in NODES:
@@ -465,15 +481,21 @@ def main() -> None:
                         "partitions among the faults")
     parser.add_argument("--kinds", default="", help="only these kinds, comma-separated (default: every kind)")
     parser.add_argument("--keep", default="", help="keep the job's files (logs) in this directory")
+    parser.add_argument("--stall-timeout", default=STALL_TIMEOUT, help="the agents' --stall-timeout in seconds, "
+                        "or 'learned' for the default hang detection (a limit learned from the step times, floor "
+                        "20 s): a false stall restart is a violation either way")
     args = parser.parse_args()
+    if args.stall_timeout != "learned" and not args.stall_timeout.replace(".", "", 1).isdigit():
+        parser.error(f"--stall-timeout {args.stall_timeout!r}: a number of seconds, or 'learned'")
     only = tuple(k for k in args.kinds.split(",") if k)
     if unknown := set(only) - set(KINDS) - {"partition"}:
         parser.error(f"--kinds: unknown {sorted(unknown)}; the kinds are {', '.join(KINDS)}, partition")
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)
-        sys.exit(run(args.faults, args.seed, Path(tempfile.mkdtemp(dir=args.keep)), args.netns, only))
+        sys.exit(run(args.faults, args.seed, Path(tempfile.mkdtemp(dir=args.keep)), args.netns, only,
+                     args.stall_timeout))
     with tempfile.TemporaryDirectory() as d:
-        sys.exit(run(args.faults, args.seed, Path(d), args.netns, only))
+        sys.exit(run(args.faults, args.seed, Path(d), args.netns, only, args.stall_timeout))
 
 
 if __name__ == "__main__":
