@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from typing import Any
 
+from tfelastic.trainer.scratch import process_temp_dir
 from tfelastic.trainer.tfkeras import check_model, ensure_legacy_keras
 
 ensure_legacy_keras()
@@ -30,7 +30,7 @@ def export_model(model: Any, path: str, strategy: Any | None = None) -> str | No
     if strategy.extended.should_checkpoint:
         _save_then_rename(model, path)
         return path
-    scratch = tempfile.mkdtemp(prefix="tfelastic-export-")
+    scratch = process_temp_dir("export")
     try:
         model.save(os.path.join(scratch, os.path.basename(path.rstrip("/")) or "model"))
     finally:

@@ -30,20 +30,18 @@ created.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import logging
 import mmap
 import os
-import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 from tfelastic.trainer import snapshots
+from tfelastic.trainer.scratch import process_temp_dir
 from tfelastic.trainer.tfkeras import ensure_legacy_keras
 
 ensure_legacy_keras()
@@ -350,9 +348,9 @@ def _assign(variable: tf.Variable, entry: Entry, value: np.ndarray, snapshot: st
 def _restore_deferred(checkpoint: Any, entries: list[Entry], values: dict[str, np.ndarray],
                       object_graph: bytes) -> None:
     """Writes the snapshot as a TensorFlow checkpoint and restores that, so that TensorFlow restores variables
-    created later as they appear. TensorFlow reads the files when it does: they stay until the process ends.
-    The graph's attributes the snapshot does not hold (the save counter) are left out, so that none is looked
-    for."""
+    created later as they appear. TensorFlow reads the files when it does: they stay until the process ends (a
+    killed process's go when the next one makes such a directory: :mod:`tfelastic.trainer.scratch`). The graph's
+    attributes the snapshot does not hold (the save counter) are left out, so that none is looked for."""
     try:
         graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(object_graph)
     except message.DecodeError as e:
@@ -362,8 +360,7 @@ def _restore_deferred(checkpoint: Any, entries: list[Entry], values: dict[str, n
         kept = [a for a in node.attributes if a.checkpoint_key in held]
         del node.attributes[:]
         node.attributes.extend(kept)
-    scratch = tempfile.mkdtemp(prefix="tfelastic-flash-restore-")
-    atexit.register(shutil.rmtree, scratch, True)
+    scratch = process_temp_dir("flash-restore")
     prefix = os.path.join(scratch, snapshots.CHECKPOINT_PREFIX)
     tf.raw_ops.SaveV2(prefix=prefix, tensor_names=[e.key for e in entries] + [OBJECT_GRAPH_KEY],
                       shape_and_slices=[""] * (len(entries) + 1),

@@ -28,13 +28,11 @@ stop, the end of training) tries the newest once more itself and raises if it st
 
 from __future__ import annotations
 
-import atexit
 import errno
 import logging
 import os
 import queue
 import shutil
-import tempfile
 import threading
 import time
 from typing import Any
@@ -42,6 +40,7 @@ from typing import Any
 from tfelastic.trainer import flash, snapshots
 from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.persister import Persister
+from tfelastic.trainer.scratch import process_temp_dir
 from tfelastic.trainer.tier_restore import TierRestore, TierRestorer
 from tfelastic.trainer.tier_writer import SnapshotWriter
 
@@ -99,8 +98,7 @@ class TieredCheckpoint:
         if self.is_chief:
             return self.shared_store
         if self._scratch is None:
-            self._scratch = tempfile.mkdtemp(prefix="tfelastic-scratch-")
-            atexit.register(shutil.rmtree, self._scratch, True)  # close() may not come (an exception, a stop)
+            self._scratch = process_temp_dir("scratch")  # close() may not come (an exception, a stop, a kill)
         return self._scratch
 
     def save(self, step: int, portable: bool = False) -> float:
