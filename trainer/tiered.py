@@ -176,9 +176,10 @@ class TieredCheckpoint:
         if shutil.disk_usage(store).free >= need:
             return
         self._writer.release()  # the mapped files' memory, for the files the prune removes
-        snapshots.prune(store, 1, protect=self._protected())
+        protected = self._protected()  # read once: a copy that ends in between must still be waited for
+        snapshots.prune(store, 1, protect=protected)
         free = shutil.disk_usage(store).free
-        if free < need and self._protected() and self._persister:  # the copy to the shared tier holds one
+        if free < need and protected and self._persister:  # the copy to the shared tier holds one
             self._persister.wait_idle()
             snapshots.prune(store, 1)
             free = shutil.disk_usage(store).free
