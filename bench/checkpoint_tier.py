@@ -51,7 +51,7 @@ def seconds_per_step(output: str, warmup: int) -> float:
 
 
 def overhead(variants: list[str], rounds: int, steps: int, warmup: int, root: Path, local_root: Path
-             ) -> dict[str, float]:
+             ) -> dict[str, list[float]]:
     samples: dict[str, list[float]] = {v: [] for v in variants}
     for round_number in range(1, rounds + 1):
         for variant in variants:
@@ -64,7 +64,26 @@ def overhead(variants: list[str], rounds: int, steps: int, warmup: int, root: Pa
             print(f"round {round_number} {variant:>7}: {samples[variant][-1]:.3f} s/step{extra}", flush=True)
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(local, ignore_errors=True)
-    return {v: statistics.median(s) for v, s in samples.items()}
+    return samples
+
+
+def report_overhead(samples: dict[str, list[float]]) -> None:
+    """The medians, and each variant's overhead against ``none`` of the same round: this machine's speed drifts
+    over minutes, so a round's own baseline is the fairer one."""
+    per_step = {v: statistics.median(s) for v, s in samples.items()}
+    print("median s/step: " + ", ".join(f"{v} {t:.3f}" for v, t in per_step.items()))
+    if "none" not in samples:
+        return
+    base = per_step["none"]
+    costs = {v: per_step[v] / base - 1 for v in per_step if v != "none"}
+    print("overhead against no checkpoints: " + ", ".join(f"{v} {c * 100:+.1f} %" for v, c in costs.items()))
+    for v in costs:
+        if v != "sync20" and "sync20" in costs and costs["sync20"] > 0:
+            print(f"{v} / sync20 overhead: {costs[v] / costs['sync20']:.2f}")
+    paired = {v: [t / b - 1 for t, b in zip(samples[v], samples["none"], strict=True)] for v in costs}
+    print("overhead against no checkpoints of the same round: " + "; ".join(
+        f"{v} " + ", ".join(f"{c * 100:+.1f} %" for c in cs) + f" (median {statistics.median(cs) * 100:+.1f} %)"
+        for v, cs in paired.items()))
 
 
 def steps_redone(kills: int, warmup: int, root: Path, local: Path, rng: random.Random) -> list[int]:
@@ -114,15 +133,8 @@ def main() -> None:
     local_root = Path(tempfile.mkdtemp(prefix="tfelastic-bench-", dir="/dev/shm"))
     try:
         variants = args.variants.split(",")
-        per_step = overhead(variants, args.rounds, args.steps, args.warmup, root, local_root) if args.steps else {}
-        print("median s/step: " + ", ".join(f"{v} {t:.3f}" for v, t in per_step.items()))
-        if "none" in per_step:
-            base = per_step["none"]
-            costs = {v: per_step[v] / base - 1 for v in per_step if v != "none"}
-            print("overhead against no checkpoints: " + ", ".join(f"{v} {c * 100:+.1f} %" for v, c in costs.items()))
-            for v in costs:
-                if v != "sync20" and "sync20" in costs and costs["sync20"] > 0:
-                    print(f"{v} / sync20 overhead: {costs[v] / costs['sync20']:.2f}")
+        if args.steps:
+            report_overhead(overhead(variants, args.rounds, args.steps, args.warmup, root, local_root))
         if args.kills:
             redone = steps_redone(args.kills, args.warmup, root, local_root / "kills", random.Random(args.seed))
             print(f"steps redone per SIGKILL (fit_callbacks defaults): {redone}, mean "
