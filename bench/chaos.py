@@ -119,6 +119,7 @@ class Soak:
     exits: list[tuple[str, int]] = field(default_factory=list)  # agents that ended by themselves
     torn_restores: int = 0
     settled_restarts: Counter[str] | None = None  # the restarts counted when the last fault had been recovered
+    settled_generation: int = 0  # the generation then
 
     def __post_init__(self) -> None:
         env: dict[str, str | None] = {"LEDGER_EVENTS": str(self.events), "LEDGER_CONTROL_DIR": str(self.control),
@@ -324,7 +325,7 @@ def inject(soak: Soak, kind: str, last_strike: float) -> Result:
                       f"recovery from {kind} of {node}")
     seconds = time.monotonic() - started
     restarts = Counter(after["restarts_by_reason"]) - Counter(before["restarts_by_reason"])
-    soak.settled_restarts = Counter(after["restarts_by_reason"])
+    soak.settled_restarts, soak.settled_generation = Counter(after["restarts_by_reason"]), after["generation"]
     if not expected_restarts(kind, restarts):
         soak.violations.append(f"{kind} of {node}: restarts {dict(restarts)} are not what this fault causes")
     if kind == "hang":
@@ -361,6 +362,7 @@ def finish(soak: Soak) -> None:
     """Let the job end at a known step, then check everything the soak promises."""
     doc = soak.status()
     check_uncaused_restarts(soak, doc)
+    soak.settled_generation = doc["generation"]  # the job's last: it runs to the target without a fault
     deadline = time.monotonic() + 5.0  # /metrics shows what the coordinator published at its last heartbeat
     while (counted := restarts_on_metrics(soak, soak.leader())) != doc["restarts_by_reason"] and \
             time.monotonic() < deadline:
@@ -379,6 +381,9 @@ def finish(soak: Soak) -> None:
     events = read_events(soak.events)
     soak.torn_restores = sum(1 for e in events if e["event"] == "start" and e["torn"])
     soak.violations += stale_saves(events)
+    if late := sorted({e["generation"] for e in events if e["event"] == "start"
+                       and e["generation"] > soak.settled_generation}):
+        soak.violations.append(f"generations {late} started after the last fault was recovered, with none injected")
     documented = {int(code) for code in ExitCode}
     for node, code in soak.exits:
         if code not in documented:
