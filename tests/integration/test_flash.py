@@ -158,6 +158,15 @@ CASES = """
     report["final"] = [sorted(os.listdir(os.path.join(root, snapshots.snapshot_name(2))))
                        for root in ("final-local/final", "shared/final")]
 
+    # The copy's tasks: a thousand small variables in one, a large one in 16 MiB pieces, every byte once.
+    layout = [flash.Entry(f"v{i}", f"v{i}", "float32", (1024,), i * 4096, 4096) for i in range(1000)]
+    layout.append(flash.Entry("big", "big", "float32", (10 << 20,), 1000 * 4096, 40 << 20))
+    tasks = flash._copy_tasks(layout)
+    covered = sorted((index, start, end) for task in tasks for index, start, end in task)
+    report["tasks"] = {"count": len(tasks), "sizes": [sum(end - start for _, start, end in t) for t in tasks],
+                       "exact": all(sum(e - s for i, s, e in covered if i == index) == entry.padded
+                                    for index, entry in enumerate(layout))}
+
     report["host_devices"] = [flash.host_device(d) for d in (
         "", "/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/replica:0/task:0/device:GPU:0")]
     print(json.dumps(report))
@@ -212,6 +221,10 @@ def test_a_worker_that_keeps_no_snapshot_writes_each_into_one_spare_file(cases: 
     spares = cases["scratch"]["spares"]
     assert spares[0] is None and spares[1] is not None and spares[1:] == [spares[1]] * 3
     assert cases["scratch"]["left"] == ["spare-flash.bin"] and cases["scratch"]["shared"] is False
+
+
+def test_small_variables_share_a_copy_task_and_large_ones_are_split(cases: dict[str, Any]) -> None:
+    assert cases["tasks"] == {"count": 4, "sizes": [1000 * 4096, 16 << 20, 16 << 20, 8 << 20], "exact": True}
 
 
 def test_only_variables_in_host_memory_get_flash_snapshots(cases: dict[str, Any]) -> None:
