@@ -167,20 +167,26 @@ FULL_TIER = """
     import tensorflow as tf
 
     local_root, shared = sys.argv[1], os.path.abspath("shared/fit")
+    raced = None
     if sys.argv[2:] == ["copy-ends-while-making-room"]:
-        import time
+        import threading
         copy_snapshot, prune = snapshots.copy_snapshot, snapshots.prune
+        making_room = threading.Event()
+        raced = False
 
-        def slow_copy(*args):
-            time.sleep(1)  # the copy of step 1 is under way when step 3 makes room
+        def held_copy(*args):
+            making_room.wait(60)  # the copy of step 1 is under way until step 3 makes room
             return copy_snapshot(*args)
 
         def prune_while_the_copy_ends(store, keep, protect=()):
+            global raced
             prune(store, keep, protect)
-            if keep == 1 and protect:  # making room (a seal keeps 2)
+            if keep == 1 and protect:  # making room (a seal keeps 2), and the copy held step 1: let it end now
+                raced = True
+                making_room.set()
                 writer._persister.wait_idle()
 
-        snapshots.copy_snapshot, snapshots.prune = slow_copy, prune_while_the_copy_ends
+        snapshots.copy_snapshot, snapshots.prune = held_copy, prune_while_the_copy_ends
     value = tf.Variable(tf.zeros([1 << 20]))  # a 4 MiB snapshot
     checkpoint = tf.train.Checkpoint(value=value)
     env = TrainerEnvironment(progress_socket="agent.sock", local_checkpoint_dir=local_root)
@@ -193,7 +199,7 @@ FULL_TIER = """
     restored = TieredCheckpoint(checkpoint, shared, is_chief=True, env=env).restore()
     print(json.dumps({"local": snapshots.complete_steps(os.path.join(local_root, "fit")),
                       "shared": snapshots.complete_steps(shared), "restored": [restored.step, restored.tier],
-                      "value": float(value.numpy()[0])}))
+                      "value": float(value.numpy()[0]), "raced": raced}))
 """
 
 
@@ -223,4 +229,5 @@ def test_a_local_tier_without_room_hands_the_snapshots_to_the_shared_tier(
     report = json.loads(result.stdout.splitlines()[-1])
     assert (report["local"], report["shared"]) == (local, shared)
     assert report["restored"][0] == 4 and report["value"] == 4.0
+    assert report["raced"] is (True if case else None)  # the copy did end while room was being made
     assert ("has no room for a snapshot" in result.stderr) is warned, result.stderr[-4000:]
