@@ -41,7 +41,7 @@ from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.worker.output import exception_line
 from tfelastic.daemon.worker.stall import StallDetector, StallLimits
 from tfelastic.daemon.worker.states import WorkerState, WorkerStateMachine
-from tfelastic.trainer.progress import ProgressMessage
+from tfelastic.trainer.progress import Phase, ProgressMessage
 
 log = logging.getLogger("tfelastic.agent")
 
@@ -320,8 +320,10 @@ class AgentCore:
             return []
         first = self.tracker.latest is None
         self._failures.progressed()
-        self.tracker.record(message)
         self._stall.progress(message.step, message.phase, training_done=message.done)
+        if first and _before_restore(message):
+            return []  # its step (a new process's 0) is not where the generation resumes, nor steps made
+        self.tracker.record(message)
         # The first report of a generation goes out at once: where it resumed tells the coordinator what a
         # restart cost (steps redone or lost), and status shows the new generation training.
         return [self._report(api.WorkerStatus.RUNNING, pid=message.pid)] if first else []
@@ -483,3 +485,9 @@ def describe_exit(code: int) -> str:
             return f"was killed by {signal.Signals(-code).name}"
         return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def _before_restore(message: ProgressMessage) -> bool:
+    """A report of start-up that names no restored step: the library's trainers send one before they restore (the
+    tier's restore reports the step it restored, and training reports come after it)."""
+    return message.phase is Phase.SETUP and message.restored_step is None and not message.done

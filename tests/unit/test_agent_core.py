@@ -633,3 +633,27 @@ def test_a_check_order_is_ignored_while_a_worker_runs() -> None:
     h = Harness()
     h.running()
     assert h.core.received(api.CheckNode("readmitted by an operator")) == []
+
+
+def test_a_start_up_report_before_the_restore_is_not_where_the_generation_resumed() -> None:
+    """The library's trainers announce start-up at step 0, then restore: the coordinator must hear the restored
+    step as the resume point (else a restart looks like every step lost), and the step counter must not count
+    the jump from 0 to it as steps made."""
+    h = Harness()
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=0, phase=Phase.SETUP))  # before the restore
+    assert h.core.tracker.latest is None
+    actions = h.core.progress(ProgressMessage(1, 4001, step=2906, phase=Phase.SETUP, restored_step=2906,
+                                              restored_tier="local"))
+    [report] = reports(actions)  # the first report that counts goes out at once
+    assert report.progress is not None and report.progress.step == 2906
+    h.core.progress(ProgressMessage(1, 4001, step=2910))
+    assert h.metric("tfelastic_training_steps_total") == 4.0
+
+
+def test_a_trainer_that_announces_no_restore_resumes_at_its_first_training_report() -> None:
+    h = Harness()
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=0, phase=Phase.SETUP))
+    [report] = reports(h.core.progress(ProgressMessage(1, 4001, step=301)))
+    assert report.progress is not None and report.progress.step == 301
