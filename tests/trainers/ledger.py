@@ -21,6 +21,9 @@ Knobs: LEDGER_TARGET_FILE (the target step, read every 10 steps: the soak sets i
 default LEDGER_STEPS, 100), LEDGER_STEP_SECONDS (default 0.05), LEDGER_CONTROL_DIR (<dir>/hang-<node> holding
 a generation: this rank of that generation stops stepping and stays alive, a live hang; while <dir>/bad-<node>
 exists the rank exits 1 at start, a bad GPU), LEDGER_EVENTS (one JSON line per start and end).
+
+Progress: a report per step, announcing start-up and saves as the library's trainers do (so that an agent with
+the default hang detection learns the step times: docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tfelastic.trainer.exit_codes import CHECKPOINTED_AND_STOPPED
-from tfelastic.trainer.progress import ProgressReporter
+from tfelastic.trainer.progress import Phase, ProgressReporter
 
 GENESIS = hashlib.sha256(b"tfelastic").hexdigest()
 KEEP = 2
@@ -172,6 +175,8 @@ def main() -> int:
         print("RuntimeError: CUDA error: an illegal memory access was encountered (a bad GPU)", file=sys.stderr)
         return 1
     backup.mkdir(parents=True, exist_ok=True)
+    reporter = ProgressReporter.from_env(min_interval=0)
+    reporter.report(0, phase=Phase.SETUP)  # as the library's trainers do: the agent then learns the step times
     step, digest, torn = restore(backup)
     event("start", step=step, torn=torn)
     workers = json.loads(env["TF_CONFIG"])["cluster"]["worker"]
@@ -179,7 +184,6 @@ def main() -> int:
         ring = Ring(workers, rank, peer_timeout)
     except (OSError, TimeoutError) as e:
         return block_then_fail(e, 0, stopping)
-    reporter = ProgressReporter.from_env(min_interval=0)
     goal = target()
     hang = control / f"hang-{node}"
     while step < goal:
@@ -195,6 +199,7 @@ def main() -> int:
         step, digest = step + 1, advance(digest, step + 1)
         saving = rank == 0 and (step % save_every == 0 or stopping)
         if saving:
+            reporter.report(step, phase=Phase.SAVE)
             save(backup, step, digest)
             event("saved", step=step)
         reporter.report(step, examples=step, loss=1.0 / step, checkpoint_step=step if saving else None)
