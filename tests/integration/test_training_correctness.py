@@ -168,7 +168,7 @@ def test_world_size_2_3_2_keeps_the_batch_policy_and_loses_nothing_on_the_planne
     cluster.wait_running(2, 3, timeout=120, step=1)
     stopped = [s for s in chief_summaries(cluster) if s["generation"] == 1]
     assert len(stopped) == 1 and stopped[0]["preempted"] is True, chief_summaries(cluster)
-    assert starting_steps(cluster.agents[0].log())[1] == stopped[0]["final_step"]  # zero steps lost
+    assert wait_for_start(cluster, 2) == stopped[0]["final_step"]  # zero steps lost
     step = cluster.wait_running(2, 3, timeout=120, step=stopped[0]["final_step"] + 5)["nodes"][0]["step"]
 
     third.proc.kill()
@@ -206,7 +206,7 @@ def test_sigterm_drain_loses_no_step(make_cluster: ClusterFactory, tmp_path: Pat
     cluster.wait_running(2, 1, timeout=120, step=1)
     [stopped] = [s for s in chief_summaries(cluster) if s["generation"] == 1]
     assert stopped["preempted"] is True and stopped["final_step"] % 25 != 0  # saved off the save schedule
-    assert starting_steps(cluster.agents[0].log())[1] == stopped["final_step"]
+    assert wait_for_start(cluster, 2) == stopped["final_step"]
     assert "checkpointed after step" in drained.log() or "checkpointed after step" in cluster.agents[0].log()
     assert cluster.agents[0].wait(300) == 0, cluster.logs()[-4000:]
     assert [s["final_step"] for s in chief_summaries(cluster) if s["generation"] == 2] == [80]
