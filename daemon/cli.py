@@ -12,35 +12,37 @@ from typing import Any, NoReturn
 
 from tfelastic.daemon import commands
 from tfelastic.daemon.config import (
-    LOCAL_TIER_OFF,
-    METRICS_OFF,
-    OPTIONS,
-    STALL_AUTO,
     AgentConfig,
-    default_of,
+    CoordinatorConfig,
+    OperatorConfig,
+    coordinator_from_values,
     from_values,
-    load_toml,
+    operator_from_values,
     parse_nodes,
-    parse_rendezvous,
-    read_token,
     validate,
+    validate_coordinator,
+    validate_operator,
 )
+from tfelastic.daemon.config_file import load_toml
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.exit_codes import ExitCode
+from tfelastic.daemon.options import (
+    AGENT,
+    COORDINATOR,
+    OPERATOR,
+    OPTIONS,
+    Choice,
+    OnOff,
+    Switch,
+    flags_of,
+    parse_rendezvous,
+)
+from tfelastic.daemon.secret_file import read_token
 from tfelastic.daemon.slurm import SlurmStep
 
 _UNSET: Any = object()  # the default of every option flag: not given (the configuration's default applies)
-_SECURITY = ("token_file", "tls_cert", "tls_key", "tls_ca")
-_TIMING = ("last_call", "settle", "join_timeout", "heartbeat_interval", "node_timeout", "restart_backoff",
-           "restart_backoff_max", "quarantine_after", "quarantine_window", "quarantine_cooldown",
-           "quarantine_cooldown_max", "node_probe")
-_METRICS = ("metrics_port", "metrics_address", "metrics_token_file", "metrics_linger")
-_RUN = tuple(name for name, option in OPTIONS.items() if option.flag and name != "max_nodes")
-_ETCD = ("etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file")
-_COORDINATOR = ("rendezvous", "job", "node_id", "lease_ttl", "log_level", *_SECURITY, *_ETCD, *_TIMING, *_METRICS)
-_OPERATOR = ("job", *_SECURITY, *_ETCD)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,77 +51,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(ExitCode.CONFIG, f"tfelastic: error: {message}\n")
 
 
-def _on_off(text: str) -> bool:
-    if text not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither 'on' nor 'off'")
-    return text == "on"
-
-
-def _stall_timeout(text: str) -> float | None:
-    if text == STALL_AUTO:
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a number of seconds") from None
-
-
-def _metrics_port(text: str) -> int | None:
-    if text == METRICS_OFF:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number or 'off'") from None
-
-
-def _local_checkpoint_dir(text: str) -> str:
-    return "" if text == LOCAL_TIER_OFF else text  # the configuration checks the path
-
-
-# Options whose help says what their default is (it depends on other values, or is explained there).
-_DEFAULT_IN_HELP = frozenset({"job", "min_nodes", "node_id", "worker_port", "rendezvous", "backup_dir", "workdir"})
-
-
-def _help(name: str) -> str:
-    option, default = OPTIONS[name], default_of(name)
-    if name == "stall_timeout":
-        return f"{option.help} (default {STALL_AUTO})"
-    if name in _DEFAULT_IN_HELP or default in ("", None) or isinstance(default, bool):
-        return option.help
-    shown = f"{default:g}" if isinstance(default, float) else str(default)
-    return f"{option.help} (default {shown})"
-
-
-def _flag_type(name: str) -> Any:
-    """How argparse reads the flag's value (--nodes and --rendezvous are parsed with their own rules later)."""
-    default = default_of(name)
-    if name == "metrics_port":
-        return _metrics_port
-    if name == "stall_timeout":
-        return _stall_timeout
-    if name == "warm_start":
-        return _on_off
-    if name == "local_checkpoint_dir":
-        return _local_checkpoint_dir
-    if isinstance(default, float):
-        return float
-    if isinstance(default, int) and not isinstance(default, bool) and name != "min_nodes":
-        return int
-    return str
-
-
 def _add_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
     for name in names:
-        flag, dest = OPTIONS[name].flag, "nodes" if name == "min_nodes" else name
-        if name in ("instrument", "node_probe"):
-            parser.add_argument(flag, dest=dest, action="store_const", const=False, default=_UNSET, help=_help(name))
-        elif name == "log_level":
-            parser.add_argument(flag, dest=dest, default=_UNSET, help=_help(name),
-                                choices=("debug", "info", "warning", "error"))
+        option = OPTIONS[name]
+        dest, kind = "nodes" if name == "min_nodes" else name, option.kind
+        if isinstance(kind, Switch) and not isinstance(kind, OnOff):  # --no-...
+            parser.add_argument(option.flag, dest=dest, action="store_const", const=False, default=_UNSET,
+                                help=option.help_text())
+        elif isinstance(kind, Choice):
+            parser.add_argument(option.flag, dest=dest, default=_UNSET, help=option.help_text(), choices=kind.choices)
         else:
-            parser.add_argument(flag, dest=dest, default=_UNSET, help=_help(name), metavar=OPTIONS[name].metavar,
-                                type=_flag_type(name))
+            parser.add_argument(option.flag, dest=dest, default=_UNSET, help=option.help_text(),
+                                metavar=option.metavar, type=str if name == "min_nodes" else kind.flag_type())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,13 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_no_slurm(agent)
 
     run = sub.add_parser("run", help="run the node daemon from flags (like torchrun)")
-    _add_options(run, _RUN)
+    _add_options(run, flags_of(AGENT))
     _add_no_slurm(run)
     run.add_argument("trainer", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
 
     coord = sub.add_parser("coordinator", help="run a standalone coordinator (e.g. on a head node)")
     coord.add_argument("--listen", required=True, metavar="HOST:PORT")
-    _add_options(coord, _COORDINATOR)
+    _add_options(coord, flags_of(COORDINATOR))
 
     status = sub.add_parser("status", help="show the cluster as the coordinator sees it")
     _add_operator_connection(status)
@@ -179,7 +122,7 @@ def _add_no_slurm(p: argparse.ArgumentParser) -> None:
 def _add_operator_connection(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rendezvous", required=True, metavar="HOST:PORT|etcd://...",
                    help="the coordinator's endpoint, or the job's etcd (then --job names the job)")
-    _add_options(p, _OPERATOR)
+    _add_options(p, [name for name in flags_of(OPERATOR) if name != "rendezvous"])
 
 
 def _given(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
@@ -196,7 +139,7 @@ def config_from_run_args(args: argparse.Namespace, slurm: SlurmStep | None = Non
     command = list(args.trainer)
     if command and command[0] == "--":
         command = command[1:]
-    values = {**_given(args, _RUN), "command": tuple(command)}
+    values = {**_given(args, flags_of(AGENT)), "command": tuple(command)}
     if slurm is not None:
         values = slurm.complete(values)  # flags win; SLURM fills the rest; the configuration's defaults after that
     if "rendezvous" not in values:
@@ -204,22 +147,21 @@ def config_from_run_args(args: argparse.Namespace, slurm: SlurmStep | None = Non
     return validate(from_values(values))
 
 
-def config_from_coordinator_args(args: argparse.Namespace) -> tuple[AgentConfig, Endpoint]:
-    """The coordinator's configuration, and where it listens. ``--rendezvous etcd://...`` makes it a head-node
-    candidate of that job; without it, the job's one coordinator on ``--listen``."""
+def config_from_coordinator_args(args: argparse.Namespace) -> CoordinatorConfig:
+    """``--rendezvous etcd://...`` makes the coordinator a head-node candidate of that job; without it, the job's
+    one coordinator on ``--listen``."""
     listen = Endpoint.parse(args.listen, "--listen", allow_port_zero=True)
-    given = _given(args, _COORDINATOR)
+    given = _given(args, flags_of(COORDINATOR))
     if not isinstance(given.setdefault("rendezvous", listen), EtcdTarget) and given["rendezvous"] != listen:
         raise ConfigError("--rendezvous: a standalone coordinator takes only an etcd URL there (etcd://HOST:PORT,...); "
                           "it listens on --listen")
-    return validate(from_values({**given, "command": ("coordinator",)})), listen
+    return validate_coordinator(coordinator_from_values(given, listen))
 
 
 def _operator_target(args: argparse.Namespace) -> tuple[Endpoint, str | None, TlsConfig]:
     """The coordinator to ask, its token and TLS; with an etcd rendezvous, the one etcd says leads the job."""
-    values = {**_given(args, _OPERATOR), "command": ("operator",),
-              "rendezvous": parse_rendezvous(args.rendezvous, "--rendezvous")}
-    config = validate(from_values(values))
+    values = {**_given(args, flags_of(OPERATOR)), "rendezvous": parse_rendezvous(args.rendezvous, "--rendezvous")}
+    config: OperatorConfig = validate_operator(operator_from_values(values))
     rdzv = config.rendezvous
     token = read_token(rdzv.token_file) if rdzv.token_file else None
     endpoint = rdzv.endpoint if isinstance(rdzv.endpoint, Endpoint) else commands.find_coordinator(config)
@@ -233,7 +175,7 @@ def _dispatch(args: argparse.Namespace, slurm: SlurmStep | None) -> int:
     if name == "run":
         return commands.run_agent(config_from_run_args(args, slurm), slurm)
     if name == "coordinator":
-        return commands.run_coordinator(*config_from_coordinator_args(args))
+        return commands.run_coordinator(config_from_coordinator_args(args))
     if name == "demo":
         from tfelastic.daemon.demo import run_demo
 

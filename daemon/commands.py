@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
-from tfelastic.daemon.config import AgentConfig
+from tfelastic.daemon.config import AgentConfig, CoordinatorConfig, OperatorConfig, RendezvousConfig
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.etcd.client import EtcdCredentials
@@ -35,8 +35,9 @@ from tfelastic.daemon.preflight import (
     raise_open_files_limit,
     token_for,
 )
-from tfelastic.daemon.rendezvous.api import CoordinatorInfo, JobState
+from tfelastic.daemon.rendezvous.api import JobState
 from tfelastic.daemon.sdnotify import Notifier, journal_handler, run_notifying
+from tfelastic.daemon.serving import CoordinatorSetup
 from tfelastic.daemon.slurm import SlurmStep
 
 # After an agent's own wind-down: asyncio's teardown (cancelled tasks, its thread pool) and the interpreter's.
@@ -67,9 +68,8 @@ def _warn_if_clear_text(endpoint: Endpoint, tls: TlsConfig) -> None:
             "text; use --tls-cert/--tls-key/--tls-ca on untrusted networks", endpoint)
 
 
-def _warn_if_etcd_is_open(config: AgentConfig) -> None:
+def _warn_if_etcd_is_open(rdzv: RendezvousConfig) -> None:
     """Agents send the token to whatever address etcd names: who can write to etcd can collect it."""
-    rdzv = config.rendezvous
     if rdzv.etcd is not None and not rdzv.etcd_password_file and not rdzv.etcd_cert:
         logging.getLogger("tfelastic").warning(
             "etcd at %s is used without authentication (no --etcd-password-file, no client certificate): anyone "
@@ -84,15 +84,15 @@ def run_agent(config: AgentConfig, slurm: SlurmStep | None = None) -> int:
     # With etcd, the listener is this node's address and a port picked per term: name the address alone.
     elected_port = config.rendezvous.etcd is not None and listen.port == 0
     token = token_for(listen, config.rendezvous.token_file, where=listen.host if elected_port else "")
-    etcd = etcd_credentials(config)
-    scrape_token = metrics_token(config)
+    etcd = etcd_credentials(config.rendezvous)
+    scrape_token = metrics_token(config.metrics)
     check_agent(config)
     notifier = Notifier()  # first: the trainer must not inherit $NOTIFY_SOCKET
     setup_logging(config.node.log_level, f"{config.job.name}/{config.node.id}")  # journald: job and node
     config = local_tier_or_off(config)  # it warns: after the logging is set up
     _open_files()
     _warn_if_clear_text(listen, config.rendezvous.tls)
-    _warn_if_etcd_is_open(config)
+    _warn_if_etcd_is_open(config.rendezvous)
     if slurm is not None:
         logging.getLogger("tfelastic").info("%s", slurm.note)
     agent = Agent(config, token, metrics_token=scrape_token, etcd=etcd)
@@ -110,51 +110,48 @@ async def _with_grpc_held(main: Coroutine[Any, Any, int]) -> int:
     return await main
 
 
-def run_coordinator(config: AgentConfig, listen: Endpoint) -> int:
-    """A standalone coordinator on ``listen`` with the timing, security and metrics settings of ``config``: the
-    job's only one, or with an etcd rendezvous a head-node candidate that wins over the agents."""
+def run_coordinator(config: CoordinatorConfig) -> int:
+    """A standalone coordinator: the job's only one, or with an etcd rendezvous a head-node candidate that wins over
+    the agents."""
     from tfelastic.daemon.metrics.http import serve_metrics
 
-    rdzv, metrics = config.rendezvous, config.metrics
+    rdzv, metrics, listen = config.rendezvous, config.metrics, config.listen
     token = token_for(listen, rdzv.token_file)
-    etcd = etcd_credentials(config)
-    scrape_token = metrics_token(config)
-    check_metrics_listen(config)
+    etcd = etcd_credentials(rdzv)
+    scrape_token = metrics_token(metrics)
+    check_metrics_listen(metrics)
     check_tls_files(rdzv.tls)
-    check_etcd_files(config)
-    setup_logging(config.node.log_level, "coordinator")
+    check_etcd_files(rdzv)
+    setup_logging(config.log_level, "coordinator")
     _open_files()
     _warn_if_clear_text(listen, rdzv.tls)
-    _warn_if_etcd_is_open(config)
+    _warn_if_etcd_is_open(rdzv)
     registry = CollectorRegistry()
     server = None
     if metrics.port is not None:
         server = serve_metrics(registry, metrics.address, metrics.port, scrape_token)
         logging.getLogger("tfelastic.coordinator").info("metrics on http://%s/metrics",
                                                         host_port(metrics.address, server.port))
+    setup = CoordinatorSetup.of(config.name, rdzv, config.failure_stop_grace, token)
     try:
         if rdzv.etcd is not None:
-            return asyncio.run(_serve_elected(config, rdzv.etcd, etcd or EtcdCredentials(), listen, token, registry))
-        return asyncio.run(_serve_alone(config, listen, token, registry, lingers=server is not None))
+            return asyncio.run(_serve_elected(config, setup, rdzv.etcd, etcd or EtcdCredentials(), registry))
+        return asyncio.run(_serve_alone(config, setup, registry, lingers=server is not None))
     finally:
         if server is not None:
             server.close()
 
 
-async def _serve_alone(config: AgentConfig, listen: Endpoint, token: str | None, registry: CollectorRegistry,
+async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, registry: CollectorRegistry,
                        lingers: bool) -> int:
     from tfelastic.daemon.rendezvous.bind import BindError
-    from tfelastic.daemon.rendezvous.host import create_server
+    from tfelastic.daemon.serving import start_coordinator
 
-    rdzv = config.rendezvous
     try:
-        host = await create_server(str(listen), config.rendezvous_settings(), token=token, tls=rdzv.tls,
-                                   heartbeat_interval=rdzv.heartbeat_interval,
-                                   info=CoordinatorInfo(config.node.id, str(listen), time.time()))
+        host = await start_coordinator(setup, str(config.listen), registry)
     except BindError as e:
         raise ConfigError(f"--listen: {e}") from None
-    logging.getLogger("tfelastic.coordinator").info("listening on %s", host_port(listen.host, host.port))
-    host.register_metrics(registry)
+    logging.getLogger("tfelastic.coordinator").info("listening on %s", host_port(config.listen.host, host.port))
     failed = await host.wait_finished() is JobState.FAILED
     if lingers and failed:  # let Prometheus scrape the verdict
         await host.wait_agents_gone()
@@ -163,40 +160,34 @@ async def _serve_alone(config: AgentConfig, listen: Endpoint, token: str | None,
     return ExitCode.FAILED if failed else ExitCode.SUCCEEDED
 
 
-async def _serve_elected(config: AgentConfig, target: EtcdTarget, credentials: EtcdCredentials, listen: Endpoint,
-                         token: str | None, registry: CollectorRegistry) -> int:
+async def _serve_elected(config: CoordinatorConfig, setup: CoordinatorSetup, target: EtcdTarget,
+                         credentials: EtcdCredentials, registry: CollectorRegistry) -> int:
     """Campaigns until the job ends (it then exits 0 or 1 as the job did) or SIGTERM (0)."""
-    from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient
-    from tfelastic.daemon.etcd.coordinator import Candidate, ElectedCoordinator
-    from tfelastic.daemon.etcd.election import Election
-    from tfelastic.daemon.etcd.metrics import EtcdMetrics
+    from tfelastic.daemon.etcd.client import EtcdAuthError
+    from tfelastic.daemon.etcd.coordinator import Candidate, candidate_for
 
-    rdzv = config.rendezvous
-    metrics = EtcdMetrics(registry)
-    client = EtcdClient(target, credentials, metrics)
-    election = Election(client, config.job.name, rdzv.lease_ttl, metrics)
+    candidate = candidate_for(config.job, Candidate(setup, config.listen, head_node=True), target=target,
+                              credentials=credentials, lease_ttl=config.rendezvous.lease_ttl, registry=registry)
+    election = candidate.election
     try:
         await election.leader()  # wrong credentials: exit 78 now, not after join_timeout
     except EtcdAuthError as e:
         raise ConfigError(f"--etcd-password-file: {e}") from None
-    candidate = ElectedCoordinator(election, Candidate(config.node.id, listen, True, config.rendezvous_settings(),
-                                                       rdzv.heartbeat_interval, config.node.failure_stop_grace, token,
-                                                       rdzv.tls), registry, metrics)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     logging.getLogger("tfelastic.coordinator").info("a candidate for job %s's coordinator on %s (etcd %s)",
-                                                    config.job.name, listen, target)
+                                                    config.job, config.listen, target)
     try:
         await candidate.run(stop)
         recorded = await election.recorded_state() if candidate.finished.is_set() else None
     finally:
-        await client.close()
+        await election.client.close()
     return ExitCode.FAILED if recorded is not None and recorded.state is JobState.FAILED else ExitCode.SUCCEEDED
 
 
-def find_coordinator(config: AgentConfig) -> Endpoint:
+def find_coordinator(config: OperatorConfig) -> Endpoint:
     """The address etcd publishes for the job's coordinator (``tfelastic status``, ``drain`` and ``restart`` with an
     etcd rendezvous)."""
     from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdError
@@ -206,10 +197,10 @@ def find_coordinator(config: AgentConfig) -> Endpoint:
     assert target is not None
 
     async def read() -> Endpoint:
-        client = EtcdClient(target, etcd_credentials(config))
+        client = EtcdClient(target, etcd_credentials(config.rendezvous))
         try:
             # Any member's view: `status` must also work, and say why, while etcd has no quorum.
-            leader = await Election(client, config.job.name, config.rendezvous.lease_ttl).leader(serializable=True)
+            leader = await Election(client, config.job, config.rendezvous.lease_ttl).leader(serializable=True)
         except EtcdAuthError as e:
             raise ConfigError(f"--etcd-password-file: {e}") from None
         except EtcdError as e:
@@ -217,7 +208,7 @@ def find_coordinator(config: AgentConfig) -> Endpoint:
         finally:
             await client.close()
         if leader is None:
-            raise OperatorError(f"no coordinator leads job {config.job.name!r} in etcd at {target} (is the job "
+            raise OperatorError(f"no coordinator leads job {config.job!r} in etcd at {target} (is the job "
                                 "running? --job names it)")
         return Endpoint.parse(leader.address, "the coordinator's address in etcd")
 

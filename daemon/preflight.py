@@ -14,12 +14,13 @@ import resource
 import shutil
 import tempfile
 
-from tfelastic.daemon.config import AgentConfig, read_secret, read_token
+from tfelastic.daemon.config import AgentConfig, MetricsConfig, RendezvousConfig
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.etcd.client import EtcdCredentials
 from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.netutil import is_local_address, port_taken, route_address
+from tfelastic.daemon.secret_file import read_secret, read_token
 
 
 def raise_open_files_limit() -> tuple[int, int]:
@@ -63,10 +64,9 @@ def coordinator_listen(config: AgentConfig) -> Endpoint:
     return Endpoint(config.node.advertise_address or route_address(rdzv.route_host), rdzv.coordinator_port)
 
 
-def etcd_credentials(config: AgentConfig) -> EtcdCredentials | None:
-    """What the agent presents to etcd: TLS files, and USER:PASSWORD from --etcd-password-file (a secret: a file
-    only its owner may read, like the token)."""
-    rdzv = config.rendezvous
+def etcd_credentials(rdzv: RendezvousConfig) -> EtcdCredentials | None:
+    """What this process presents to etcd: TLS files, and USER:PASSWORD from --etcd-password-file (a secret: a
+    file only its owner may read, like the token)."""
     if rdzv.etcd is None:
         return None
     user = password = ""
@@ -79,13 +79,12 @@ def etcd_credentials(config: AgentConfig) -> EtcdCredentials | None:
     return EtcdCredentials(rdzv.etcd_ca, rdzv.etcd_cert, rdzv.etcd_key, user, password)
 
 
-def check_etcd_files(config: AgentConfig) -> None:
-    rdzv = config.rendezvous
+def check_etcd_files(rdzv: RendezvousConfig) -> None:
     _check_readable(("--etcd-ca", rdzv.etcd_ca), ("--etcd-cert", rdzv.etcd_cert), ("--etcd-key", rdzv.etcd_key))
 
 
-def metrics_token(config: AgentConfig) -> str | None:
-    file = config.metrics.token_file
+def metrics_token(metrics: MetricsConfig) -> str | None:
+    file = metrics.token_file
     return read_token(file, "--metrics-token-file") if file else None
 
 
@@ -103,7 +102,7 @@ def check_agent(config: AgentConfig) -> None:
                           "give a program on PATH or a path to an executable")
     tls = config.rendezvous.tls
     check_tls_files(tls)
-    check_etcd_files(config)
+    check_etcd_files(config.rendezvous)
     endpoint = config.rendezvous.endpoint
     may_coordinate = isinstance(endpoint, EtcdTarget) or is_local_address(endpoint.host)
     if may_coordinate and tls.enabled and not tls.cert:
@@ -113,7 +112,7 @@ def check_agent(config: AgentConfig) -> None:
     address = config.node.advertise_address
     if address and not is_local_address(address):
         raise ConfigError(f"--advertise-address: {address!r} is not an address of this machine")
-    check_metrics_listen(config)
+    check_metrics_listen(config.metrics)
     check_backup_dir(config)
 
 
@@ -149,8 +148,7 @@ def local_tier_or_off(config: AgentConfig) -> AgentConfig:
     return config
 
 
-def check_metrics_listen(config: AgentConfig) -> None:
-    metrics = config.metrics
+def check_metrics_listen(metrics: MetricsConfig) -> None:
     if metrics.port and port_taken(metrics.address, metrics.port):
         raise ConfigError(f"--metrics-port: {metrics.address}:{metrics.port} is in use; give each agent on this "
                           "host its own port (0 picks a free one)")

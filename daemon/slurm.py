@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping
 from itertools import product
 from typing import Any
 
-from tfelastic.daemon.config import default_of
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.errors import ConfigError
+from tfelastic.daemon.options import default_of
 
 DISABLE_ENV = "TFELASTIC_NO_SLURM"  # =1: ignore SLURM, like --no-slurm
 

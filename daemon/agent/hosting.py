@@ -9,40 +9,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from prometheus_client import CollectorRegistry
 from tfelastic.daemon.aio import first_of
-from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import is_local_address
-from tfelastic.daemon.rendezvous.api import CoordinatorInfo
 from tfelastic.daemon.rendezvous.bind import BindError
-from tfelastic.daemon.rendezvous.host import CoordinatorHost, create_server
+from tfelastic.daemon.rendezvous.host import CoordinatorHost
+from tfelastic.daemon.serving import CoordinatorSetup, start_coordinator
 
 log = logging.getLogger("tfelastic.agent")
 
 
 class EmbeddedCoordinator:
-    def __init__(self, config: AgentConfig, token: str | None, registry: CollectorRegistry) -> None:
-        assert isinstance(config.rendezvous.endpoint, Endpoint)
-        self._config, self._token, self._registry = config, token, registry
-        self._endpoint = config.rendezvous.endpoint
+    def __init__(self, setup: CoordinatorSetup, endpoint: Endpoint, registry: CollectorRegistry) -> None:
+        self._setup, self._endpoint, self._registry = setup, endpoint, registry
         self.host: CoordinatorHost | None = None
 
     async def try_hosting(self) -> None:
-        cfg = self._config
         if self.host is not None or not is_local_address(self._endpoint.host):
             return
         try:
-            self.host = await create_server(
-                str(self._endpoint), cfg.rendezvous_settings(), token=self._token, tls=cfg.rendezvous.tls,
-                heartbeat_interval=cfg.rendezvous.heartbeat_interval,
-                info=CoordinatorInfo(cfg.node.id, str(self._endpoint), time.time()))
+            self.host = await start_coordinator(self._setup, str(self._endpoint), self._registry)
         except BindError:
             return  # another agent on this host hosts it
         log.info("hosting the coordinator on %s", self._endpoint)
-        self.host.register_metrics(self._registry)
 
     async def serve_after_drain(self, signalled: asyncio.Event) -> None:
         """A drained node that hosts the coordinator keeps serving it: the other nodes still need it. It stops

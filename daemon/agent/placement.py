@@ -20,18 +20,23 @@ from tfelastic.daemon.agent.hosting import EmbeddedCoordinator
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.errors import ConfigError
-from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdCredentials, EtcdError
-from tfelastic.daemon.etcd.coordinator import Candidate, ElectedCoordinator
-from tfelastic.daemon.etcd.election import Election, LeaderInfo
-from tfelastic.daemon.etcd.metrics import EtcdMetrics
+from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdCredentials, EtcdError
+from tfelastic.daemon.etcd.coordinator import Candidate, candidate_for
+from tfelastic.daemon.etcd.election import LeaderInfo
 from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.rendezvous.api import JobState
 from tfelastic.daemon.rendezvous.handshake import TLS_GIVE_UP_SECONDS, handshake_problem
 from tfelastic.daemon.rendezvous.host import CoordinatorHost
+from tfelastic.daemon.serving import CoordinatorSetup
 
 log = logging.getLogger("tfelastic.agent")
 RETRY_SECONDS = 0.5
+
+
+def _setup(config: AgentConfig, token: str | None) -> CoordinatorSetup:
+    """The coordinator this agent serves when it hosts or leads the job."""
+    return CoordinatorSetup.of(config.node.id, config.rendezvous, config.node.failure_stop_grace, token)
 
 
 def _log_if_failed(task: asyncio.Task[None]) -> None:
@@ -46,7 +51,7 @@ class EmbeddedPlacement:
     def __init__(self, config: AgentConfig, token: str | None, registry: CollectorRegistry) -> None:
         assert isinstance(config.rendezvous.endpoint, Endpoint)
         self._endpoint = config.rendezvous.endpoint
-        self._hosting = EmbeddedCoordinator(config, token, registry)
+        self._hosting = EmbeddedCoordinator(_setup(config, token), self._endpoint, registry)
         self.changed = asyncio.Event()  # never: the address is fixed
 
     @property
@@ -84,15 +89,13 @@ class EtcdPlacement:
 
     def __init__(self, config: AgentConfig, target: EtcdTarget, credentials: EtcdCredentials, listen: Endpoint,
                  token: str | None, registry: CollectorRegistry) -> None:
-        rdzv = config.rendezvous
         self._config, self._target = config, target
-        self._metrics = metrics = EtcdMetrics(registry)
-        self.client = EtcdClient(target, credentials, metrics)
-        self.election = Election(self.client, config.job.name, rdzv.lease_ttl, metrics)
-        self._candidate = ElectedCoordinator(
-            self.election, Candidate(config.node.id, listen, False, config.rendezvous_settings(),
-                                     rdzv.heartbeat_interval, config.node.failure_stop_grace, token, rdzv.tls),
-            registry, metrics)
+        self._candidate = candidate_for(config.job.name, Candidate(_setup(config, token), listen, head_node=False),
+                                        target=target, credentials=credentials,
+                                        lease_ttl=config.rendezvous.lease_ttl, registry=registry)
+        self.election = self._candidate.election
+        self.client = self.election.client
+        self._metrics = self._candidate.metrics
         self.leader: LeaderInfo | None = None
         self._leader_since: float | None = None
         self._last_known: LeaderInfo | None = None  # the last leader etcd named, to count changes

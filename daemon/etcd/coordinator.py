@@ -13,40 +13,44 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 from tfelastic.daemon.aio import first_of
-from tfelastic.daemon.endpoint import Endpoint, TlsConfig
-from tfelastic.daemon.etcd.client import EtcdError
+from tfelastic.daemon.endpoint import Endpoint
+from tfelastic.daemon.etcd.client import EtcdClient, EtcdCredentials, EtcdError
 from tfelastic.daemon.etcd.election import Election, LeaderInfo, Leadership
 from tfelastic.daemon.etcd.metrics import EtcdMetrics
+from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.netutil import free_port, host_port
-from tfelastic.daemon.rendezvous.api import CoordinatorInfo, RendezvousSettings
 from tfelastic.daemon.rendezvous.bind import BindError
 from tfelastic.daemon.rendezvous.durable import DurableState, Takeover
-from tfelastic.daemon.rendezvous.host import CoordinatorHost, create_server
+from tfelastic.daemon.rendezvous.host import CoordinatorHost
+from tfelastic.daemon.serving import CoordinatorSetup, start_coordinator
 
 log = logging.getLogger("tfelastic.coordinator")
 
 
 @dataclass(frozen=True)
 class Candidate:
-    name: str  # the agent's node id, or the head node coordinator's name
+    setup: CoordinatorSetup
     listen: Endpoint  # port 0: a free one for each term
     head_node: bool  # a standalone coordinator: wins over agents
-    settings: RendezvousSettings
-    heartbeat_interval: float
-    failure_stop_grace: float  # how long the members' agents give a worker after a failure (node settings)
-    token: str | None = field(default=None, repr=False)  # a secret
-    tls: TlsConfig | None = None
+
+
+def candidate_for(job: str, candidate: Candidate, *, target: EtcdTarget, credentials: EtcdCredentials,
+                  lease_ttl: int, registry: CollectorRegistry) -> ElectedCoordinator:
+    """A candidate for ``job``'s coordinator with its own client of the job's etcd (its ``election.client``)."""
+    metrics = EtcdMetrics(registry)
+    election = Election(EtcdClient(target, credentials, metrics), job, lease_ttl, metrics)
+    return ElectedCoordinator(election, candidate, registry, metrics)
 
 
 class ElectedCoordinator:
-    def __init__(self, election: Election, candidate: Candidate, registry: CollectorRegistry | None = None,
-                 metrics: EtcdMetrics | None = None) -> None:
-        self._election, self._candidate = election, candidate
-        self._registry, self._metrics = registry, metrics
+    def __init__(self, election: Election, candidate: Candidate, registry: CollectorRegistry,
+                 metrics: EtcdMetrics) -> None:
+        self.election, self._candidate = election, candidate
+        self._registry, self.metrics = registry, metrics
         self.host: CoordinatorHost | None = None
         self._term_address = ""
         self._lease: int | None = None  # a head node's registration lease, which its leader key shares
@@ -70,33 +74,29 @@ class ElectedCoordinator:
         listen = self._candidate.listen
         port = listen.port or free_port(listen.host)
         self._term_address = host_port(listen.host, port)
-        info = LeaderInfo(self._candidate.name, self._term_address, time.time(),
+        info = LeaderInfo(self._candidate.setup.name, self._term_address, time.time(),
                           "coordinator" if self._candidate.head_node else "agent")
-        return await self._election.campaign(info, self._may_lead, lambda: self._lease)
+        return await self.election.campaign(info, self._may_lead, lambda: self._lease)
 
     async def _may_lead(self) -> bool:
         if self._candidate.head_node:
             return self._lease is not None  # registered first, so that agents give way
-        return await self._election.head_nodes() == 0
+        return await self.election.head_nodes() == 0
 
     async def _serve(self, leadership: Leadership, stop: asyncio.Event) -> None:
         c = self._candidate
         try:
-            recorded = await self._election.recorded_state()
+            recorded = await self.election.recorded_state()
             takeover = await self._takeover(recorded) if recorded is not None else None
-            self.host = await create_server(self._term_address, c.settings, token=c.token, tls=c.tls,
-                                            heartbeat_interval=c.heartbeat_interval, store=leadership,
-                                            takeover=takeover,
-                                            info=CoordinatorInfo(c.name, self._term_address, time.time()))
+            self.host = await start_coordinator(c.setup, self._term_address, self._registry, store=leadership,
+                                                takeover=takeover)
         except (BindError, EtcdError) as e:
             log.warning("cannot serve the job after winning the election (%s): giving the lead up", e)
             await leadership.resign()
-            await asyncio.sleep(c.settings.node_timeout_seconds)
+            await asyncio.sleep(c.setup.settings.node_timeout_seconds)
             return
         log.info("coordinating the job on %s (generation %d taken over from etcd)", self._term_address,
                  recorded.generation if recorded else 0)
-        if self._registry is not None:
-            self.host.register_metrics(self._registry)
         keep_alive = asyncio.create_task(leadership.keep_alive())
         waits: list[Awaitable[object]] = [leadership.lost.wait(), stop.wait(), self.host.finished.wait()]
         if self.host.deposed is not None:
@@ -109,34 +109,34 @@ class ElectedCoordinator:
                 self.finished.set()
                 await self.host.wait_agents_gone()
             elif not leadership.lost.is_set():  # stepping down on purpose: a drain, SIGTERM, a head node
-                await self.host.hand_over(c.settings.node_timeout_seconds)
+                await self.host.hand_over(c.setup.settings.node_timeout_seconds)
         finally:
             keep_alive.cancel()
             await self.host.close()
             self.host = None
             await leadership.resign()
-            if self._metrics is not None:
-                self._metrics.leading.set(0)
+            self.metrics.leading.set(0)
             log.info("no longer coordinating the job")
 
     async def _takeover(self, recorded: DurableState) -> Takeover:
         """An agent that led until its lease ran out is dead or cut off: its node is not waited for the whole
         node timeout plus grace, only until its worker is certainly gone (docs/design.md, "etcd: timing")."""
-        previous = await self._election.lost_lease()
-        if previous is None or previous.kind != "agent" or previous.node == self._candidate.name:
+        previous = await self.election.lost_lease()
+        setup = self._candidate.setup
+        if previous is None or previous.kind != "agent" or previous.node == setup.name:
             return Takeover(recorded)
-        grace = departed_leader_grace(self._candidate.settings.node_timeout_seconds,
-                                      self._candidate.failure_stop_grace, self._election.ttl)
+        node_timeout = setup.settings.node_timeout_seconds
+        grace = departed_leader_grace(node_timeout, setup.failure_stop_grace, self.election.ttl)
         log.info("the last coordinator, %s, lost its etcd lease: its node counts as lost in %.2fs unless it "
                  "attaches", previous.node, grace)
-        return Takeover(recorded, {previous.node: grace - self._candidate.settings.node_timeout_seconds})
+        return Takeover(recorded, {previous.node: grace - node_timeout})
 
     async def _head_node_arrives(self) -> None:
         """An agent that leads gives way when a head-node coordinator registers."""
         while True:
-            await asyncio.sleep(self._election.ttl)
+            await asyncio.sleep(self.election.ttl)
             with contextlib.suppress(EtcdError):  # etcd without quorum: no head node can register either
-                if await self._election.head_nodes() > 0:
+                if await self.election.head_nodes() > 0:
                     break
         log.info("a head-node coordinator registered: handing the job over to it")
 
@@ -144,12 +144,12 @@ class ElectedCoordinator:
         """A head node's registration, kept alive for as long as it runs (re-registered after an outage)."""
         while True:
             try:
-                self._lease = await self._election.register_head_node(self._candidate.name)
-                while await self._election.client.keep_alive_once(self._lease) > 0:
-                    await asyncio.sleep(self._election.ttl / 3)
+                self._lease = await self.election.register_head_node(self._candidate.setup.name)
+                while await self.election.client.keep_alive_once(self._lease) > 0:
+                    await asyncio.sleep(self.election.ttl / 3)
                 self._lease = None
             except EtcdError:
-                await asyncio.sleep(self._election.ttl / 3)
+                await asyncio.sleep(self.election.ttl / 3)
 
 
 def departed_leader_grace(node_timeout: float, failure_stop_grace: float, ttl: float) -> float:

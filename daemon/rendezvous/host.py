@@ -1,6 +1,6 @@
-"""A coordinator served by this process: by ``tfelastic coordinator`` on a head node, or by the agent whose node
-owns the rendezvous address. :func:`create_server` starts one; :class:`CoordinatorHost` is the one facade for
-the rest of its life: what it serves, the job's verdict, its metrics, and winding it down.
+"""A coordinator served by this process. :func:`create_server` starts one on an address; :class:`CoordinatorHost`
+is the one facade for the rest of its life: what it serves, the job's verdict, and winding it down. Processes
+start theirs through :func:`tfelastic.daemon.serving.start_coordinator`, which also exports its metrics.
 """
 
 from __future__ import annotations
@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry
 from tfelastic.daemon.auth import TokenInterceptor, server_credentials
 from tfelastic.daemon.endpoint import TlsConfig
-from tfelastic.daemon.metrics.cluster import ClusterCollector, register_cluster_collector
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.rendezvous.bind import listen
 from tfelastic.daemon.rendezvous.durable import JobStore, Takeover
@@ -32,7 +31,7 @@ class CoordinatorHost:
     def __init__(self, server: grpc.aio.Server, port: int, servicer: RendezvousServicer, health_servicer: Any) -> None:
         self.port = port
         self._server, self._servicer, self._health = server, servicer, health_servicer
-        self._collector: tuple[CollectorRegistry, ClusterCollector] | None = None
+        self._closers: list[Callable[[], None]] = []
 
     @property
     def verdict(self) -> api.JobState | None:
@@ -66,9 +65,9 @@ class CoordinatorHost:
     def connected(self) -> int:
         return self._servicer.connected
 
-    def register_metrics(self, registry: CollectorRegistry) -> None:
-        """The job's view in ``registry`` (tfelastic_cluster_*), until :meth:`close`."""
-        self._collector = (registry, register_cluster_collector(registry, lambda: self._servicer.published))
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """``callback`` runs once the coordinator has stopped serving (e.g. to unregister its metrics)."""
+        self._closers.append(callback)
 
     async def hand_over(self, timeout: float) -> None:
         """Before stepping down on purpose (etcd): every change is written and the orders waiting for it go out;
@@ -92,10 +91,9 @@ class CoordinatorHost:
         await self._servicer.stop()
         self._servicer.close_sessions("the coordinator is shutting down")
         await self._server.stop(grace)
-        if self._collector is not None:
-            registry, collector = self._collector
-            registry.unregister(collector)
-            self._collector = None
+        closers, self._closers = self._closers, []
+        for callback in closers:
+            callback()
 
 
 async def create_server(

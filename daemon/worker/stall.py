@@ -1,38 +1,20 @@
-"""Hang detection: a trainer that reports no progress for longer than its limit is stalled.
+"""Hang detection: a trainer that reports no progress for longer than its limit is stalled (TensorFlow notices a
+dead or stopped peer, but not a live process that is stuck: docs/design.md, "Failures").
 
-TensorFlow notices a dead or stopped peer by itself, but not a trainer whose process is alive and stuck (a
-wedged input pipeline, a deadlock in user code): its heartbeat thread keeps running (FACTS 3). Only training
-progress tells.
+Invariants:
 
-The limit is learned by default (``--stall-timeout auto``). A report names what the trainer does now (a
-:class:`~tfelastic.trainer.progress.Phase`):
+* With a fixed limit (``--stall-timeout SECONDS``) every phase gets it, from the first report; ``off`` (0) never
+  stalls.
+* The learned limit (``auto``) is ``factor`` x the longest gap between training reports of the last hour, never
+  below ``floor``; it applies only to trainers that announce their long work (a
+  :class:`~tfelastic.trainer.progress.Phase` other than ``train``), past a worker's first two steps and
+  :data:`WARMUP_GAPS` gaps. Start-up, the first steps, saves and evaluations get ``allowance`` from the report
+  that announced them, and a gap that follows them is not learned. Gaps are kept across generations.
+* A worker of a job whose workers reported before is watched from its launch (a hang in start-up); one that never
+  reported is not watched.
+* Once the trainer reports that training completed, the check pauses until its next report.
 
-* ``train``, between two training steps: once :data:`WARMUP_GAPS` gaps after a training report have been
-  seen, and the worker is past its first two steps, the limit is ``factor`` (10) times the longest such gap of
-  the last hour (:data:`GAP_MEMORY_SECONDS`), and never below ``floor`` (20 s). A job whose steps take under a
-  second is caught in about 20 s. Gaps are learned across the agent's generations: a relaunched worker of the
-  same job steps as fast. (Reports come at most every 0.1 s, so a gap is a step or a few.)
-* ``setup`` (start-up, restore, building the model, an epoch's end and the next one's input pipeline), the
-  first two training steps (tracing, compiling), the warm-up, ``save`` (a checkpoint) and ``eval``
-  (evaluation, prediction): ``allowance`` (300 s, the old fixed default) from the report. A gap that follows
-  one of them is not learned: it holds the long work.
-* The learned limit is only for trainers that announce their long work: a job whose trainers never sent a
-  phase other than ``train`` (a custom loop that calls ``report(step)`` around its own saves) gets the
-  allowance throughout, as before issue 11. The library's callbacks, ``TrainLoop`` and the automatic
-  instrumentation announce it.
-* A worker of a job whose earlier workers reported is in ``setup`` from its launch: a hang in start-up (the
-  collective's first handshake, a restore) is caught too. A trainer that never reported is not checked,
-  since nothing says how long its steps take or whether it reports at all.
-
-``--stall-timeout SECONDS`` is a fixed limit for every phase instead (start-up excepted, as before: the clock
-starts at the first report); ``0`` turns hang detection off.
-
-Once the trainer reports that training completed, the check pauses until its next report: evaluation, export
-and teardown usually report nothing, and a restart there would redo them, or, where BackupAndRestore deleted its
-backup on success (tf_keras' default), the whole training. A trainer that reports during them (ProgressCallback
-in evaluate, TrainLoop.report_alive, another fit) is watched again.
-
-Pure: the reports and an injected clock in, the verdict out.
+Pure: the reports and an injected clock in, the verdict out. docs/instrumentation.md explains the phases.
 """
 
 from __future__ import annotations
@@ -40,11 +22,41 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from tfelastic.trainer.progress import Phase
 
 WARMUP_GAPS = 10  # training gaps seen before the learned limit applies
 GAP_MEMORY_SECONDS = 3600.0  # the longest gap of the last hour sets the limit (kept per minute)
+
+
+@dataclass(frozen=True)
+class StallTimeout:
+    """The ``--stall-timeout`` setting: ``auto`` (None) learns the limit, ``off`` (0) disables hang detection, a
+    number of seconds is a fixed limit."""
+
+    seconds: float | None = None
+    WORDS: ClassVar[tuple[str, str]] = ("auto", "off")
+
+    @classmethod
+    def parse(cls, text: str) -> StallTimeout:
+        if text == "auto":
+            return cls()
+        if text == "off":
+            return cls(0.0)
+        try:
+            return cls(float(text))
+        except ValueError:
+            raise ValueError(f"{text!r} is neither 'auto' nor a number of seconds (or 'off')") from None
+
+    def __str__(self) -> str:
+        return "auto" if self.seconds is None else "off" if self.seconds == 0 else f"{self.seconds:g}"
+
+    def limits(self, floor: float, allowance: float) -> StallLimits:
+        return StallLimits(self.seconds, floor=floor, allowance=allowance)
+
+
+STALL_AUTO = StallTimeout()
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tfelastic.daemon.config import OPTIONS, AgentConfig, from_values, load_toml, parse_nodes, read_token, validate
+from tfelastic.daemon.config import AgentConfig, from_values, parse_nodes, validate
+from tfelastic.daemon.config_file import load_toml
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.exit_codes import EX_CONFIG
-from tfelastic.daemon.worker.stall import StallLimits
+from tfelastic.daemon.options import OPTIONS
+from tfelastic.daemon.secret_file import read_token
+from tfelastic.daemon.worker.stall import STALL_AUTO, StallLimits, StallTimeout
 
 BASE = from_values({"command": ("python", "train.py"), "rendezvous": Endpoint("127.0.0.1", 29400),
                     "node_id": "node-a"})
@@ -133,8 +136,8 @@ def test_validate_returns_a_valid_config_unchanged() -> None:
     ({"worker_port": -1}, "--worker-port: -1 is out of range 0-65535"),
     ({"max_restarts": -1}, "--max-restarts: -1 must be 0 or more"),
     ({"restart_window": -1.0}, "--restart-window: -1.0 seconds must be 0 or more"),
-    ({"stall_timeout": -0.5}, "--stall-timeout: -0.5 seconds must be 0 or more"),
-    ({"stall_timeout": math.nan}, "--stall-timeout: nan seconds must be 0 or more"),
+    ({"stall_timeout": StallTimeout(-0.5)}, "--stall-timeout: -0.5 seconds must be 0 or more"),
+    ({"stall_timeout": StallTimeout(math.nan)}, "--stall-timeout: nan seconds must be 0 or more"),
     ({"stop_grace": -1.0}, "--stop-grace: -1.0 seconds must be 0 or more"),
     ({"last_call": -1.0}, "--last-call: -1.0 seconds must be 0 or more"),
     ({"settle": -1.0}, "--settle: -1.0 seconds must be 0 or more"),
@@ -155,7 +158,7 @@ def test_validate_errors_name_the_option(changes: dict[str, Any], message: str) 
 
 
 @pytest.mark.parametrize("changes", [
-    {"stall_timeout": 0.0}, {"worker_port": 0}, {"max_restarts": 0}, {"job": "mnist-v2_run.1"},
+    {"stall_timeout": StallTimeout(0.0)}, {"worker_port": 0}, {"max_restarts": 0}, {"job": "mnist-v2_run.1"},
     {"tls_cert": "c.pem", "tls_key": "k.pem"}, {"tls_ca": "ca.pem"}, {"log_level": "debug"},
 ])
 def test_validate_accepts_boundary_values(changes: dict[str, Any]) -> None:
@@ -165,7 +168,7 @@ def test_validate_accepts_boundary_values(changes: dict[str, Any]) -> None:
 
 def test_validate_in_a_file_names_the_file() -> None:
     with pytest.raises(ConfigError) as excinfo:
-        validate(BASE.replace(stall_timeout=-1.0), where="/etc/job.toml")
+        validate(BASE.replace(stall_timeout=StallTimeout(-1.0)), where="/etc/job.toml")
     assert str(excinfo.value) == "/etc/job.toml: job.stall_timeout: -1.0 seconds must be 0 or more"
 
 
@@ -242,7 +245,7 @@ def test_load_toml_maps_every_key_to_its_field(tmp_path: Path) -> None:
         env=(("A", "1"), ("NCCL_DEBUG", "WARN")),
         max_restarts=5,
         restart_window=600.0,
-        stall_timeout=120.5,
+        stall_timeout=StallTimeout(120.5),
         stop_grace=15.0,
         token_file="/etc/tfelastic/token",
         tls_cert="/etc/tls/cert.pem", tls_key="/etc/tls/key.pem", tls_ca="/etc/tls/ca.pem",
@@ -513,15 +516,15 @@ def test_quarantine_and_node_check_options_reach_the_coordinators_settings(tmp_p
                                       "--quarantine-cooldown-max", "120", "--no-node-probe", "--check-min-free-mb",
                                       "10", "--", "python", "train.py"])
     config = config_from_run_args(args, None)
-    settings = config.rendezvous_settings()
+    settings = config.rendezvous.settings()
     assert (settings.quarantine_after, settings.quarantine_window_seconds, settings.quarantine_cooldown_seconds,
             settings.quarantine_cooldown_max_seconds, settings.probe_nodes) == (3, 60.0, 30.0, 120.0, False)
     assert config.node.check_min_free_mb == 10
     defaults = load_toml(write(tmp_path, 'rendezvous.endpoint = "127.0.0.1:29400"\njob.command = ["python"]\n'))
-    assert defaults.rendezvous_settings().probe_nodes and defaults.rendezvous_settings().quarantine_after == 2
+    assert defaults.rendezvous.settings().probe_nodes and defaults.rendezvous.settings().quarantine_after == 2
     file = load_toml(write(tmp_path, 'rendezvous.endpoint = "127.0.0.1:29400"\njob.command = ["python"]\n'
                                      "rendezvous.node_probe = false\n", "probe.toml"))
-    assert not file.rendezvous_settings().probe_nodes
+    assert not file.rendezvous.settings().probe_nodes
 
 
 def test_a_quarantine_count_out_of_range_names_the_option() -> None:
@@ -540,14 +543,14 @@ def test_stall_timeout_auto_is_the_default_and_learns_in_flags_and_files(tmp_pat
         return config_from_run_args(args, None)
 
     default = run()
-    assert default.job.stall_timeout is None and default.stall_limits().fixed is None
+    assert default.job.stall_timeout == STALL_AUTO and default.stall_limits().fixed is None
     assert default.job_spec().stall_timeout_seconds == STALL_LEARNED  # the wire's "learned"
-    assert run("--stall-timeout", "auto").job.stall_timeout is None
+    assert run("--stall-timeout", "auto").job.stall_timeout == STALL_AUTO
     fixed = run("--stall-timeout", "90", "--stall-floor", "5", "--stall-allowance", "60")
     assert fixed.stall_limits() == StallLimits(fixed=90.0, floor=5.0, allowance=60.0)
     assert fixed.job_spec().stall_timeout_seconds == 90.0
     text = 'rendezvous.endpoint = "127.0.0.1:29400"\njob.command = ["python"]\njob.stall_timeout = "auto"\n'
-    assert load_toml(write(tmp_path, text)).job.stall_timeout is None
+    assert load_toml(write(tmp_path, text)).job.stall_timeout == STALL_AUTO
 
 
 @pytest.mark.parametrize(("text", "message"), [

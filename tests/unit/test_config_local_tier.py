@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 from tfelastic.daemon.cli import build_parser, config_from_run_args, main
-from tfelastic.daemon.config import AgentConfig, from_values, load_toml, validate
+from tfelastic.daemon.config import AgentConfig, from_values, validate
+from tfelastic.daemon.config_file import load_toml
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.preflight import local_tier_or_off

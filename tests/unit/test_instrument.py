@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from tfelastic.daemon.cli import build_parser, config_from_run_args
-from tfelastic.daemon.config import load_toml
+from tfelastic.daemon.config_file import load_toml
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.worker.instrument import instrumentation_env
 from tfelastic.trainer.instrument import ENABLE_ENV, OFF_VALUES, SITE_DIR

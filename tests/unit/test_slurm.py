@@ -10,10 +10,12 @@ from typing import Any
 
 import pytest
 from tfelastic.daemon.cli import build_parser, config_from_run_args
-from tfelastic.daemon.config import AgentConfig, default_of, from_values, load_toml
+from tfelastic.daemon.config import AgentConfig, from_values
+from tfelastic.daemon.config_file import load_toml
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.metrics.gpu import GpuCollector, visible_gpus
+from tfelastic.daemon.options import default_of
 from tfelastic.daemon.slurm import (
     PORT_BASE,
     SlurmError,
