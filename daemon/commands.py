@@ -96,7 +96,7 @@ def run_agent(config: AgentConfig, slurm: SlurmStep | None = None) -> int:
     if slurm is not None:
         logging.getLogger("tfelastic").info("%s", slurm.note)
     agent = Agent(config, token, metrics_token=scrape_token, etcd=etcd)
-    agent.on_exit_decided = lambda code, seconds: exit_within(seconds + EXIT_TEARDOWN_SECONDS, code, "exiting")
+    agent.hooks.exit_decided = lambda code, seconds: exit_within(seconds + EXIT_TEARDOWN_SECONDS, code, "exiting")
     return asyncio.run(_with_grpc_held(run_notifying(agent, notifier,
                                                      f"joining the rendezvous at {config.rendezvous.endpoint}")))
 

@@ -28,6 +28,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Protocol
 
 log = logging.getLogger("tfelastic.sdnotify")
@@ -63,10 +64,6 @@ class Notifier:
     @property
     def enabled(self) -> bool:
         return self._address is not None
-
-    @property
-    def is_ready(self) -> bool:
-        return self._ready
 
     def notify(self, *assignments: str) -> bool:
         """Sends one datagram of ``KEY=VALUE`` lines; True if it was sent. Never raises: systemd going away
@@ -157,11 +154,21 @@ def stderr_is_journal() -> bool:
     return False
 
 
+@dataclass
+class ServiceHooks:
+    """How the agent tells the service manager what it does: its status lines (STATUS=), that the coordinator has
+    taken it in (READY=1), and that its exit code is decided with what is left bounded by the seconds given (the
+    daemon arms its exit guard then: exit_guard.py)."""
+
+    status: Callable[[str], None] = lambda text: None
+    ready: Callable[[], None] = lambda: None
+    exit_decided: Callable[[int, float], object] = lambda code, seconds: None
+
+
 class Supervised(Protocol):
     """What :func:`run_notifying` needs of the agent (daemon/agent/agent.py)."""
 
-    on_status: Callable[[str], None]
-    on_ready: Callable[[], None]
+    hooks: ServiceHooks
 
     def control_loop_healthy(self, max_age: float) -> bool: ...
 
@@ -171,14 +178,14 @@ class Supervised(Protocol):
 async def run_notifying(agent: Supervised, notifier: Notifier, first_status: str) -> int:
     """Runs the agent with its systemd hooks: STATUS= from its status lines, READY=1 once the coordinator has
     taken it in, and the watchdog task on the agent's own loop."""
-    previous = agent.on_status
+    previous = agent.hooks.status
 
     def on_status(text: str) -> None:
         previous(text)
         notifier.status(text)
 
-    agent.on_status = on_status
-    agent.on_ready = notifier.ready
+    agent.hooks.status = on_status
+    agent.hooks.ready = notifier.ready
     notifier.status(first_status)
     if notifier.watchdog_seconds is not None:
         faulthandler.enable(all_threads=True)  # a watchdog kill (SIGABRT) leaves every thread's stack in the log

@@ -1,5 +1,5 @@
-"""The agent's contracts: the actions its core decides and the shell carries out, what the shell tells the core
-back about a stopped worker, and the agent's errors.
+"""The agent's contracts: what its core is built with, the actions it decides and the shell carries out, what the
+shell tells the core back about a stopped worker, and the agent's errors.
 
 The core (:mod:`tfelastic.daemon.agent.core`) is pure: each of its inputs returns a list of these actions, and
 the asyncio shell (:mod:`tfelastic.daemon.agent.agent`) performs them in order.
@@ -11,6 +11,43 @@ from dataclasses import dataclass
 
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.rendezvous import api
+from tfelastic.daemon.worker.stall import StallLimits
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What this agent says about itself in every Join."""
+
+    node_id: str
+    host: str  # where peers reach its trainer
+    spec: api.JobSpec
+    incarnation: str  # random per agent process: a reconnect replaces its stale session
+    worker_port: int = 0  # 0: a free port, picked anew for every Join
+
+
+@dataclass(frozen=True)
+class Timing:
+    heartbeat_interval: float
+    node_timeout: float
+    join_timeout: float
+    stall: StallLimits
+    stop_grace: float
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How this agent reaches its coordinator."""
+
+    coordinator: str  # the rendezvous endpoint, for messages
+    tls: bool = False
+    failover: bool = False  # etcd: a lost coordinator may be failing over; the worker runs on (agent/failover.py)
+
+
+@dataclass(frozen=True)
+class Leaving:
+    reason: str  # sent in the Leave
+    drained: bool  # an operator drained this node (else SIGTERM or SIGINT)
+
 
 
 @dataclass(frozen=True)
@@ -66,13 +103,27 @@ class RunNodeCheck:
 
 @dataclass(frozen=True)
 class ListenForProbe:
-    """Listen on the worker port until the coordinator answers the Join that follows, so that it can try to
-    reach this node there (the shell stops listening before it handles the answer)."""
+    """Listen on the worker port until the coordinator answers the checked Join, so that it can try to reach this
+    node there (the shell stops listening before it handles the answer). The shell answers with
+    ``probe_listening``, which returns the Join."""
 
     port: int
 
 
-Action = Send | Launch | Stop | HangUp | DropSession | Announce | RunNodeCheck | ListenForProbe
+@dataclass(frozen=True)
+class PrepareStandby:
+    """Build a standby interpreter for launches like this generation's (worker/warm.py)."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class StopRetrying:
+    """The agent is leaving: end the wait between attempts to reach the coordinator now."""
+
+
+Action = (Send | Launch | Stop | HangUp | DropSession | Announce | RunNodeCheck | ListenForProbe | PrepareStandby |
+          StopRetrying)
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ log = logging.getLogger("tfelastic.agent")
 class CoordinatorContact:
     """Sessions are numbered, so that what was meant for one (a Join after a stop) never reaches the next."""
 
-    def __init__(self, clock: Callable[[], float], *, heartbeat_interval: float, node_timeout: float,
-                 join_timeout: float, tls: bool) -> None:
+    def __init__(self, clock: Callable[[], float], coordinator: str, *, heartbeat_interval: float,
+                 node_timeout: float, join_timeout: float, tls: bool) -> None:
         self._clock = clock
+        self.coordinator = coordinator  # the rendezvous endpoint, for messages
         self.heartbeat_interval = heartbeat_interval
         # Fence one heartbeat before the coordinator's lease on us runs out, so that this node's worker is gone
         # before the others re-form without it.
@@ -39,11 +40,11 @@ class CoordinatorContact:
     def closed(self) -> None:
         self.open = False
 
-    def heard(self, coordinator: str) -> None:
+    def heard(self) -> None:
         self._heard_at = self.last_contact = self._clock()
         if self.outage:
             self.outage = False
-            log.info("reconnected to the coordinator at %s", coordinator)
+            log.info("reconnected to the coordinator at %s", self.coordinator)
 
     def silence(self) -> float | None:
         """Seconds without a message once they exceed the fence limit, else None."""
@@ -61,10 +62,10 @@ class CoordinatorContact:
         self._next_heartbeat = now + self.heartbeat_interval
         return True
 
-    def lost(self, coordinator: str, problem: str) -> str | None:
+    def lost(self, problem: str) -> str | None:
         """Records a lost session; returns a message to exit 78 with when TLS handshakes keep failing."""
         if not self.outage:  # once per outage, not once per retry
-            log.warning("lost the coordinator at %s: %s; retrying", coordinator, problem)
+            log.warning("lost the coordinator at %s: %s; retrying", self.coordinator, problem)
         self.outage = True
         return self._handshakes.failed(problem, self.last_contact)
 

@@ -1,112 +1,94 @@
 """The agent's decisions, as plain code over an injected clock: no sockets, no processes, no asyncio.
 
 Every input (a session opened or lost, a message from the coordinator, a worker that started, exited or was
-stopped, a progress report, a tick, a signal) is a method call that returns the :mod:`actions
-<tfelastic.daemon.agent.api>` to carry out: send a message, launch or stop the worker, hang up, drop the
-session, tell systemd. The asyncio shell (:mod:`tfelastic.daemon.agent.agent`) does the I/O and reports back.
+stopped, a progress report, a tick, a signal, what the shell read of the node) is a method call that returns the
+:mod:`actions <tfelastic.daemon.agent.api>` to carry out; the asyncio shell (:mod:`tfelastic.daemon.agent.agent`)
+does the I/O and reports back.
 
 The agent obeys the coordinator: it launches a worker on an Assignment, stops it on StopWorkers and joins again
 (the Join confirms that every process of the old worker is gone), and exits on JobFinished. It decides on its own
-only to fence itself: when the coordinator is silent for ``node_timeout - heartbeat_interval`` it drops the
-session and stops its worker, one heartbeat before the coordinator's lease on it runs out and the others
-re-form without it. A stall of its trainer it only reports: the coordinator decides the restart.
+only to fence itself (the coordinator silent for ``node_timeout - heartbeat_interval``: one heartbeat before the
+coordinator's lease on it runs out), when to build a standby, and how to leave. A stall of its trainer it only
+reports: the coordinator decides the restart.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
+import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from tfelastic.daemon.agent.api import (
     Action,
     Announce,
+    Connection,
     DropSession,
     HangUp,
+    Identity,
     Launch,
+    Leaving,
     ListenForProbe,
+    PrepareStandby,
     RunNodeCheck,
     Send,
     Stop,
     StopResult,
+    StopRetrying,
+    Timing,
 )
+from tfelastic.daemon.agent.check_ledger import NodeCheckLedger
 from tfelastic.daemon.agent.contact import CoordinatorContact
 from tfelastic.daemon.agent.failover import fence_reason
-from tfelastic.daemon.agent.progress_tracker import FailureTimes, ProgressTracker
-from tfelastic.daemon.exit_codes import CHECKPOINTED_AND_STOPPED, ExitCode
+from tfelastic.daemon.agent.progress_tracker import ProgressTracker
+from tfelastic.daemon.agent.standby_schedule import StandbySchedule
+from tfelastic.daemon.agent.trainer_watch import TrainerWatch
+from tfelastic.daemon.config import AgentConfig
+from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
+from tfelastic.daemon.netutil import free_port
 from tfelastic.daemon.rendezvous import api
-from tfelastic.daemon.worker.output import exception_line
-from tfelastic.daemon.worker.stall import StallDetector, StallLimits
 from tfelastic.daemon.worker.states import WorkerState, WorkerStateMachine
-from tfelastic.trainer.progress import Phase, ProgressMessage
+from tfelastic.trainer.progress import ProgressMessage
 
 log = logging.getLogger("tfelastic.agent")
 
 Clock = Callable[[], float]
 
 
-@dataclass(frozen=True)
-class Identity:
-    """What this agent says about itself in every Join."""
-
-    node_id: str
-    host: str  # where peers reach its trainer
-    spec: api.JobSpec
-    incarnation: str  # random per agent process: a reconnect replaces its stale session
-    worker_port: int = 0  # 0: a free port, picked anew for every Join
-    coordinator: str = ""  # the rendezvous endpoint, for messages
-
-
-@dataclass(frozen=True)
-class Timing:
-    heartbeat_interval: float
-    node_timeout: float
-    join_timeout: float
-    stall: StallLimits
-    stop_grace: float
-    tls: bool = False
-    failover: bool = False  # etcd: a lost coordinator may be failing over; the worker runs on (agent/failover.py)
-
-
-@dataclass(frozen=True)
-class Leaving:
-    reason: str  # sent in the Leave
-    drained: bool  # an operator drained this node (else SIGTERM or SIGINT)
-
-
 class AgentCore:
-    def __init__(self, identity: Identity, timing: Timing, metrics: AgentMetrics, clock: Clock,
-                 pick_port: Callable[[str], int]) -> None:
+    def __init__(self, identity: Identity, timing: Timing, connection: Connection, metrics: AgentMetrics,
+                 clock: Clock, pick_port: Callable[[str], int]) -> None:
         self.identity, self.timing = identity, timing
-        self._clock, self._metrics, self._pick_port = clock, metrics, pick_port
+        self._failover = connection.failover
+        self._metrics, self._pick_port = metrics, pick_port
         self.worker = WorkerStateMachine(on_change=metrics.set_worker_state)
         self.assignment: api.Assignment | None = None
         self.exit_code: ExitCode | None = None
         self.leaving: Leaving | None = None
-        self.signalled = False  # SIGTERM or SIGINT: nothing more to serve, not even a hosted coordinator
-        self.tracker = ProgressTracker(clock, metrics)
-        self._failures = FailureTimes(clock, metrics)
-        self._stall = StallDetector(timing.stall, clock)
+        self.trainer = TrainerWatch(timing.stall, timing.stop_grace, metrics, clock)
         metrics.stall_limit.set_function(self._stall_limit)
-        self._contact = CoordinatorContact(clock, heartbeat_interval=timing.heartbeat_interval,
+        self._contact = CoordinatorContact(clock, connection.coordinator, heartbeat_interval=timing.heartbeat_interval,
                                            node_timeout=timing.node_timeout, join_timeout=timing.join_timeout,
-                                           tls=timing.tls)
-        self._trainer_done = 0  # the generation whose trainer reported that training completed
+                                           tls=connection.tls)
+        self._checks = NodeCheckLedger()
+        self._standby = StandbySchedule(clock)
         self._rejoin_session: int | None = None  # the session to send a Join on once the stop is done
         self._stopping: tuple[bool, bool] = (False, False)  # the stop under way: (planned, it was running)
-        self._join_sent_at: float | None = None
-        self._ended: Send | None = None  # how this generation's worker ended, reported again after a failover
-        self._trainer = (0, 0)  # (generation, pid) of the running trainer, told again to a new coordinator
-        self.gpus: tuple[int, float] = (0, 0.0)  # the node's GPU count and mean utilization, for reports
-        self._check_owed = True  # the first Join of the process carries a node check; so does one asked for
-        self._check_result: str | None = None  # a check's result the coordinator has not answered yet ("": passed)
-        self._check_sent_on: int | None = None  # the session whose Join carries it
-        # The snapshot steps this node can restore, newest first, as the shell last read them (it reads them
-        # before each Join that may start a generation): every such Join carries them.
-        self.restorable: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, config: AgentConfig, host: str, failover: bool, metrics: AgentMetrics, clock: Clock) -> AgentCore:
+        """The core of an agent with this configuration, whose trainer peers reach at ``host``."""
+        rdzv, node = config.rendezvous, config.node
+        identity = Identity(node.id, host, config.job_spec(), uuid.uuid4().hex, node.worker_port)
+        timing = Timing(rdzv.heartbeat_interval, rdzv.node_timeout, rdzv.join_timeout, config.stall_limits(),
+                        node.stop_grace)
+        return cls(identity, timing, Connection(str(rdzv.endpoint), rdzv.tls.enabled, failover), metrics, clock,
+                   free_port)
+
+    @property
+    def tracker(self) -> ProgressTracker:
+        return self.trainer.tracker
 
     @property
     def winding_down(self) -> bool:
@@ -124,45 +106,75 @@ class AgentCore:
     @property
     def check_owed(self) -> bool:
         """The next Join must carry a node check that has not run yet: the shell runs it first."""
-        return self._check_owed and self._check_result is None
+        return self._checks.must_run
+
+    @property
+    def scans_snapshots_before_session(self) -> bool:
+        """The next session's Join may start a generation: the shell reads the restorable steps first (a Join
+        that attaches a running worker, with etcd, does not)."""
+        return not self.worker.state.has_live_worker
+
+    @property
+    def joins_after_check(self) -> bool:
+        """The node check under way ends in a Join on the open session: the shell reads the restorable steps
+        before it reports the check's result."""
+        return self._contact.open and self.worker.state is WorkerState.WAITING and not self.winding_down
+
+    @property
+    def restorable(self) -> tuple[int, ...]:
+        """The snapshot steps the next Join reports."""
+        return self.trainer.node.restorable
+
+    def describe(self) -> str:
+        """The worker's state and generation, for an operator's SIGUSR1."""
+        a = self.assignment
+        return (f"worker {self.worker.state.value}, generation {a.generation if a else '-'}"
+                f"{f' as rank {a.rank}' if a else ''}")
+
+    def node_read(self, *, gpus: tuple[int, float] | None = None, restorable: tuple[int, ...] | None = None) -> None:
+        """What the shell read of the node: its GPU count and mean utilization, the snapshot steps it can
+        restore (newest first)."""
+        node = self.trainer.node
+        if gpus is not None:
+            node.gpus, node.gpu_utilization = gpus
+        if restorable is not None:
+            node.restorable = restorable
 
     def node_checked(self, failure: str) -> list[Action]:
         """The node check ended (``failure``: what failed, "" if it passed). It goes out in a Join now, or on
         the next session."""
-        self._check_owed, self._check_result = False, failure
-        if failure:
-            log.error("node check failed: %s", failure)
-        if not self._contact.open or self.worker.state is not WorkerState.WAITING or self.winding_down:
+        self._checks.ran(failure)
+        if not self.joins_after_check:
             return []
         return self._checked_join()
 
     def _checked_join(self) -> list[Action]:
-        """The Join with the check's result. It stays owed until the coordinator answers that session: a Join on
-        a session that breaks first (the coordinator not up yet) is sent again on the next one."""
-        self._check_sent_on = self._contact.session
-        join = self._join(checked=True, failure=self._check_result or "")
-        return [ListenForProbe(join.node.worker_port), Send(join)]
+        """The shell listens for the coordinator's probe on the Join's port first (:meth:`probe_listening`)."""
+        join = self._join(checked=True)
+        self._checks.composed(join, self._contact.session)
+        return [ListenForProbe(join.node.worker_port)]
+
+    def probe_listening(self, problem: str) -> list[Action]:
+        """The shell listens for the probe, or ``problem`` says why it cannot: the checked Join goes out, with
+        that problem among its failures (the trainer could not bind the port either)."""
+        join = self._checks.listening(problem)
+        return [Send(join)] if join is not None and self._contact.open else []
 
     def session_opened(self) -> list[Action]:
         self._contact.opened()
-        attaching = self.timing.failover and self.assignment is not None and self.worker.state.has_live_worker
-        if self._check_result is not None and not attaching:
+        attaching = self._failover and self.assignment is not None and self.worker.state.has_live_worker
+        if self._checks.has_result and not attaching:
             return self._checked_join()
         join = self._join()
-        # A report the last coordinator may not have read (the worker ended while no coordinator answered).
-        unread = [self._ended] if join.attached_generation and self._ended is not None else []
-        # A coordinator that took the job over knows the members, not their trainers: tell it ours.
-        running = [self._report(api.WorkerStatus.RUNNING, pid=self._trainer[1])] \
-            if join.attached_generation and self.worker.state is WorkerState.RUNNING and \
-            self._trainer[0] == join.attached_generation else []
-        return [Send(join), *unread, *running]
+        if not join.attached_generation:
+            return [Send(join)]
+        running = self.worker.state is WorkerState.RUNNING
+        return [Send(join), *self.trainer.for_new_coordinator(join.attached_generation, running)]
 
     def received(self, message: api.CoordinatorMessage) -> list[Action]:
         """Any message on the session, heartbeats included: each renews the coordinator's lease."""
-        self._contact.heard(self.identity.coordinator)
-        if self._check_sent_on == self._contact.session and not isinstance(message, api.Heartbeat):
-            # The coordinator answered the checked Join; a heartbeat may have been on its way before it read it.
-            self._check_result = self._check_sent_on = None
+        self._contact.heard()
+        self._checks.answered(self._contact.session, message)
         if isinstance(message, api.Assignment):
             return [Announce("", ready=True), *self._assigned(message)]
         if isinstance(message, api.StopWorkers):
@@ -177,7 +189,7 @@ class AgentCore:
             if self.worker.state is not WorkerState.WAITING or self.winding_down:
                 return []
             log.info("checking this node: %s", message.reason)
-            self._check_owed = True
+            self._checks.asked()
             return [RunNodeCheck(message.reason)]
         if isinstance(message, api.Waiting):
             log.info("waiting: %d node(s) joined (min %d, max %d): %s", message.joined, message.min_nodes,
@@ -191,9 +203,9 @@ class AgentCore:
         silent = self._contact.silence()
         if silent is not None:
             return [DropSession(f"no message from the coordinator for {silent:.1f}s")]
-        actions = self._check_stall()
+        actions = self._check_stall() + self._standby_due()
         if self._contact.heartbeat_due():
-            actions.append(self._progress_report() or Send(api.Heartbeat()))
+            actions.append((self.trainer.progress_report() if self.assignment else None) or Send(api.Heartbeat()))
         return actions
 
     def session_ended(self, problem: str | None) -> list[Action]:
@@ -202,12 +214,12 @@ class AgentCore:
         self._contact.closed()
         if problem is not None:
             first = not self._contact.outage
-            tls_problem = self._contact.lost(self.identity.coordinator, problem)
+            tls_problem = self._contact.lost(problem)
             if tls_problem is not None:  # a certificate that cannot be verified does not fix itself
                 log.error("%s", tls_problem)
                 self.exit_code = ExitCode.CONFIG
             if first:
-                return [Announce(f"retrying the coordinator at {self.identity.coordinator} (unreachable: "
+                return [Announce(f"retrying the coordinator at {self._contact.coordinator} (unreachable: "
                                  f"{problem})"), *self._fence()]
         return self._fence()
 
@@ -216,7 +228,7 @@ class AgentCore:
         """Between sessions, with etcd: what etcd says (the job's generation, None if it did not answer; how long
         the current coordinator has been known) decides whether to fence (agent/failover.py)."""
         a = self.assignment
-        if not self.timing.failover or a is None or not self.worker.state.has_live_worker or self.winding_down:
+        if not self._failover or a is None or not self.worker.state.has_live_worker or self.winding_down:
             return []
         if self.worker.state is WorkerState.STOPPING:
             return []
@@ -248,14 +260,15 @@ class AgentCore:
             return ExitCode.SUCCEEDED
         if self._contact.gave_up():
             log.error("the coordinator at %s stayed unreachable for join_timeout=%gs; giving up",
-                      self.identity.coordinator, self.timing.join_timeout)
+                      self._contact.coordinator, self.timing.join_timeout)
             return ExitCode.FAILED
         return None
 
     # -------------------------------------------------------------------------------------------- worker
 
-    def worker_started(self, generation: int, pid: int) -> list[Action]:
+    def worker_started(self, generation: int, pid: int, *, warm: bool = False) -> list[Action]:
         a = self.assignment
+        self._metrics.launches.labels(start="warm" if warm else "cold").inc()
         if a is None or a.generation != generation:
             return []
         log.info("generation %d: started worker pid %d as rank %d of %d", generation, pid, a.rank, a.world_size)
@@ -265,44 +278,32 @@ class AgentCore:
         """The trainer itself (the keeper's child) is running: status shows its pid."""
         if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []
-        self._trainer = (generation, pid)
-        return [self._report(api.WorkerStatus.RUNNING, pid=pid)]
+        return [self.trainer.trainer_started(pid)]
 
     def launch_failed(self, generation: int, error: str) -> list[Action]:
         """The agent could not start the worker: a failure of this node's worker, reported as such."""
         if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []
         self.worker.to(WorkerState.FAILED)  # RUNNING -> FAILED
-        self._failures.worker_failed()
-        log.error("generation %d: cannot start the trainer: %s", generation, error)
-        return [self._ending(api.WorkerStatus.FAILED, detail=f"cannot start the trainer: {error}")]
+        return [self.trainer.launch_failed(error)]
 
     def worker_exited(self, generation: int, code: int, output: Sequence[str] = ()) -> list[Action]:
         """``output``: the trainer's last lines; the exception it died of goes into the report."""
         if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []  # we stopped it on purpose
-        if code == 0:
-            self.worker.to(WorkerState.SUCCEEDED)  # RUNNING -> SUCCEEDED
-            log.info("generation %d: trainer exited 0", generation)
-            return [self._ending(api.WorkerStatus.SUCCEEDED)]
-        self.worker.to(WorkerState.FAILED)  # RUNNING -> FAILED
-        self._failures.worker_failed()
-        detail = describe_exit(code)
-        if (exception := exception_line(output)) is not None:
-            detail = f"{detail}: {exception}"
-        log.warning("generation %d: trainer %s", generation, detail)
-        return [self._ending(api.WorkerStatus.FAILED, exit_code=code, detail=f"trainer {detail}")]
+        self.worker.to(WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED)  # RUNNING -> SUCCEEDED|FAILED
+        return [self.trainer.exited(code, list(output))]
 
     def worker_stopped(self, result: StopResult) -> list[Action]:
         """Every process of the worker is gone."""
         planned, was_running = self._stopping
         actions: list[Action] = []
         if planned and was_running:
-            self._count_graceful_stop(result)
-        if was_running and self._completed(result):
+            self.trainer.count_graceful_stop(result)
+        if was_running and self.trainer.completed(result):
             # It finished training while we stopped it: the coordinator must know (see rendezvous/state.py).
             log.info("the trainer completed (exit 0) while stopping")
-            actions.append(self._report(api.WorkerStatus.SUCCEEDED))
+            actions.append(self.trainer.report(api.WorkerStatus.SUCCEEDED))
         self.worker.to(WorkerState.STOPPED)  # STOPPING -> STOPPED
         return actions + self._after_stop()
 
@@ -315,24 +316,20 @@ class AgentCore:
         if not self._current(message.generation):
             return []  # a report from an older generation's worker
         if message.done:
-            self._trainer_done = message.generation
+            self.tracker.done = True
         if self.worker.state is not WorkerState.RUNNING:
             return []
-        first = self.tracker.latest is None
-        self._failures.progressed()
-        self._stall.progress(message.step, message.phase, training_done=message.done)
-        if first and _before_restore(message):
-            return []  # its step (a new process's 0) is not where the generation resumes, nor steps made
-        self.tracker.record(message)
-        # The first report of a generation goes out at once: where it resumed tells the coordinator what a
-        # restart cost (steps redone or lost), and status shows the new generation training.
-        return [self._report(api.WorkerStatus.RUNNING, pid=message.pid)] if first else []
+        self._standby.progressed(message.generation)
+        # The first report that counts goes out at once: where the generation resumed tells the coordinator what
+        # a restart cost (steps redone or lost), and status shows the new generation training.
+        first = [self.trainer.report(api.WorkerStatus.RUNNING, pid=message.pid)] \
+            if self.trainer.progressed(message) else []
+        return first + self._standby_due()
 
     # ------------------------------------------------------------------------------------- local requests
 
     def signal_received(self, signum: int) -> list[Action]:
-        """SIGTERM, SIGINT, SIGHUP or SIGQUIT: leave the job cleanly (a planned leave, not a failure)."""
-        self.signalled = True
+        """A signal to stop (agent.LEAVE_SIGNALS): leave the job cleanly (a planned leave, not a failure)."""
         return self._leave(f"agent stopped ({signal.Signals(signum).name})")
 
     # -------------------------------------------------------------------------------------------- orders
@@ -343,20 +340,16 @@ class AgentCore:
                         self.worker.state.value)
             return []
         self.assignment = assignment
-        self._ended = None
-        self._stall.reset()
-        self.tracker.new_generation()
+        self.trainer.launched(assignment.generation)
+        self._standby.launched(assignment.generation)
         self.worker.to(WorkerState.RUNNING)  # WAITING -> RUNNING: the shell launches it now
         self._metrics.new_generation(assignment.generation, assignment.rank, assignment.world_size)
-        if self._join_sent_at is not None:
-            self._metrics.rendezvous.observe(self._clock() - self._join_sent_at)
-            self._join_sent_at = None
         return [Launch(assignment)]
 
     def _stop_ordered(self, order: api.StopWorkers) -> list[Action]:
         reason = order.reason
         self._metrics.restarts.labels(reason=reason.value).inc()
-        self._failures.stop_ordered(after_failure=reason.counts_against_budget)
+        self.trainer.failures.stop_ordered(after_failure=reason.counts_against_budget)
         if not self._current(order.generation):
             mine = self.assignment.generation if self.assignment else None
             log.warning("ignored a stop order for generation %d: this node runs generation %s", order.generation,
@@ -377,10 +370,11 @@ class AgentCore:
         if self.leaving is not None:
             return []
         self.leaving = Leaving(reason, drained)
+        self._standby.cancel()
         if not self._contact.open:
-            return []  # between sessions: nobody to tell; the run loop ends
+            return [StopRetrying()]  # between sessions: nobody to tell; the run loop ends
         log.info("%s: leaving the rendezvous and stopping the worker", reason)
-        return [Announce("stopping: draining the worker"), Send(api.Leave(reason)),
+        return [StopRetrying(), Announce("stopping: draining the worker"), Send(api.Leave(reason)),
                 *self._stop("agent stopping", planned=True)]
 
     # ------------------------------------------------------------------------------------------ internals
@@ -389,7 +383,7 @@ class AgentCore:
         return self.assignment is not None and self.assignment.generation == generation
 
     def _fence(self) -> list[Action]:
-        if self.winding_down or self.timing.failover:  # with etcd, etcd_observed decides
+        if self.winding_down or self._failover:  # with etcd, etcd_observed decides
             return []
         return self._stop("fencing: the coordinator is unreachable", planned=False)
 
@@ -412,82 +406,32 @@ class AgentCore:
             return [Send(self._join())]
         return []
 
-    def _join(self, *, checked: bool = False, failure: str = "") -> api.Join:
+    def _join(self, *, checked: bool = False) -> api.Join:
         if self.worker.state in (WorkerState.INIT, WorkerState.STOPPED):
             self.worker.to(WorkerState.WAITING)  # INIT|STOPPED -> WAITING
         ident, a = self.identity, self.assignment
-        self._join_sent_at = self._clock()
-        if self.timing.failover and a is not None and self.worker.state.has_live_worker:
+        self.trainer.failures.joined()
+        if self._failover and a is not None and self.worker.state.has_live_worker:
             # Its worker runs on: a coordinator that took the job over keeps it, on the port it has.
             port = next(m.worker_port for m in a.members if m.node_id == ident.node_id)
             node = api.NodeInfo(ident.node_id, ident.host, port, ident.incarnation, a.generation, a.rank)
             return api.Join(node, ident.spec, a.restart_count, attached_generation=a.generation)
         port = ident.worker_port or self._pick_port(ident.host)
         node = api.NodeInfo(ident.node_id, ident.host, port, ident.incarnation, a.generation if a else 0,
-                            a.rank if a else -1, self.restorable)
-        return api.Join(node, ident.spec, a.restart_count if a else 0, checked=checked, check_failure=failure)
-
-    def _report(self, status: api.WorkerStatus, *, pid: int = 0, exit_code: int = 0, detail: str = "") -> Send:
-        assert self.assignment is not None
-        return Send(api.WorkerReport(self.assignment.generation, status, pid=pid, exit_code=exit_code,
-                                     detail=detail, progress=self.tracker.for_report(), gpus=self.gpus[0],
-                                     gpu_utilization=self.gpus[1]))
-
-    def _ending(self, status: api.WorkerStatus, *, exit_code: int = 0, detail: str = "") -> Send:
-        self._ended = self._report(status, exit_code=exit_code, detail=detail)
-        return self._ended
-
-    def _progress_report(self) -> Send | None:
-        latest = self.tracker.latest
-        if latest is None or not self.tracker.unsent() or self.assignment is None:
-            return None
-        return self._report(api.WorkerStatus.RUNNING, pid=latest.pid)
+                            a.rank if a else -1, self.trainer.node.restorable)
+        return api.Join(node, ident.spec, a.restart_count if a else 0, checked=checked)
 
     def _stall_limit(self) -> float:
-        return self._stall.limit_in_force() if self.worker.state is WorkerState.RUNNING else 0.0
+        return self.trainer.stall.limit_in_force() if self.worker.state is WorkerState.RUNNING else 0.0
 
     def _check_stall(self) -> list[Action]:
         if self.worker.state is not WorkerState.RUNNING:
             return []
-        silent = self._stall.newly_stalled()
-        if silent is None:
+        report = self.trainer.stalled()
+        return [report] if report is not None else []
+
+    def _standby_due(self) -> list[Action]:
+        generation = self._standby.due()
+        if generation is None or self.winding_down or not self._current(generation):
             return []
-        self._failures.worker_failed()
-        detail = f"no progress for {silent:.1f}s ({self._stall.explain()})"
-        log.warning("trainer stalled: %s", detail)
-        return [self._ending(api.WorkerStatus.STALLED, detail=detail)]
-
-    def _completed(self, result: StopResult) -> bool:
-        """An exit 0 is a completion if the trainer ended by itself, or told us it had completed; an exit 0
-        in answer to SIGTERM may just be a trainer that checkpointed and stopped."""
-        said_done = self.assignment is not None and self._trainer_done == self.assignment.generation
-        return result.returncode == 0 and (result.exited_before_stop or said_done)
-
-    def _count_graceful_stop(self, result: StopResult) -> None:
-        code = result.returncode
-        if code == CHECKPOINTED_AND_STOPPED:
-            latest = self.tracker.latest
-            log.info("the trainer checkpointed%s and stopped: no work lost",
-                     f" after step {latest.step}" if latest is not None else "")
-            outcome = "checkpointed"
-        elif code == -signal.SIGKILL and not result.exited_before_stop:
-            log.warning("the trainer did not stop within stop_grace=%gs and was killed: work since its last "
-                        "checkpoint is lost", self.timing.stop_grace)
-            outcome = "killed"
-        else:
-            outcome = "exited"
-        self._metrics.graceful_stops.labels(outcome=outcome).inc()
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _before_restore(message: ProgressMessage) -> bool:
-    """A report of start-up that names no restored step: the library's trainers send one before they restore (the
-    tier's restore reports the step it restored, and training reports come after it)."""
-    return message.phase is Phase.SETUP and message.restored_step is None and not message.done
+        return [PrepareStandby(generation)]

@@ -34,6 +34,17 @@ log = logging.getLogger("tfelastic.agent")
 RETRY_SECONDS = 0.5
 
 
+def placement_for(config: AgentConfig, host: str, token: str | None, etcd: EtcdCredentials | None,
+                  registry: CollectorRegistry) -> EmbeddedPlacement | EtcdPlacement:
+    """An etcd rendezvous makes this agent a candidate that serves on ``host`` when elected; a HOST:PORT one, the
+    coordinator's host when this node owns that address."""
+    rdzv = config.rendezvous
+    if rdzv.etcd is None:
+        return EmbeddedPlacement(config, token, registry)
+    return EtcdPlacement(config, rdzv.etcd, etcd or EtcdCredentials(), Endpoint(host, rdzv.coordinator_port), token,
+                         registry)
+
+
 def _setup(config: AgentConfig, token: str | None) -> CoordinatorSetup:
     """The coordinator this agent serves when it hosts or leads the job."""
     return CoordinatorSetup.of(config.node.id, config.rendezvous, config.node.failure_stop_grace, token)
@@ -171,6 +182,23 @@ class EtcdPlacement:
         """An attached session broke: its coordinator's key may linger a TTL, and while etcd names it, no
         coordinator counts as known. (A coordinator never attached to stays known: rule 3 of failover.py.)"""
         self._lost = self._tried
+
+    async def observe_within(self, patience: float) -> tuple[int | None, float | None, bool]:
+        """:meth:`observe`, or nothing if etcd does not answer before this node must decide whether to fence."""
+        try:
+            return await asyncio.wait_for(self.observe(), patience)
+        except asyncio.TimeoutError:
+            return None, self.known_for(), True
+
+    async def another_leader(self, endpoint: Endpoint) -> Endpoint:
+        """Returns once etcd names a coordinator other than ``endpoint``: one cut off from etcd but not from this
+        agent is no longer the job's (its successor's take-over keeps our worker)."""
+        while True:
+            await self.changed.wait()
+            self.changed.clear()
+            leader = self.named()
+            if leader is not None and leader != endpoint:
+                return leader
 
     def known_for(self) -> float | None:
         """Seconds since etcd named the coordinator that leads now; None while none, or the lost one."""

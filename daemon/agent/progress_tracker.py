@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous.api import WorkerProgress
-from tfelastic.trainer.progress import ProgressMessage
+from tfelastic.trainer.progress import Phase, ProgressMessage
 
 Clock = Callable[[], float]
 STEPS_WINDOW_SECONDS = 30.0
@@ -30,12 +30,14 @@ class ProgressTracker:
         self._latest_at = 0.0
         self._checkpoint_at: float | None = None
         self._sent: ProgressMessage | None = None
+        self.done = False  # the trainer reported that training completed
 
     def new_generation(self) -> None:
         """A new worker starts: nothing it reports has come in yet."""
         self._recent.clear()
         self._latest = self._sent = None
         self._checkpoint_at = None  # until it reports one: the last one may have been another generation's
+        self.done = False
 
     @property
     def latest(self) -> ProgressMessage | None:
@@ -79,13 +81,23 @@ class ProgressTracker:
 
 
 class FailureTimes:
-    """Feeds the detection and recovery histograms: from this node's worker failing (an exit, a stall) to the
-    coordinator's stop order, and from a stop order after a failure to the first progress after it."""
+    """Feeds the detection, recovery and rendezvous histograms: from this node's worker failing (an exit, a stall)
+    to the coordinator's stop order, from a stop order after a failure to the first progress after it, and from a
+    Join to the assignment that answers it."""
 
     def __init__(self, clock: Clock, metrics: AgentMetrics) -> None:
         self._clock, self._metrics = clock, metrics
         self._failed_at: float | None = None
         self._recovering_since: float | None = None
+        self._joined_at: float | None = None
+
+    def joined(self) -> None:
+        self._joined_at = self._clock()
+
+    def assigned(self) -> None:
+        if self._joined_at is not None:
+            self._metrics.rendezvous.observe(self._clock() - self._joined_at)
+            self._joined_at = None
 
     def worker_failed(self) -> None:
         self._failed_at = self._clock()
@@ -102,3 +114,9 @@ class FailureTimes:
         if self._recovering_since is not None:
             self._metrics.recovery.observe(self._clock() - self._recovering_since)
             self._recovering_since = None
+
+
+def before_restore(message: ProgressMessage) -> bool:
+    """A report of start-up that names no restored step: the library's trainers send one before they restore (the
+    tier's restore reports the step it restored, and training reports come after it)."""
+    return message.phase is Phase.SETUP and message.restored_step is None and not message.done

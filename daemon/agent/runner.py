@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from typing import Any, Protocol
 
 from tfelastic.daemon.agent.api import StopResult
+from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.rendezvous.api import Assignment
 from tfelastic.daemon.worker.instrument import instrumentation_env
 from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
@@ -210,6 +211,17 @@ class WorkerRunner:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("worker task failed", exc_info=task.exception())
+
+
+def worker_spec(config: AgentConfig, assignment: Assignment, progress_socket: str,
+                local_checkpoint_dir: str | None) -> WorkerSpec:
+    """How this node launches the assignment's trainer."""
+    job = config.job
+    env = trainer_env(agent_environment(job.env), assignment, job=job.name, node_id=config.node.id,
+                      backup_dir=config.resolved_backup_dir(), progress_socket=progress_socket,
+                      instrument=job.instrument, local_checkpoint_dir=local_checkpoint_dir)
+    return WorkerSpec(job.command, env, job.workdir or None, f"[rank {assignment.rank}]",
+                      config.node.failure_stop_grace)
 
 
 def trainer_env(base: Mapping[str, str], assignment: Assignment, *, job: str, node_id: str, backup_dir: str,

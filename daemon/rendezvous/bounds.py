@@ -9,6 +9,7 @@ the configuration). :func:`validate_join` and :func:`check_message` apply them t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ DIGEST_BYTES = 32  # SHA-256 of the trainer command
 NODE_ID_RULE = f"1-{MAX_NAME_CHARS} letters, digits, '.', '_', ':', '@' or '-', starting with a letter or digit"
 JOB_NAME_RULE = f"non-empty letters, digits, '-', '_' or '.' (at most {MAX_NAME_CHARS})"
 _NODE_ID = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:@-]{{0,{MAX_NAME_CHARS - 1}}}")
-_TIMINGS = ("restart_window_seconds", "stall_timeout_seconds", "heartbeat_interval_seconds", "node_timeout_seconds")
+_TIMINGS = tuple(f.name for f in dataclasses.fields(api.JobSpec) if f.name.endswith("_seconds"))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
-"""What a failed trainer's last lines of output say about why it failed. Pure."""
+"""How a trainer ended, in words: its exit code, and what its last lines of output say about why it failed. Pure."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
 from collections.abc import Iterable
 
 # The last line of a Python traceback: "ZeroDivisionError: float division by zero", "tf.errors.OpError: ...".
@@ -20,3 +22,11 @@ def exception_line(lines: Iterable[str]) -> str | None:
         if _EXCEPTION.match(line.strip()) and not line.startswith((" ", "\t")):
             found = line.strip()
     return found
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -10,16 +10,21 @@ from prometheus_client import CollectorRegistry
 from tfelastic.daemon.agent.api import (
     Action,
     Announce,
+    Connection,
     DropSession,
     HangUp,
+    Identity,
     Launch,
     ListenForProbe,
+    PrepareStandby,
     RunNodeCheck,
     Send,
     Stop,
     StopResult,
+    StopRetrying,
+    Timing,
 )
-from tfelastic.daemon.agent.core import AgentCore, Identity, Timing
+from tfelastic.daemon.agent.core import AgentCore
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
@@ -39,10 +44,10 @@ class Harness:
                  stall: StallLimits = FIXED_STALL) -> None:
         self.clock = FakeClock(100.0)
         self.registry = CollectorRegistry()
-        identity = Identity("n1", "10.0.0.1", SPEC, "incarnation-1", coordinator="head:29400")
-        timing = Timing(HEARTBEAT, NODE_TIMEOUT, join_timeout, stall, stop_grace=10.0, failover=failover)
-        self.core = AgentCore(identity, timing, AgentMetrics(self.registry, "job", "n1"), self.clock,
-                              pick_port=lambda host: 5555)
+        identity = Identity("n1", "10.0.0.1", SPEC, "incarnation-1")
+        timing = Timing(HEARTBEAT, NODE_TIMEOUT, join_timeout, stall, stop_grace=10.0)
+        self.core = AgentCore(identity, timing, Connection("head:29400", failover=failover),
+                              AgentMetrics(self.registry, "job", "n1"), self.clock, pick_port=lambda host: 5555)
 
     def running(self, generation: int = 1, rank: int = 0) -> None:
         """Session open, assignment received, worker started."""
@@ -378,7 +383,6 @@ def test_a_drain_is_a_leave_that_says_so() -> None:
     actions = h.core.received(api.DrainNode("maintenance"))
     assert sent(actions) == [api.Leave("drained: maintenance")]
     assert h.core.leaving is not None and h.core.leaving.drained
-    assert h.core.signalled is False  # a drained node hosting the coordinator keeps serving it
 
 
 def test_a_leave_with_no_worker_hangs_up_at_once() -> None:
@@ -389,8 +393,9 @@ def test_a_leave_with_no_worker_hangs_up_at_once() -> None:
 
 def test_a_leave_between_sessions_ends_the_agent() -> None:
     h = Harness()
-    assert h.core.signal_received(signal.SIGTERM) == []
+    assert h.core.signal_received(signal.SIGTERM) == [StopRetrying()]  # nobody to tell: the wait ends now
     assert h.core.verdict() is ExitCode.SUCCEEDED
+    assert h.core.signal_received(signal.SIGTERM) == []  # once
 
 
 def test_the_job_finished_ends_the_agent_with_its_verdict() -> None:
@@ -588,9 +593,10 @@ def test_the_first_join_carries_the_node_check_and_listens_for_the_coordinators_
     assert h.core.check_owed
     assert h.core.node_checked("") == []  # no session yet: it goes out with the first Join
     assert not h.core.check_owed
-    actions = h.core.session_opened()
-    assert actions == [ListenForProbe(5555), Send(api.Join(
+    assert h.core.session_opened() == [ListenForProbe(5555)]
+    assert h.core.probe_listening("") == [Send(api.Join(
         api.NodeInfo("n1", "10.0.0.1", 5555, "incarnation-1"), SPEC, checked=True))]
+    assert h.core.probe_listening("") == []  # that Join went out
     h.core.received(api.Heartbeat())  # on its way before the coordinator read the Join: not an answer
     h.core.received(api.Waiting(1, 1, 2, "waiting for the round to close"))  # answered
     h.core.session_ended("lost")
@@ -600,10 +606,11 @@ def test_the_first_join_carries_the_node_check_and_listens_for_the_coordinators_
 def test_a_checked_join_on_a_session_that_breaks_before_an_answer_is_sent_again() -> None:
     h = Harness()
     h.core.node_checked("")
-    assert joins(h.core.session_opened())[0].checked
+    assert h.core.session_opened() == [ListenForProbe(5555)]
+    assert joins(h.core.probe_listening(""))[0].checked
     h.core.session_ended("UNAVAILABLE: Connection refused")  # the coordinator was not up yet
-    actions = h.core.session_opened()
-    assert actions[0] == ListenForProbe(5555) and joins(actions)[0].checked
+    assert h.core.session_opened() == [ListenForProbe(5555)]
+    assert joins(h.core.probe_listening(""))[0].checked
     h.core.received(api.Waiting(1, 1, 2, "waiting for the round to close"))  # answered
     h.core.session_ended("lost")
     assert not joins(h.core.session_opened())[0].checked
@@ -612,9 +619,24 @@ def test_a_checked_join_on_a_session_that_breaks_before_an_answer_is_sent_again(
 def test_a_failed_check_goes_out_with_the_join(caplog: pytest.LogCaptureFixture) -> None:
     h = Harness()
     h.core.node_checked("backup dir /backup is not writable: Read-only file system")
-    [join] = joins(h.core.session_opened())
+    h.core.session_opened()
+    [join] = joins(h.core.probe_listening(""))
     assert (join.checked, join.check_failure) == (True, "backup dir /backup is not writable: Read-only file system")
     assert "node check failed: backup dir /backup is not writable" in caplog.text
+
+
+def test_a_worker_port_it_cannot_listen_on_fails_the_check_in_the_join(caplog: pytest.LogCaptureFixture) -> None:
+    """The trainer could not bind it either: the Join names both failures, the check's and the port's."""
+    h = Harness()
+    h.core.node_checked("no space left")
+    h.core.session_opened()
+    [join] = joins(h.core.probe_listening("cannot listen on the worker port 5555: Address already in use"))
+    assert join.check_failure == "no space left; cannot listen on the worker port 5555: Address already in use"
+    assert "node check failed: cannot listen on the worker port 5555" in caplog.text
+    h.core.received(api.CheckNode("readmitted by an operator"))
+    h.core.node_checked("")
+    [join] = joins(h.core.probe_listening(""))  # a later check that listens: passed
+    assert (join.checked, join.check_failure) == (True, "")
 
 
 def test_a_quarantined_node_asked_for_a_check_runs_it_and_joins_again_with_its_result() -> None:
@@ -624,9 +646,8 @@ def test_a_quarantined_node_asked_for_a_check_runs_it_and_joins_again_with_its_r
     assert h.core.received(api.Waiting(1, 1, 2, "quarantined for 600s more: ...")) != []
     assert h.core.received(api.CheckNode("the quarantine's cooldown is over")) == [
         RunNodeCheck("the quarantine's cooldown is over")]
-    actions = h.core.node_checked("")
-    assert actions[0] == ListenForProbe(5555)
-    assert [(j.checked, j.check_failure) for j in joins(actions)] == [(True, "")]
+    assert h.core.node_checked("") == [ListenForProbe(5555)]
+    assert [(j.checked, j.check_failure) for j in joins(h.core.probe_listening(""))] == [(True, "")]
 
 
 def test_a_check_order_is_ignored_while_a_worker_runs() -> None:
@@ -657,3 +678,105 @@ def test_a_trainer_that_announces_no_restore_resumes_at_its_first_training_repor
     h.core.progress(ProgressMessage(1, 4001, step=0, phase=Phase.SETUP))
     [report] = reports(h.core.progress(ProgressMessage(1, 4001, step=301)))
     assert report.progress is not None and report.progress.step == 301
+
+
+# -------------------------------------------------------------------------------------------- the standby
+
+
+def standbys(actions: list[Action]) -> list[PrepareStandby]:
+    return [a for a in actions if isinstance(a, PrepareStandby)]
+
+
+def tick(h: Harness) -> list[Action]:
+    """A tick on a session that hears its coordinator's heartbeats."""
+    h.core.received(api.Heartbeat())
+    return h.core.tick()
+
+
+def test_the_standby_is_built_ten_seconds_after_the_first_progress_report() -> None:
+    """Not while the trainer starts up and compiles its first steps: the two would compete for the CPU."""
+    h = Harness()
+    h.running()
+    h.clock.now += 5.0
+    assert standbys(h.core.progress(ProgressMessage(1, 4001, step=1))) == []
+    h.clock.now += 9.9
+    assert standbys(tick(h)) == []
+    h.clock.now += 0.1
+    assert standbys(tick(h)) == [PrepareStandby(1)]
+    h.clock.now += 60.0
+    assert standbys(tick(h) + h.core.progress(ProgressMessage(1, 4001, step=50))) == []  # once
+
+
+def test_a_trainer_that_never_reports_gets_its_standby_forty_seconds_after_its_launch() -> None:
+    h = Harness()
+    h.running()
+    h.clock.now += 39.9
+    assert standbys(tick(h)) == []
+    h.clock.now += 0.1
+    assert standbys(tick(h)) == [PrepareStandby(1)]
+
+
+def test_a_report_that_comes_due_builds_the_standby_without_waiting_for_a_tick() -> None:
+    h = Harness()
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=1))
+    h.clock.now += 10.0
+    assert standbys(h.core.progress(ProgressMessage(1, 4001, step=20))) == [PrepareStandby(1)]
+
+
+def test_a_new_generation_schedules_its_own_standby_and_a_leaving_agent_none() -> None:
+    h = Harness()
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=1))
+    h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    h.core.worker_stopped(StopResult(-9, False))
+    h.clock.now += 5.0
+    h.running(generation=2)
+    h.clock.now += 5.0
+    assert standbys(tick(h)) == []  # generation 1's was due now; generation 2 has not reported yet
+    h.clock.now += 35.0
+    assert standbys(tick(h)) == [PrepareStandby(2)]
+    h = Harness()
+    h.running()
+    h.core.signal_received(signal.SIGTERM)
+    h.clock.now += 40.0
+    assert standbys(tick(h)) == []
+    h = Harness()
+    h.running()
+    h.core.received(api.Finished(api.JobState.SUCCEEDED, "every member's trainer exited 0"))
+    h.clock.now += 40.0
+    assert standbys(h.core.progress(ProgressMessage(1, 4001, step=1))) == []  # the job is over
+
+
+# ------------------------------------------------------------------------------------- what the shell reads
+
+
+def test_reports_carry_the_gpu_summary_the_shell_read_last() -> None:
+    h = Harness()
+    h.running()
+    h.core.node_read(gpus=(8, 73.5))
+    [report] = reports(h.core.trainer_pid(1, 4343))
+    assert (report.gpus, report.gpu_utilization) == (8, 73.5)
+
+
+def test_the_shell_reads_the_restorable_steps_before_each_join_that_may_start_a_generation() -> None:
+    h = Harness()
+    assert h.core.scans_snapshots_before_session  # no worker: the first Join may start one
+    h.running()
+    assert not h.core.scans_snapshots_before_session  # (etcd) the Join attaches the running worker
+    assert not h.core.joins_after_check  # a check now would not end in a Join: the worker runs
+    h.core.worker_exited(1, 1)
+    h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    assert h.core.rejoins_after_stop
+    h.core.worker_stopped(StopResult(1, True))
+    assert h.core.joins_after_check  # waiting on an open session: a check's result goes out at once
+
+
+def test_a_launch_counts_as_warm_or_cold() -> None:
+    h = Harness()
+    h.core.session_opened()
+    h.core.received(assignment(1))
+    h.core.worker_started(1, 4001, warm=True)
+    h.core.worker_started(2, 4002)  # a launch the core no longer expects is counted all the same
+    assert h.metric("tfelastic_worker_launches_total", start="warm") == 1.0
+    assert h.metric("tfelastic_worker_launches_total", start="cold") == 1.0

@@ -70,7 +70,7 @@ def test_a_hung_read_reports_no_step_and_is_not_started_again_while_it_hangs(
     agent = make_agent(tmp_path)
 
     async def joins() -> None:
-        agent.core.restorable = (5,)
+        agent.core.node_read(restorable=(5,))
         await agent._read_restorable_steps()
         assert restorable(agent) == ()  # not the old steps: they may have been pruned since
         await agent._read_restorable_steps()  # the first still hangs: no second thread
@@ -92,7 +92,7 @@ def test_a_failing_read_reports_no_step(tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(snapshots, "restorable_steps", broken)
     agent = make_agent(tmp_path)
-    agent.core.restorable = (5,)
+    agent.core.node_read(restorable=(5,))
     asyncio.run(agent._read_restorable_steps())
     assert restorable(agent) == ()
 
@@ -101,14 +101,14 @@ def test_after_a_success_the_nodes_tier_goes_and_the_jobs_directory_once_empty(t
     make_snapshot(tmp_path / "shm" / "mnist" / "a" / "fit", 30)
     make_snapshot(tmp_path / "shm" / "other-job" / "a" / "fit", 30)
     agent = make_agent(tmp_path)
-    agent._snapshots.remove_local_tier()
+    agent._node.snapshots.remove_local_tier()
     assert not (tmp_path / "shm" / "mnist").exists()
     assert (tmp_path / "shm" / "other-job" / "a" / "fit").is_dir()  # another job's: untouched
-    agent._snapshots.remove_local_tier()  # nothing left: nothing to do
+    agent._node.snapshots.remove_local_tier()  # nothing left: nothing to do
 
 
 def test_the_jobs_directory_stays_while_another_node_on_this_host_has_a_tier_there(tmp_path: Path) -> None:
     make_snapshot(tmp_path / "shm" / "mnist" / "a" / "fit", 30)
     make_snapshot(tmp_path / "shm" / "mnist" / "b" / "fit", 30)
-    make_agent(tmp_path)._snapshots.remove_local_tier()
+    make_agent(tmp_path)._node.snapshots.remove_local_tier()
     assert sorted(p.name for p in (tmp_path / "shm" / "mnist").iterdir()) == ["b"]

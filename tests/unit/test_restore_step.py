@@ -11,8 +11,8 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 from prometheus_client import CollectorRegistry
-from tfelastic.daemon.agent.api import Send, StopResult
-from tfelastic.daemon.agent.core import AgentCore, Identity, Timing
+from tfelastic.daemon.agent.api import Connection, Identity, Send, StopResult, Timing
+from tfelastic.daemon.agent.core import AgentCore
 from tfelastic.daemon.agent.runner import trainer_env
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api, bounds, convert
@@ -206,10 +206,10 @@ def test_out_of_range_restorable_steps_are_refused(steps: list[int], named: str)
 
 
 def core() -> AgentCore:
-    identity = Identity("n1", "10.0.0.1", SPEC, "incarnation-1", coordinator="head:29400")
+    identity = Identity("n1", "10.0.0.1", SPEC, "incarnation-1")
     timing = Timing(0.5, 2.0, 600.0, StallLimits(fixed=10.0), stop_grace=10.0)
-    return AgentCore(identity, timing, AgentMetrics(CollectorRegistry(), "mnist", "n1"), FakeClock(100.0),
-                     pick_port=lambda host: 5555)
+    return AgentCore(identity, timing, Connection("head:29400"), AgentMetrics(CollectorRegistry(), "mnist", "n1"),
+                     FakeClock(100.0), pick_port=lambda host: 5555)
 
 
 def joins(actions: Sequence[object]) -> list[api.Join]:
@@ -218,7 +218,7 @@ def joins(actions: Sequence[object]) -> list[api.Join]:
 
 def test_every_join_carries_the_steps_the_shell_read_last() -> None:
     c = core()
-    c.restorable = (40, 30)
+    c.node_read(restorable=(40, 30))
     [first] = joins(c.session_opened())
     assert first.node.restorable_steps == (40, 30)
     members = (Member("n1", 0, "10.0.0.1", 5555),)
@@ -227,7 +227,7 @@ def test_every_join_carries_the_steps_the_shell_read_last() -> None:
     assert not c.rejoins_after_stop
     c.received(api.StopWorkers(1, RestartReason.WORKER_EXIT))
     assert c.rejoins_after_stop  # the shell reads the steps again before it reports the stop done
-    c.restorable = (50, 40, 30)
+    c.node_read(restorable=(50, 40, 30))
     [rejoin] = joins(c.worker_stopped(StopResult(-15, False)))
     assert rejoin.node.restorable_steps == (50, 40, 30)
     assert not c.rejoins_after_stop

@@ -1,0 +1,139 @@
+"""What the agent knows of its current trainer, and the reports it makes of it (pure): its progress
+(:class:`ProgressTracker`), hang detection (:class:`StallDetector`), the failure timings, its pid, how the worker
+ended (told again to a coordinator that takes the job over), and the node's GPU summary that every report
+carries. The core decides when a report goes out; this module composes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tfelastic.daemon.agent.api import Send, StopResult
+from tfelastic.daemon.agent.progress_tracker import FailureTimes, ProgressTracker, before_restore
+from tfelastic.daemon.exit_codes import CHECKPOINTED_AND_STOPPED
+from tfelastic.daemon.metrics.agent import AgentMetrics
+from tfelastic.daemon.rendezvous import api
+from tfelastic.daemon.worker.output import describe_exit, exception_line
+from tfelastic.daemon.worker.stall import StallDetector, StallLimits
+from tfelastic.trainer.progress import ProgressMessage
+
+log = logging.getLogger("tfelastic.agent")
+
+
+@dataclass
+class NodeReadings:
+    """What the shell last read of this node, for the messages that carry it."""
+
+    gpus: int = 0
+    gpu_utilization: float = 0.0
+    # The snapshot steps this node can restore, newest first, read before each Join that may start a generation.
+    restorable: tuple[int, ...] = ()
+
+
+class TrainerWatch:
+    def __init__(self, limits: StallLimits, stop_grace: float, metrics: AgentMetrics,
+                 clock: Callable[[], float]) -> None:
+        self._metrics, self._stop_grace = metrics, stop_grace
+        self.tracker = ProgressTracker(clock, metrics)
+        self.failures = FailureTimes(clock, metrics)
+        self.stall = StallDetector(limits, clock)
+        self.node = NodeReadings()
+        self.ended: Send | None = None  # how this generation's worker ended, reported again after a failover
+        self._generation = 0
+        self._pid = 0  # the running trainer's, told again to a new coordinator
+
+    def launched(self, generation: int) -> None:
+        """A new worker starts: nothing it reports has come in yet."""
+        self._generation, self._pid, self.ended = generation, 0, None
+        self.stall.reset()
+        self.tracker.new_generation()
+        self.failures.assigned()
+
+    def trainer_started(self, pid: int) -> Send:
+        self._pid = pid
+        return self.report(api.WorkerStatus.RUNNING, pid=pid)
+
+    def report(self, status: api.WorkerStatus, *, pid: int = 0, exit_code: int = 0, detail: str = "") -> Send:
+        return Send(api.WorkerReport(self._generation, status, pid=pid, exit_code=exit_code, detail=detail,
+                                     progress=self.tracker.for_report(), gpus=self.node.gpus,
+                                     gpu_utilization=self.node.gpu_utilization))
+
+    def progress_report(self) -> Send | None:
+        """The latest progress, if the coordinator has not seen it yet."""
+        latest = self.tracker.latest
+        if latest is None or not self.tracker.unsent():
+            return None
+        return self.report(api.WorkerStatus.RUNNING, pid=latest.pid)
+
+    def for_new_coordinator(self, generation: int, running: bool) -> list[Send]:
+        """What a coordinator that took the job over cannot know: how the worker ended, if it did while no
+        coordinator answered, and the trainer of a worker that runs."""
+        unread = [self.ended] if self.ended is not None else []
+        trainer = [self.report(api.WorkerStatus.RUNNING, pid=self._pid)] \
+            if running and self._pid and generation == self._generation else []
+        return unread + trainer
+
+    def progressed(self, message: ProgressMessage) -> bool:
+        """A report of the running worker's; True when it is the first that counts (where the generation
+        resumed: it goes to the coordinator at once)."""
+        first = self.tracker.latest is None
+        self.failures.progressed()
+        self.stall.progress(message.step, message.phase, training_done=message.done)
+        if first and before_restore(message):
+            return False  # its step (a new process's 0) is neither where it resumed nor steps made
+        self.tracker.record(message)
+        return first
+
+    def exited(self, code: int, output: tuple[str, ...] | list[str]) -> Send:
+        """The worker ended by itself: the report of its end."""
+        if code == 0:
+            log.info("generation %d: trainer exited 0", self._generation)
+            return self.ending(api.WorkerStatus.SUCCEEDED)
+        self.failures.worker_failed()
+        detail = describe_exit(code)
+        if (exception := exception_line(output)) is not None:
+            detail = f"{detail}: {exception}"
+        log.warning("generation %d: trainer %s", self._generation, detail)
+        return self.ending(api.WorkerStatus.FAILED, exit_code=code, detail=f"trainer {detail}")
+
+    def launch_failed(self, error: str) -> Send:
+        self.failures.worker_failed()
+        log.error("generation %d: cannot start the trainer: %s", self._generation, error)
+        return self.ending(api.WorkerStatus.FAILED, detail=f"cannot start the trainer: {error}")
+
+    def stalled(self) -> Send | None:
+        """The stall report, the first time the running trainer is silent for longer than its limit."""
+        silent = self.stall.newly_stalled()
+        if silent is None:
+            return None
+        self.failures.worker_failed()
+        detail = f"no progress for {silent:.1f}s ({self.stall.explain()})"
+        log.warning("trainer stalled: %s", detail)
+        return self.ending(api.WorkerStatus.STALLED, detail=detail)
+
+    def ending(self, status: api.WorkerStatus, *, exit_code: int = 0, detail: str = "") -> Send:
+        self.ended = self.report(status, exit_code=exit_code, detail=detail)
+        return self.ended
+
+    def completed(self, result: StopResult) -> bool:
+        """An exit 0 is a completion if the trainer ended by itself, or told us it had completed; an exit 0
+        in answer to SIGTERM may just be a trainer that checkpointed and stopped."""
+        return result.returncode == 0 and (result.exited_before_stop or self.tracker.done)
+
+    def count_graceful_stop(self, result: StopResult) -> None:
+        code = result.returncode
+        if code == CHECKPOINTED_AND_STOPPED:
+            latest = self.tracker.latest
+            log.info("the trainer checkpointed%s and stopped: no work lost",
+                     f" after step {latest.step}" if latest is not None else "")
+            outcome = "checkpointed"
+        elif code == -signal.SIGKILL and not result.exited_before_stop:
+            log.warning("the trainer did not stop within stop_grace=%gs and was killed: work since its last "
+                        "checkpoint is lost", self._stop_grace)
+            outcome = "killed"
+        else:
+            outcome = "exited"
+        self._metrics.graceful_stops.labels(outcome=outcome).inc()
