@@ -53,12 +53,14 @@ def test_a_launch_failure_is_reported_as_such_with_backoff(make_cluster: Cluster
     a failure of the worker, named, with a growing delay between attempts; not a lost node every 0.2 s."""
     workdir = tmp_path / "work"
     workdir.mkdir()
+    # The chief fails at step 60 (3 s in): several heartbeats after both ranks report step 2, so that status sees
+    # generation 1 running before it fails (at step 10 the failure came within one heartbeat of the start).
     cluster = make_cluster(TRAINER, extra_args=[*FAST, "--max-restarts", "3", "--workdir", str(workdir)],
-                           env={"COUNTER_STEPS": "400", "COUNTER_FAIL_AT": "10"})
+                           env={"COUNTER_STEPS": "400", "COUNTER_FAIL_AT": "60"})
     cluster.start_host("a")
     cluster.start("b")
     cluster.wait_running(1, 2, step=2)
-    shutil.rmtree(workdir)  # the chief fails at step 10; no relaunch finds its working directory
+    shutil.rmtree(workdir)  # no relaunch after the chief's failure finds its working directory
     codes = cluster.wait_all(90)
     logs = cluster.logs()
     assert codes == [1, 1], logs
