@@ -10,6 +10,7 @@ import psutil
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from tfelastic.daemon.worker.process import process_tree
 
 
 class HostCollector(Collector):
@@ -54,9 +55,9 @@ class HostCollector(Collector):
 
 
 def _tree(pid: int) -> list[psutil.Process]:
+    """The worker's processes for its metrics: none where they cannot be read."""
     try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
+        return process_tree(pid)
     except psutil.Error:
         return []
 

@@ -98,11 +98,11 @@ class WorkerProcess:
             await asyncio.to_thread(_kill_until_gone, self.pid, [])
             await self._proc.wait()
             return
-        tree = _tree(self.pid)
+        tree = process_tree(self.pid)
         _signal_group(self.pid, signal.SIGTERM)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._proc.wait()), grace_seconds)
-        tree += _tree(self.pid)  # anything forked during the grace period
+        tree += process_tree(self.pid)  # anything forked during the grace period
         await asyncio.to_thread(_kill_until_gone, self.pid, tree)
         await self._proc.wait()
         self._output.cancel()
@@ -121,7 +121,8 @@ class WorkerProcess:
             log.info("%s %s", self.log_prefix, text)
 
 
-def _tree(root: int) -> list[psutil.Process]:
+def process_tree(root: int) -> list[psutil.Process]:
+    """``root`` and its descendants, [] once ``root`` is gone. Other errors (AccessDenied) are the caller's."""
     try:
         process = psutil.Process(root)
         return [process, *process.children(recursive=True)]

@@ -212,13 +212,3 @@ def _write_all_and_close(fd: int, data: bytes) -> None:
             view = view[written:]
     finally:
         os.close(fd)
-
-
-async def start_standby(spec: WorkerSpec) -> Standby | None:
-    """A standby for launches like ``spec``, or None if its command cannot start warm."""
-    key = StandbyKey.of(spec)
-    if key is None:
-        return None
-    return await Standby.start(key, spec)
-
-

@@ -571,3 +571,16 @@ def test_a_bad_stall_timeout_flag_exits_78_naming_the_value(capsys: pytest.Captu
         build_parser().parse_args(["run", "--stall-timeout", "soon", "--", "python"])
     assert excinfo.value.code == 78
     assert "'soon' is neither 'auto' nor a number of seconds" in capsys.readouterr().err
+
+
+def test_stall_timeout_off_disables_hang_detection_in_flags_and_files(tmp_path: Path) -> None:
+    from tfelastic.daemon.cli import build_parser, config_from_run_args
+
+    args = build_parser().parse_args(["run", "--rendezvous", "127.0.0.1:29400", "--stall-timeout", "off", "--",
+                                      "python"])
+    flags = config_from_run_args(args, None)
+    text = 'rendezvous.endpoint = "127.0.0.1:29400"\njob.command = ["python"]\njob.stall_timeout = "off"\n'
+    for config in (flags, load_toml(write(tmp_path, text))):
+        assert config.stall_limits() == StallLimits(fixed=0.0)  # a fixed limit of 0: never stalled
+        assert config.job_spec().stall_timeout_seconds == 0.0
+        assert str(config.job.stall_timeout) == "off"
