@@ -280,8 +280,7 @@ def validate(config: AgentConfig, where: str = "") -> AgentConfig:
     _check_timing(config.rendezvous, opt)
     for problem in bounds.spec_problems(config.job_spec()):  # what the coordinator would refuse
         raise ConfigError(f"{opt(_option_of_spec_field(problem.field))}: {problem.text}")
-    _check_metrics(config.metrics, opt)
-    _check_connection(config.rendezvous, opt)
+    _check_serving(config, opt)
     return config
 
 
@@ -290,9 +289,14 @@ def validate_coordinator(config: CoordinatorConfig) -> CoordinatorConfig:
     _check_node_id(config.name, label)
     _check_options(_options_of(COORDINATOR), config.value, label)
     _check_timing(config.rendezvous, label)
-    _check_metrics(config.metrics, label)
-    _check_connection(config.rendezvous, label)
+    _check_serving(config, label)
     return config
+
+
+def _check_serving(config: AgentConfig | CoordinatorConfig, opt: Label) -> None:
+    """What an agent and a coordinator check alike after the values: /metrics, TLS and etcd."""
+    _check_metrics(config.metrics, opt)
+    _check_connection(config.rendezvous, opt)
 
 
 def validate_operator(config: OperatorConfig) -> OperatorConfig:
