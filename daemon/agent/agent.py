@@ -153,7 +153,7 @@ class Agent:
     async def _session_once(self, endpoint: Endpoint) -> None:
         rdzv = self.config.rendezvous
         if self.core.scans_snapshots_before_session:
-            await self._read_restorable_steps()
+            await self._before_join()
         async with open_session(endpoint, rdzv.tls, self._token, self._clock,
                                 hang_up_grace=rdzv.node_timeout) as session:
             self._session = session
@@ -185,7 +185,7 @@ class Agent:
         self.hooks.status("checking this node")
         failure = await self._node.check()
         if self._session is not None and self.core.joins_after_check:
-            await self._read_restorable_steps()
+            await self._before_join()
         self._apply(self.core.node_checked(failure))
 
     async def _leave_a_deposed_coordinator(self, placement: EtcdPlacement, endpoint: Endpoint) -> None:
@@ -274,14 +274,17 @@ class Agent:
     async def _before_stopped(self) -> None:
         """The old worker is gone: what it left is what the Join after the stop reports."""
         if self.core.rejoins_after_stop:
-            await self._read_restorable_steps()
+            await self._before_join()
 
     def _on_progress(self, message: ProgressMessage) -> None:
         self._apply(self.core.progress(message))
 
-    async def _read_restorable_steps(self) -> None:
-        """What the next Join reports: the snapshot steps this node can restore (snapshot_scan.py)."""
+    async def _before_join(self) -> None:
+        """Before a Join that may start a generation: the snapshot steps this node can restore (snapshot_scan.py),
+        and a fixed worker port free of the old trainer."""
         self.core.node_read(restorable=await self._node.snapshots.restorable())
+        if (port := self.core.port_to_free) is not None:
+            await self._node.wait_port_free(port)
 
     # ----------------------------------------------------------------------------------- around the job
 

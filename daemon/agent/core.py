@@ -121,6 +121,12 @@ class AgentCore:
         return self._contact.open and self.worker.state is WorkerState.WAITING and not self.winding_down
 
     @property
+    def port_to_free(self) -> int | None:
+        """A fixed worker port, which the next generation's trainer binds again: the shell waits until the old
+        trainer has let it go before a Join that may start a generation (a fresh port per Join is free)."""
+        return self.identity.worker_port or None
+
+    @property
     def restorable(self) -> tuple[int, ...]:
         """The snapshot steps the next Join reports."""
         return self.trainer.node.restorable

@@ -15,6 +15,11 @@ after training, as tf_keras' BackupAndRestore does on success, then a failure),
 COUNTER_BAD_WHILE (a path: while it exists, this rank, whatever its rank, exits 1 after COUNTER_STEP_SECONDS with
 a "bad GPU" error, every time: a bad node; set it for one agent only).
 
+COUNTER_HOLD_PORT_MB (N: bind this rank's own TF_CONFIG port as TensorFlow's server does, and hold N MB of
+touched memory and a few threads, so that a killed trainer takes a while to let the port go, as a real one does;
+a port still held makes it exit 1 with the bind error, as TensorFlow's server does); COUNTER_IGNORE_TERM=1 (trains on
+through SIGTERM, as a MultiWorkerMirroredStrategy worker does once its coordination service runs: a stop kills it).
+
 COUNTER_SAVE_EVERY (the chief saves its step file every N steps, default 1) and COUNTER_CHECKPOINT_ON_TERM=1 (on
 SIGTERM the chief saves the step it reached, each rank records a "checkpointed" event and exits 42,
 CHECKPOINTED_AND_STOPPED: a trainer that loses no step on a planned stop; set before the start event is written).
@@ -29,7 +34,9 @@ agents promise there is none (FACTS 4).
 import json
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 
 import psutil
@@ -72,6 +79,26 @@ def _recorded_older(events: str | None, generation: int) -> list[int]:
     return found
 
 
+def hold_port(megabytes: int) -> tuple[socket.socket, list[bytearray]] | None:
+    """Binds this rank's worker port, like tf.distribute.Server; raises OSError if it is held."""
+    if not megabytes:
+        return None
+    config = json.loads(os.environ["TF_CONFIG"])
+    task = config["task"]
+    port = int(config["cluster"][task["type"]][task["index"]].rpartition(":")[2])
+    server = socket.socket(socket.AF_INET6)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listeners do
+    server.bind(("::", port))
+    server.listen()
+    held = [bytearray(1 << 20) for _ in range(megabytes)]
+    for block in held:
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+    for _ in range(8):
+        threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+    return server, held
+
+
 def once(backup: str, name: str) -> bool:
     """True the first time it is called for ``name`` in this job."""
     try:
@@ -82,6 +109,12 @@ def once(backup: str, name: str) -> bool:
 
 
 def main() -> int:
+    try:  # first, as a warm-started TensorFlow trainer binds its server before anything else
+        held = hold_port(int(os.environ.get("COUNTER_HOLD_PORT_MB", "0")))  # noqa: F841 (until the process ends)
+    except OSError as e:
+        bind_failed = str(e)
+    else:
+        bind_failed = ""
     backup = os.environ["TFELASTIC_BACKUP_DIR"]
     rank = int(os.environ["TFELASTIC_RANK"])
     os.makedirs(backup, exist_ok=True)
@@ -111,12 +144,18 @@ def main() -> int:
     recorded = [name for name in os.environ.get("COUNTER_RECORD_ENV", "").split(",") if name]
     event("start", tf_config=os.environ["TF_CONFIG"], legacy_keras=os.environ.get("TF_USE_LEGACY_KERAS"),
           stale=stale_workers(backup, generation, events), env={name: os.environ.get(name) for name in recorded})
+    if bind_failed:
+        event("bind_failed", error=bind_failed)
+        print(f"RuntimeError: Could not start gRPC server: {bind_failed}", file=sys.stderr)
+        return 1
     bad_while = os.environ.get("COUNTER_BAD_WHILE")
     if bad_while and os.path.exists(bad_while):
         time.sleep(pause)
         event("bad")
         print("RuntimeError: CUDA error: an illegal memory access was encountered (a bad GPU)", file=sys.stderr)
         return 1
+    if os.environ.get("COUNTER_IGNORE_TERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if os.environ.get("COUNTER_EXIT_ON_TERM"):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     hang_at = int(os.environ.get("COUNTER_HANG_AT", "-1"))
