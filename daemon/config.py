@@ -294,9 +294,36 @@ def validate_coordinator(config: CoordinatorConfig) -> CoordinatorConfig:
 
 
 def _check_serving(config: AgentConfig | CoordinatorConfig, opt: Label) -> None:
-    """What an agent and a coordinator check alike after the values: /metrics, TLS and etcd."""
+    """What an agent and a coordinator check alike after the values: their ports, /metrics, TLS and etcd."""
+    _check_ports(config, opt)
     _check_metrics(config.metrics, opt)
     _check_connection(config.rendezvous, opt)
+
+
+def _check_ports(config: AgentConfig | CoordinatorConfig, opt: Label) -> None:
+    """One port per listener of this process: a metrics server on the rendezvous port would answer the agents
+    that dial their coordinator there, forever."""
+    rdzv = config.rendezvous
+    ports: dict[str, int | None] = {}
+    if isinstance(config, CoordinatorConfig):
+        ports["listen"] = config.listen.port
+    elif isinstance(rdzv.endpoint, Endpoint):
+        ports["rendezvous"] = rdzv.endpoint.port
+    ports |= {"coordinator_port": rdzv.coordinator_port, "metrics_port": config.metrics.port}
+    if isinstance(config, AgentConfig):
+        ports["worker_port"] = config.node.worker_port
+
+    def name_of(option: str) -> str:
+        return "--listen" if option == "listen" else opt(option)
+
+    seen: dict[int, str] = {}
+    for option, port in ports.items():
+        if port and port in seen:
+            other = name_of(seen[port]).rpartition(": ")[2]  # a file's path is named once
+            raise ConfigError(f"{name_of(option)}: port {port} is also {other}'s; give each listener of this "
+                              "process its own port")
+        if port:
+            seen[port] = option
 
 
 def validate_operator(config: OperatorConfig) -> OperatorConfig:

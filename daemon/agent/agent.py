@@ -100,10 +100,13 @@ class Agent:
             loop.add_signal_handler(sig, self._on_user_signal, sig)
         self._listener = ProgressListener(self._on_progress)
         self._listener.start()
-        self._serve_metrics()
-        self._spawn(self._watch_gpus())
         code = int(ExitCode.FAILED)  # unless the job or the rendezvous says otherwise
         try:
+            # The coordinator's port first: /metrics on a free port (0) could otherwise be given the very port
+            # this agent is about to host the rendezvous on, and every agent would dial /metrics forever.
+            await self._placement.host_if_owner()
+            self._serve_metrics()
+            self._spawn(self._watch_gpus())
             await self._placement.start()
             code = int(await self._run_sessions())
         except FatalSessionError as e:

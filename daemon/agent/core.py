@@ -424,7 +424,7 @@ class AgentCore:
             return api.Join(node, ident.spec, a.restart_count, attached_generation=a.generation)
         port = ident.worker_port or self._pick_port(ident.host)
         node = api.NodeInfo(ident.node_id, ident.host, port, ident.incarnation, a.generation if a else 0,
-                            a.rank if a else -1, self.trainer.node.restorable)
+                            a.rank if a else -1, self.trainer.node.restorable, a.world_size if a else 0)
         return api.Join(node, ident.spec, a.restart_count if a else 0, checked=checked)
 
     def _stall_limit(self) -> float:

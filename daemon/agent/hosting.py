@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import psutil
 from prometheus_client import CollectorRegistry
 from tfelastic.daemon.aio import first_of
 from tfelastic.daemon.endpoint import Endpoint
@@ -21,10 +22,27 @@ from tfelastic.daemon.serving import CoordinatorSetup, start_coordinator
 log = logging.getLogger("tfelastic.agent")
 
 
+def listener_of(port: int) -> str | None:
+    """``pid N (its command line)`` of the process that listens on TCP ``port`` here, if it can be read."""
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return None
+    for c in connections:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+            try:
+                command = " ".join(psutil.Process(c.pid).cmdline())[:200]
+            except psutil.Error:
+                command = "?"
+            return f"pid {c.pid} ({command})"
+    return None
+
+
 class EmbeddedCoordinator:
     def __init__(self, setup: CoordinatorSetup, endpoint: Endpoint, registry: CollectorRegistry) -> None:
         self._setup, self._endpoint, self._registry = setup, endpoint, registry
         self.host: CoordinatorHost | None = None
+        self._named_holder = ""  # the foreign program on the port, once named
 
     async def try_hosting(self) -> None:
         if self.host is not None or not is_local_address(self._endpoint.host):
@@ -32,8 +50,19 @@ class EmbeddedCoordinator:
         try:
             self.host = await start_coordinator(self._setup, str(self._endpoint), self._registry)
         except BindError:
-            return  # another agent on this host hosts it
+            self._name_a_foreign_holder()  # normally another agent on this host hosts it
+            return
         log.info("hosting the coordinator on %s", self._endpoint)
+
+    def _name_a_foreign_holder(self) -> None:
+        """Says once which program holds the rendezvous port, when it is not one of ours: the agents would
+        otherwise only see that nothing answers there in gRPC."""
+        holder = listener_of(self._endpoint.port)
+        if holder is None or "tfelastic" in holder or holder == self._named_holder:
+            return
+        self._named_holder = holder
+        log.error("the rendezvous port %d of this host is held by %s, which is not a tfelastic agent or "
+                  "coordinator: stop it, or give --rendezvous a port that is free", self._endpoint.port, holder)
 
     async def serve_after_drain(self, signalled: asyncio.Event) -> None:
         """A drained node that hosts the coordinator keeps serving it: the other nodes still need it. It stops

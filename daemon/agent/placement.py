@@ -69,6 +69,10 @@ class EmbeddedPlacement:
     def host(self) -> CoordinatorHost | None:
         return self._hosting.host
 
+    async def host_if_owner(self) -> None:
+        """Hosts the coordinator now if this node owns its address (before any other listener of the agent)."""
+        await self._hosting.try_hosting()
+
     async def start(self) -> None:
         pass
 
@@ -119,6 +123,10 @@ class EtcdPlacement:
     @property
     def host(self) -> CoordinatorHost | None:
         return self._candidate.host
+
+    async def host_if_owner(self) -> None:
+        """Nothing to bind now: an elected term's port is picked when it is won, below the range the kernel gives
+        out for port 0 (netutil.free_port)."""
 
     async def start(self) -> None:
         """Reaches etcd first: wrong credentials or a certificate it refuses end the agent (exit 78) before

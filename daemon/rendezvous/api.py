@@ -103,6 +103,7 @@ class NodeInfo:
     last_rank: int = -1  # its rank there
     # Steps of complete snapshots the node can restore (trainer/snapshots.py), newest first, as of this Join.
     restorable_steps: tuple[int, ...] = ()
+    last_world_size: int = 0  # how many members last_generation had
 
 
 @dataclass(frozen=True)

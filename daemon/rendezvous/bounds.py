@@ -113,6 +113,8 @@ def validate_join(join: pb.Join) -> None:
         problems.append(f"restart_count {join.restart_count} is out of range")
     if not -1 <= join.last_rank < MAX_NODES:
         problems.append(f"last_rank {join.last_rank} is out of range -1..{MAX_NODES - 1}")
+    if not 0 <= join.last_world_size <= MAX_NODES:
+        problems.append(f"last_world_size {join.last_world_size} is out of range 0..{MAX_NODES}")
     if len(join.check_failure) > MAX_DETAIL_CHARS:
         problems.append(f"check_failure has {len(join.check_failure)} characters, more than {MAX_DETAIL_CHARS}")
     if len(join.restorable_steps) > MAX_RESTORABLE_STEPS:

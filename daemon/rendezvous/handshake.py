@@ -1,5 +1,6 @@
-"""TLS handshake failures, in words an operator can act on, and when an agent stops retrying them. Pure: text and
-an injected clock in, decisions out."""
+"""Connection failures that retrying does not fix (a TLS handshake that fails, an address where something other
+than a tfelastic coordinator listens), in words an operator can act on, and when an agent stops retrying them.
+Pure: text and an injected clock in, decisions out."""
 
 from __future__ import annotations
 
@@ -40,13 +41,31 @@ def handshake_problem(error: str, tls_enabled: bool) -> str | None:
     return None
 
 
-class HandshakeFailures:
-    """Decides when an agent stops retrying a coordinator that it cannot complete a TLS handshake with.
+# What gRPC says when the peer at the address does not speak HTTP/2: an HTTP/1 server answers with its own
+# framing ("Failed parsing HTTP/2 ... Expected SETTINGS frame"), a silent one lets the client time out waiting
+# for the server's SETTINGS frame.
+_NOT_HTTP2 = re.compile(r"SETTINGS frame|Failed parsing HTTP/2", re.IGNORECASE)
 
-    A certificate that cannot be verified does not fix itself, so waiting out join_timeout (10 minutes by
-    default) only hides the problem. After min(TLS_GIVE_UP_SECONDS, join_timeout) with no message from the
-    coordinator and nothing but handshake failures, the agent gives up as on a wrong token (exit 78). Until
-    then it logs the diagnosis at once and every 10 s, and keeps retrying: a certificate may be mid-rotation.
+
+def foreign_listener_problem(error: str) -> str | None:
+    """What a failed connection says about the program at the coordinator's address, if it is not a gRPC server;
+    None otherwise."""
+    if not _NOT_HTTP2.search(error):
+        return None
+    return ("something that is not a tfelastic coordinator listens at the rendezvous address (it does not speak "
+            "gRPC): another program, or an agent's /metrics given the rendezvous port; stop it, or give "
+            "--rendezvous a port that is free")
+
+
+class HandshakeFailures:
+    """Decides when an agent stops retrying a coordinator that it cannot complete a TLS handshake with, or whose
+    address something else holds.
+
+    A certificate that cannot be verified, or a foreign program on the port, does not fix itself, so waiting out
+    join_timeout (10 minutes by default) only hides the problem. After min(TLS_GIVE_UP_SECONDS, join_timeout)
+    with no message from the coordinator and nothing but such failures, the agent gives up as on a wrong token
+    (exit 78). Until then it logs the diagnosis at once and every 10 s, and keeps retrying: a certificate may be
+    mid-rotation, a program may be on its way out.
     Any other kind of failure (the coordinator is down) leaves the decision to join_timeout.
     """
 
@@ -59,15 +78,18 @@ class HandshakeFailures:
 
     def failed(self, error: str, last_contact: float) -> str | None:
         """Records one lost session; returns the message to exit with, or None to retry."""
-        problem = handshake_problem(error, self._tls)
+        what, problem = "TLS problem with the coordinator", handshake_problem(error, self._tls)
+        if problem is None:
+            what, problem = "not a coordinator", foreign_listener_problem(error)
         if problem is None:
             self._other_failure_after = last_contact
             return None
         now = self._clock()
         if self._logged_at is None or self._logged_at < last_contact or now - self._logged_at >= _TLS_HINT_EVERY:
-            log.error("TLS problem with the coordinator: %s", problem)
+            log.error("%s: %s", what, problem)
             self._logged_at = now
         if self._other_failure_after != last_contact and now - last_contact >= self._give_up_after:
-            return (f"giving up after {self._give_up_after:g}s of failed TLS handshakes with the coordinator: "
-                    f"{problem}")
+            failures = "failed TLS handshakes with the coordinator" if what.startswith("TLS") else \
+                "failed connections to the rendezvous address"
+            return f"giving up after {self._give_up_after:g}s of {failures}: {problem}"
         return None

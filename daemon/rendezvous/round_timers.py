@@ -53,3 +53,39 @@ class RoundTimers:
             else:
                 deadlines.append(self._opened_at + self._settings.join_timeout_seconds)
         return deadlines
+
+
+class Reformation:
+    """What the Joins say of the generation that ran before this coordinator, for one that starts without the job's
+    state (no etcd: a restarted coordinator, another agent of the node taking the address over). The round after
+    it is a re-formation, not a first formation: it closes once every member of that generation is back, or
+    ``node_timeout`` after the first of them came back (a member not back by then is taken as lost), instead of
+    waiting the last call for max_nodes. Only until this coordinator forms a generation of its own."""
+
+    def __init__(self, node_timeout: float) -> None:
+        self._node_timeout = node_timeout
+        self.generation = 0
+        self._world_size = 0
+        self._ranks_back: set[int] = set()
+        self._first_back_at: float | None = None
+
+    def joined(self, generation: int, rank: int, world_size: int, now: float) -> None:
+        """A Join from a member of ``generation`` (its rank there, and that generation's size)."""
+        if generation <= 0 or world_size <= 0 or not 0 <= rank < world_size or generation < self.generation:
+            return
+        if generation > self.generation:
+            self.generation, self._world_size, self._ranks_back, self._first_back_at = generation, world_size, \
+                set(), now
+        self._ranks_back.add(rank)
+
+    def closes(self, now: float) -> bool:
+        if self._first_back_at is None:
+            return False
+        return len(self._ranks_back) >= self._world_size or now - self._first_back_at >= self._node_timeout
+
+    def deadline(self) -> float | None:
+        return None if self._first_back_at is None else self._first_back_at + self._node_timeout
+
+    def done(self) -> None:
+        """This coordinator formed a generation: the next rounds are its own."""
+        self._first_back_at = None

@@ -59,7 +59,7 @@ from tfelastic.daemon.rendezvous.durable import DurableState
 from tfelastic.daemon.rendezvous.membership import Membership, Node
 from tfelastic.daemon.rendezvous.quarantine import COOLDOWN_OVER, QuarantineBook
 from tfelastic.daemon.rendezvous.restarts import RestartBook
-from tfelastic.daemon.rendezvous.round_timers import RoundTimers
+from tfelastic.daemon.rendezvous.round_timers import Reformation, RoundTimers
 from tfelastic.daemon.rendezvous.snapshot import cluster_snapshot
 
 log = logging.getLogger("tfelastic.coordinator")
@@ -93,6 +93,7 @@ class Rendezvous:
         self._members: list[str] = []  # node ids of the current generation, in rank order
         self._ranks: dict[str, int] = {}  # the same, as node id -> rank
         self._timers = RoundTimers(settings, clock())
+        self._reformation = Reformation(settings.node_timeout_seconds)  # a coordinator that starts without state
         self._chief_succeeded = False  # the chief of the current generation exited 0
         self.restore_step: int | None = None  # the snapshot step the current generation restored
         self._seen_generation = 0  # the newest generation any joining agent took part in
@@ -139,6 +140,8 @@ class Rendezvous:
             raise ProtocolError(f"node {info.node_id!r} joined again while {existing.state.value}")
         # A coordinator that was restarted continues the numbering; only a new round may change the generation.
         self._seen_generation = max(self._seen_generation, info.last_generation)
+        if not self._members:
+            self._reformation.joined(info.last_generation, info.last_rank, info.last_world_size, now)
         self.restarts.continue_from(restart_count)
         self.nodes.add(info.node_id, Node(info, NodeState.WAITING, now, now))
         self.drained.discard(info.node_id)
@@ -356,7 +359,10 @@ class Rendezvous:
         armed. O(1) in the nodes (O(quarantined nodes) besides): the server asks after every message."""
         deadlines = [d for d in (self.nodes.lease_deadline, self.restarts.not_before,
                                  self.quarantine.next_deadline()) if d is not None]
-        deadlines += self._timers.deadlines(round_open=self.spec is not None and self.state is JobState.WAITING)
+        round_open = self.spec is not None and self.state is JobState.WAITING
+        deadlines += self._timers.deadlines(round_open=round_open)
+        if round_open and (reformed := self._reformation.deadline()) is not None:
+            deadlines.append(reformed)
         return min(deadlines, default=None)
 
     # ------------------------------------------------------------------------------------------- snapshot
@@ -490,8 +496,9 @@ class Rendezvous:
                     + (f" ({len(held)} quarantined: {', '.join(sorted(held))})" if held else ""),
                 )
             return []
-        # After a restart no old member is still stopping (checked above): every one still here has rejoined.
-        survivors_back = bool(self._members)
+        # After a restart no old member is still stopping (checked above): every one still here has rejoined. A
+        # coordinator that starts without the job's state learns the last generation from the Joins.
+        survivors_back = bool(self._members) or self._reformation.closes(now)
         last_call_over = self._timers.last_call_over(now)
         if (waiting >= spec.max_nodes or survivors_back or last_call_over) and self.restarts.may_form(now):
             return self._form_generation()
@@ -502,6 +509,7 @@ class Rendezvous:
         chosen = self.nodes.next_ranks(self._members, spec.max_nodes)
         self.generation = max(self.generation, self._seen_generation) + 1
         self.restarts.formed()
+        self._reformation.done()
         self._members = chosen
         self._ranks = {node_id: rank for rank, node_id in enumerate(chosen)}
         self.state = JobState.RUNNING  # WAITING -> RUNNING

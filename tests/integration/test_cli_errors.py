@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from tfelastic.daemon.netutil import free_port
+from tfelastic.daemon.netutil import free_port, port_taken
 
 from tests.cluster import wait_for
 
@@ -58,7 +58,9 @@ def config_error_line(result: Result) -> str:
      "--rendezvous: 'nonsense' is not HOST:PORT; write it like 'head-node:29400'"),
     (["agent", "--config", "missing.toml"],
      "--config: cannot read 'missing.toml': No such file or directory"),
-], ids=["nodes-max-below-min", "nodes-zero", "rendezvous-not-host-port", "config-file-missing"])
+    (["run", "--rendezvous", LOOPBACK, "--metrics-port", "29400", "--", "true"],
+     "--metrics-port: port 29400 is also --rendezvous's; give each listener of this process its own port"),
+], ids=["nodes-max-below-min", "nodes-zero", "rendezvous-not-host-port", "config-file-missing", "port-given-twice"])
 def test_bad_option_gives_the_exact_message(tmp_path: Path, args: list[str], message: str) -> None:
     result = tfelastic(*args, cwd=tmp_path)
     assert_config_error(result)
@@ -302,3 +304,28 @@ def test_status_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     finally:
         coordinator.terminate()
         coordinator.wait(30)
+
+
+HTTP_SERVER = "import http.server, sys; http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), " \
+              "http.server.SimpleHTTPRequestHandler).serve_forever()"
+SILENT_SERVER = "import socket, sys, time; s = socket.create_server(('127.0.0.1', int(sys.argv[1]))); " \
+                "conns = []\nwhile True: conns.append(s.accept())"
+
+
+@pytest.mark.parametrize("program", [HTTP_SERVER, SILENT_SERVER], ids=["http-server", "silent-listener"])
+def test_a_foreign_program_on_the_local_rendezvous_port_is_named_and_ends_the_agent(tmp_path: Path,
+                                                                                    program: str) -> None:
+    """Not a wait behind gRPC's 'SETTINGS frame' retries: which port, which program, what to do; then exit 78."""
+    port = free_port()
+    foreign = subprocess.Popen([sys.executable, "-c", program, str(port)], cwd=tmp_path)
+    try:
+        wait_for(lambda: port_taken("127.0.0.1", port), 10, "the foreign program to listen")
+        result = tfelastic("run", "--nodes", "1", "--rendezvous", f"127.0.0.1:{port}", "--join-timeout", "8",
+                           "--metrics-port", "off", "--", "true", cwd=tmp_path)
+    finally:
+        foreign.kill()
+        foreign.wait()
+    assert result.returncode == EX_CONFIG, result.stderr
+    assert f"the rendezvous port {port} of this host is held by pid {foreign.pid}" in result.stderr, result.stderr
+    assert "not a tfelastic coordinator listens at the rendezvous address" in result.stderr, result.stderr
+    assert "giving up after 8s of failed connections to the rendezvous address" in result.stderr, result.stderr

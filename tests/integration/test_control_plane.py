@@ -164,8 +164,11 @@ def test_restart_budget_exhausted_fails_the_job(make_cluster: ClusterFactory) ->
 
 
 def test_hosting_agent_dies_and_another_takes_over(make_cluster: ClusterFactory) -> None:
-    # Not FORM_WITH_ALL: the new coordinator knows no survivors, so its first round waits out the last call.
-    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=[*FAST, "--last-call", "5"], env={"COUNTER_STEPS": "150"})
+    """The new coordinator starts without the job's state, but the survivors' Joins name generation 1 and its
+    three members: it re-forms once they are back, or a node timeout after the first (the killed host's member
+    never comes back), not after the last call of a first formation (120 s here)."""
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=[*FAST, "--last-call", "120"],
+                           env={"COUNTER_STEPS": "150"})
     host = cluster.start_host("a")
     cluster.start("b")
     cluster.start("c")

@@ -780,3 +780,12 @@ def test_a_launch_counts_as_warm_or_cold() -> None:
     h.core.worker_started(2, 4002)  # a launch the core no longer expects is counted all the same
     assert h.metric("tfelastic_worker_launches_total", start="warm") == 1.0
     assert h.metric("tfelastic_worker_launches_total", start="cold") == 1.0
+
+
+def test_a_join_after_a_generation_names_its_size_for_a_coordinator_that_starts_without_state() -> None:
+    h = Harness()
+    h.running(generation=3, rank=1)
+    h.core.worker_exited(3, 1)
+    h.core.received(api.StopWorkers(3, api.RestartReason.WORKER_EXIT))
+    [join] = joins(h.core.worker_stopped(StopResult(1, True)))
+    assert (join.node.last_generation, join.node.last_rank, join.node.last_world_size) == (3, 1, 2)

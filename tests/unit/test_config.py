@@ -584,3 +584,30 @@ def test_stall_timeout_off_disables_hang_detection_in_flags_and_files(tmp_path: 
         assert config.stall_limits() == StallLimits(fixed=0.0)  # a fixed limit of 0: never stalled
         assert config.job_spec().stall_timeout_seconds == 0.0
         assert str(config.job.stall_timeout) == "off"
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"metrics_port": 29400}, "--metrics-port: port 29400 is also --rendezvous's; give each listener of this "
+                              "process its own port"),
+    ({"worker_port": 29400}, "--worker-port: port 29400 is also --rendezvous's"),
+    ({"worker_port": 9464}, "--worker-port: port 9464 is also --metrics-port's"),
+])
+def test_one_port_given_to_two_listeners_names_both(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        validate(BASE.replace(**changes))
+    assert str(excinfo.value).startswith(message), str(excinfo.value)
+
+
+def test_the_same_port_in_a_file_names_both_keys(tmp_path: Path) -> None:
+    _, error = toml_error(tmp_path, 'rendezvous.endpoint = "127.0.0.1:29400"\njob.command = ["python"]\n'
+                                    "metrics.port = 29400\n")
+    assert error.endswith("job.toml: metrics.port: port 29400 is also rendezvous.endpoint's; give each listener of "
+                          "this process its own port"), error
+
+
+def test_a_coordinator_listening_on_its_metrics_port_is_refused() -> None:
+    from tfelastic.daemon.cli import build_parser, config_from_coordinator_args
+
+    args = build_parser().parse_args(["coordinator", "--listen", "127.0.0.1:29400", "--metrics-port", "29400"])
+    with pytest.raises(ConfigError, match=r"^--metrics-port: port 29400 is also --listen's"):
+        config_from_coordinator_args(args)

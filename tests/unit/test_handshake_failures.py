@@ -7,7 +7,14 @@ from __future__ import annotations
 import logging
 
 import pytest
-from tfelastic.daemon.rendezvous.handshake import TLS_GIVE_UP_SECONDS, HandshakeFailures, handshake_problem
+from tfelastic.daemon.rendezvous.handshake import (
+    TLS_GIVE_UP_SECONDS,
+    HandshakeFailures,
+    foreign_listener_problem,
+    handshake_problem,
+)
+
+from tests.fakes import FakeClock
 
 UNTRUSTED = ("UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:41285: Tls "
              "handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:"
@@ -41,16 +48,8 @@ def test_other_failures_are_not_tls(error: str) -> None:
     assert handshake_problem(error, True) is None
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_gives_up_after_the_bound_of_nothing_but_tls_failures(caplog: pytest.LogCaptureFixture) -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     failures = HandshakeFailures(tls_enabled=True, join_timeout=600, clock=clock)
     contact = clock.now
     with caplog.at_level(logging.ERROR, "tfelastic.agent"):
@@ -66,7 +65,7 @@ def test_gives_up_after_the_bound_of_nothing_but_tls_failures(caplog: pytest.Log
 
 
 def test_a_short_join_timeout_shortens_the_bound() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     failures = HandshakeFailures(tls_enabled=True, join_timeout=3, clock=clock)
     contact = clock.now
     clock.now += 2.9
@@ -76,7 +75,7 @@ def test_a_short_join_timeout_shortens_the_bound() -> None:
 
 
 def test_contact_or_another_kind_of_failure_resets_the_count() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     failures = HandshakeFailures(tls_enabled=True, join_timeout=600, clock=clock)
     clock.now += 40
     assert failures.failed(REFUSED, 100.0) is None  # the coordinator was down for a while
@@ -86,3 +85,26 @@ def test_contact_or_another_kind_of_failure_resets_the_count() -> None:
     assert failures.failed(UNTRUSTED, later_contact) is None
     clock.now += 1
     assert failures.failed(UNTRUSTED, later_contact) is not None
+
+
+@pytest.mark.parametrize("error", [
+    "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:4000: connection attempt timed out "
+    "before receiving SETTINGS frame",
+    "failed to connect to all addresses; last error: INTERNAL: ipv4:127.0.0.1:4000: Trying to connect an http1.x "
+    "server (HTTP status 404); Failed parsing HTTP/2 (Expected SETTINGS frame)",
+])
+def test_a_program_that_does_not_speak_grpc_at_the_address_ends_the_agent_like_a_bad_certificate(
+        error: str, caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock(1000.0)
+    failures = HandshakeFailures(tls_enabled=False, join_timeout=600, clock=clock)
+    assert failures.failed(error, last_contact=1000.0) is None  # said at once, and retried for a while
+    assert "not a coordinator: something that is not a tfelastic coordinator listens" in caplog.text
+    clock.now += 30.0
+    fatal = failures.failed(error, last_contact=1000.0)
+    assert fatal is not None and fatal.startswith("giving up after 30s of failed connections to the rendezvous "
+                                                  "address: something that is not a tfelastic coordinator")
+
+
+def test_a_coordinator_that_is_down_is_not_a_foreign_program() -> None:
+    assert foreign_listener_problem("failed to connect to all addresses; last error: UNAVAILABLE: "
+                                    "ipv4:127.0.0.1:4000: Connection refused") is None

@@ -829,6 +829,52 @@ def test_restarted_coordinator_continues_generation_numbering() -> None:
     assert rejoin_all(rv, "a", "b") == assignments(9, ["b", "a"], restarts=5)
 
 
+def test_a_restarted_coordinator_re_forms_once_every_member_of_the_last_generation_is_back() -> None:
+    """Not a first formation: the Joins say generation 7 had three members; once all three are back the round
+    closes, below the last call (the slow settings' 30 s) and with the old ranks."""
+    clock = FakeClock()
+    job = spec(max_nodes=4)  # three members are not max_nodes: a first formation would wait its last call
+    rv = Rendezvous(dataclasses.replace(SETTINGS, last_call_seconds=30.0), clock, job)
+    for node_id, rank in (("a", 1), ("c", 2)):
+        assert rv.join(info(node_id, last_generation=7, last_rank=rank, last_world_size=3), job) == waiting(
+            node_id, 1 if node_id == "a" else 2, hi=4)
+    assert rv.join(info("b", last_generation=7, last_rank=0, last_world_size=3), job) == \
+        assignments(8, ["b", "a", "c"])
+
+
+def test_a_member_of_the_last_generation_that_is_not_back_within_a_node_timeout_is_lost() -> None:
+    """The killed agent's node hosted the coordinator: its member never comes back. The others re-form a node
+    timeout after the first of them is back, not after the last call."""
+    clock = FakeClock()
+    rv = Rendezvous(dataclasses.replace(SETTINGS, last_call_seconds=30.0), clock, SPEC)
+    rv.join(info("a", last_generation=7, last_rank=1, last_world_size=3), SPEC)
+    at(clock, rv, 0.5)
+    rv.join(info("c", last_generation=7, last_rank=2, last_world_size=3), SPEC)
+    assert rv.next_deadline() == SETTINGS.node_timeout_seconds  # the first one back, plus a node timeout
+    at(clock, rv, SETTINGS.node_timeout_seconds - 0.01)
+    assert rv.tick() == []
+    at(clock, rv, SETTINGS.node_timeout_seconds)
+    assert rv.tick() == assignments(8, ["a", "c"])
+
+
+def test_joins_that_name_no_last_generation_are_a_first_formation() -> None:
+    clock = FakeClock()
+    rv = Rendezvous(dataclasses.replace(SETTINGS, last_call_seconds=30.0), clock, SPEC)
+    join(rv, "a", "b")
+    at(clock, rv, SETTINGS.node_timeout_seconds + 1.0)
+    assert rv.tick() == []  # min_nodes are in: the last call, for max_nodes
+    at(clock, rv, 30.0)
+    assert rv.tick() == assignments(1, ["a", "b"])
+
+
+def test_a_coordinator_re_forms_only_before_its_own_first_generation() -> None:
+    clock = FakeClock()
+    rv = running(clock, ["a", "b"])
+    rv.worker_failed("a", 1, RestartReason.WORKER_EXIT, "exit 1")
+    rv.join(info("x", last_generation=9, last_rank=0, last_world_size=1), SPEC)  # a stranger's old generation
+    assert rejoin_all(rv, "a", "b") == assignments(10, ["a", "b", "x"], restarts=1)
+
+
 def test_a_late_join_from_an_older_coordinator_does_not_change_a_running_generation() -> None:
     # A restarted coordinator formed generation 1 with c; an old member then joins with last_generation=5.
     clock = FakeClock()

@@ -156,9 +156,11 @@ def test_a_member_that_lost_its_snapshots_pulls_the_step_back_to_what_it_has() -
 
 
 def test_a_join_carries_its_restorable_steps_both_ways() -> None:
-    join = api.Join(info("a", 30, 20, 10, incarnation="i", last_generation=4, last_rank=1), SPEC, restart_count=2)
+    join = api.Join(info("a", 30, 20, 10, incarnation="i", last_generation=4, last_rank=1, last_world_size=3), SPEC,
+                    restart_count=2)
     wire = convert.agent_message_to_proto(join, now=0.0)
     assert list(wire.join.restorable_steps) == [30, 20, 10]
+    assert wire.join.last_world_size == 3  # a coordinator that starts without state waits for that many
     assert convert.agent_message_from_proto(wire, now=0.0) == join
     empty = api.Join(info("a"), SPEC)
     assert convert.agent_message_from_proto(convert.agent_message_to_proto(empty, 0.0), 0.0) == empty
