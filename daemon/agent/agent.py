@@ -48,6 +48,7 @@ from tfelastic.daemon.rendezvous.host import AGENTS_GONE_SECONDS
 from tfelastic.daemon.sdnotify import ServiceHooks
 from tfelastic.daemon.worker.process import WorkerSpec
 from tfelastic.daemon.worker.progress import ProgressListener
+from tfelastic.daemon.worker.warm import StandbyPolicy
 from tfelastic.trainer.progress import ProgressMessage
 
 log = logging.getLogger("tfelastic.agent")
@@ -72,10 +73,12 @@ class Agent:
         host = config.node.advertise_address or route_address(config.rendezvous.route_host)
         self._placement = placement_for(config, host, token, etcd, self.registry)
         metrics = AgentMetrics(self.registry, config.job.name, config.node.id)
-        self.core = AgentCore.of(config, host, self._placement.failover, metrics, clock)
+        standby = StandbyPolicy.of_this_node()
+        self.core = AgentCore.of(config, host, self._placement.failover, metrics, clock, standby.at_launch)
         self.runner = WorkerRunner(self, stop_grace=config.node.stop_grace,
                                    failure_stop_grace=config.node.failure_stop_grace,
-                                   warm_start=config.node.warm_start, before_stopped=self._before_stopped)
+                                   warm_start=config.node.warm_start, before_stopped=self._before_stopped,
+                                   standby_nice=standby.nice)
         self._node = Node(config, self.registry, agent_environment(config.job.env), lambda: self.runner.live_pid)
         metrics.standby_memory.set_function(self.runner.standby_memory)
         metrics.standby_ready.set_function(lambda: float(self.runner.standby_ready()))

@@ -32,6 +32,7 @@ class Timing:
     join_timeout: float
     stall: StallLimits
     stop_grace: float
+    standby_at_launch: bool = False  # the node has cores to spare: the next standby is built at each launch
 
 
 @dataclass(frozen=True)

@@ -72,17 +72,18 @@ class AgentCore:
                                            node_timeout=timing.node_timeout, join_timeout=timing.join_timeout,
                                            tls=connection.tls)
         self._checks = NodeCheckLedger()
-        self._standby = StandbySchedule(clock)
+        self._standby = StandbySchedule(clock, timing.standby_at_launch)
         self._rejoin_session: int | None = None  # the session to send a Join on once the stop is done
         self._stopping: tuple[bool, bool] = (False, False)  # the stop under way: (planned, it was running)
 
     @classmethod
-    def of(cls, config: AgentConfig, host: str, failover: bool, metrics: AgentMetrics, clock: Clock) -> AgentCore:
+    def of(cls, config: AgentConfig, host: str, failover: bool, metrics: AgentMetrics, clock: Clock,
+           standby_at_launch: bool = False) -> AgentCore:
         """The core of an agent with this configuration, whose trainer peers reach at ``host``."""
         rdzv, node = config.rendezvous, config.node
         identity = Identity(node.id, host, config.job_spec(), uuid.uuid4().hex, node.worker_port)
         timing = Timing(rdzv.heartbeat_interval, rdzv.node_timeout, rdzv.join_timeout, config.stall_limits(),
-                        node.stop_grace)
+                        node.stop_grace, standby_at_launch)
         return cls(identity, timing, Connection(str(rdzv.endpoint), rdzv.tls.enabled, failover), metrics, clock,
                    free_port)
 

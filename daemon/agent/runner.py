@@ -40,7 +40,8 @@ class WorkerRunner:
     what the old worker left on disk for the Join that follows); the stop is under way until it returns."""
 
     def __init__(self, events: WorkerEvents, *, stop_grace: float, failure_stop_grace: float,
-                 warm_start: bool = False, before_stopped: Callable[[], Awaitable[None]] | None = None) -> None:
+                 warm_start: bool = False, before_stopped: Callable[[], Awaitable[None]] | None = None,
+                 standby_nice: int = 0) -> None:
         self._events = events
         self._before_stopped = before_stopped
         self._stop_grace, self._failure_stop_grace = stop_grace, failure_stop_grace
@@ -48,7 +49,7 @@ class WorkerRunner:
         self._launching: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._warm_start = warm_start
+        self._warm_start, self._standby_nice = warm_start, standby_nice
         self._standby: Standby | None = None
         self._preparing: asyncio.Task[None] | None = None
         self._standby_failures = 0
@@ -111,7 +112,7 @@ class WorkerRunner:
         if old is not None:
             await old.retire()
         try:
-            self._standby = await Standby.start(key, spec)
+            self._standby = await Standby.start(key, spec, self._standby_nice)
             log.info("standby interpreter %d started for warm launches (%s)", self._standby.worker.pid,
                      key.interpreter)
         except Exception as e:  # whatever it is, the next launch starts cold: never a stuck launch

@@ -1,7 +1,8 @@
 """When to build the next generation's standby interpreter (pure). A standby imports TensorFlow, which competes for
-the CPU with a trainer's own start-up and first steps (they trace and compile), so it is due
+the CPU with a trainer's own start-up and first steps (they trace and compile). On a node with cores to spare it is
+due at the launch (and built at a lower priority: worker/warm.py, StandbyPolicy). Otherwise it is due
 :data:`AFTER_PROGRESS_SECONDS` after the trainer's first progress report, or :data:`AFTER_LAUNCH_SECONDS` after
-the launch of a trainer that does not report. A generation that fails in its first seconds relaunches cold.
+the launch of a trainer that does not report, and a generation that fails before then relaunches cold.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ AFTER_LAUNCH_SECONDS = 40.0
 
 
 class StandbySchedule:
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self._clock = clock
+    def __init__(self, clock: Callable[[], float], at_launch: bool = False) -> None:
+        self._clock, self._at_launch = clock, at_launch
         self._generation: int | None = None
         self._due_at = 0.0
         self._progressed = False
 
     def launched(self, generation: int) -> None:
         self._generation, self._progressed = generation, False
-        self._due_at = self._clock() + AFTER_LAUNCH_SECONDS
+        self._due_at = self._clock() + (0.0 if self._at_launch else AFTER_LAUNCH_SECONDS)
 
     def progressed(self, generation: int) -> None:
         if generation == self._generation and not self._progressed:

@@ -10,6 +10,10 @@ working directory and environment, and runs ``argv`` (``python script.py ARGS`` 
 ``sys.argv``, ``sys.path[0]``, the working directory and every environment variable are those of a cold start.
 End of file without a message (the agent retired it, or died) exits 0.
 
+With ``TFELASTIC_STANDBY_NICE`` it imports at that lower CPU priority (a node with cores to spare builds it while
+the trainer starts up), and every thread goes back to the priority it started with before the script runs; when
+that is not allowed it does not take the launch, which then starts cold.
+
 Like the keeper it uses the standard library only: it runs in the trainer's interpreter, where tfelastic need
 not be installed.
 """
@@ -25,6 +29,7 @@ from importlib.machinery import SourceFileLoader
 from typing import Any
 
 FD_ENV = "TFELASTIC_STANDBY_FD"  # "LAUNCH_FD,SIGNAL_FD": the launch comes on the first; R and L go on the second
+NICE_ENV = "TFELASTIC_STANDBY_NICE"  # how much lower its CPU priority is while it waits
 LEGACY_KERAS_VALUES = ("1", "true", "yes")
 
 
@@ -92,14 +97,30 @@ def _run_module(module: str, args: list[str]) -> None:
     runpy._run_module_as_main(module, alter_argv=True)  # type: ignore[attr-defined]
 
 
+def _restore_priority(priority: int) -> bool:
+    """Every thread back to ``priority`` (the import may have started some): a trainer must not run niced."""
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), priority)
+    except OSError as e:
+        print(f"the standby cannot raise its priority back to {priority} ({e.strerror}): not taking the launch",
+              file=sys.stderr)
+        return False
+    return True
+
+
 def main() -> None:
     launch_fd, ready_fd = (int(fd) for fd in os.environ.pop(FD_ENV).split(","))
+    nice = int(os.environ.pop(NICE_ENV, "0"))
+    priority = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice:
+        os.nice(nice)
     before = dict(os.environ)
     _preimport()
     set_by_import = {k: v for k, v in os.environ.items() if before.get(k) != v}
     os.write(ready_fd, b"R")
     launch = _read_launch(launch_fd)
-    if not launch:
+    if not launch or (nice and not _restore_priority(priority)):
         os._exit(0)
     os.write(ready_fd, b"L")  # the agent treats the launch as failed (and starts cold) until it hears this
     os.close(ready_fd)

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import resource
 import shutil
 import time
 from collections.abc import Mapping, Sequence
@@ -100,6 +101,30 @@ class StandbyKey:
                    hashlib.sha256(base).hexdigest())
 
 
+@dataclass(frozen=True)
+class StandbyPolicy:
+    """When a node builds its standby: at each launch, at a lower CPU priority, where it has the cores to spare
+    (its import takes one core for about ten seconds); else once the trainer is past its start-up."""
+
+    at_launch: bool
+    nice: int
+
+    @classmethod
+    def of_this_node(cls) -> StandbyPolicy:
+        at_launch = len(os.sched_getaffinity(0)) >= AT_LAUNCH_CPUS
+        return cls(at_launch, STANDBY_NICE if at_launch and _may_raise_priority_back() else 0)
+
+
+AT_LAUNCH_CPUS = 4
+STANDBY_NICE = 10
+
+
+def _may_raise_priority_back() -> bool:
+    """Whether a process of ours may go back to this priority after lowering it (root, or RLIMIT_NICE)."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - current
+
+
 def standby_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in GENERATION_KEYS}
 
@@ -118,10 +143,13 @@ class Standby:
         asyncio.get_running_loop().add_reader(ready_fd, self._on_signal)
 
     @classmethod
-    async def start(cls, key: StandbyKey, spec: WorkerSpec) -> Standby:
+    async def start(cls, key: StandbyKey, spec: WorkerSpec, nice: int = 0) -> Standby:
+        """``nice``: how much lower the standby's CPU priority is until its launch."""
         launch_read, launch_write = os.pipe()
         ready_read, ready_write = os.pipe()
         env = {**standby_env(spec.env), standby.FD_ENV: f"{launch_read},{ready_write}"}
+        if nice:
+            env[standby.NICE_ENV] = str(nice)
         standby_spec = WorkerSpec((key.interpreter, STANDBY_PATH), env, spec.cwd, STANDBY_PREFIX,
                                   spec.orphan_grace_seconds)
         try:

@@ -147,6 +147,34 @@ def test_a_standby_holds_no_port_waits_without_the_generations_values_and_retire
     assert not running
 
 
+NICED = """
+import json, os
+print(json.dumps(sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})))
+"""
+
+
+@pytest.mark.tensorflow
+def test_a_standby_imports_at_a_lower_priority_and_its_trainer_runs_at_the_usual_one(tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text(NICED)
+    spec = spec_for((sys.executable, "t.py"), tmp_path)
+    usual = os.getpriority(os.PRIO_PROCESS, 0)
+
+    async def scenario() -> tuple[set[int], int, list[str]]:
+        key = StandbyKey.of(spec)
+        assert key is not None
+        standby = await Standby.start(key, spec, nice=10)
+        await wait_ready(standby)
+        interpreter = psutil.Process(standby.worker.trainer_pid())
+        waiting = {psutil.Process(t.id).nice() for t in interpreter.threads()}
+        worker = await standby.activate(spec)
+        return waiting, await worker.wait(), list(worker.tail)
+
+    waiting, code, lines = asyncio.run(scenario())
+    assert waiting == {usual + 10}, waiting  # every thread the import started, too
+    assert code == 0, lines
+    assert json.loads(lines[-1]) == [usual]  # every thread of the trainer
+
+
 AGENT_FLAGS = ["--stop-grace", "2", "--last-call", "0.5", "--settle", "1", "--restart-backoff", "0"]
 
 

@@ -41,11 +41,12 @@ FIXED_STALL = StallLimits(fixed=STALL)
 
 class Harness:
     def __init__(self, join_timeout: float = 600.0, failover: bool = False,
-                 stall: StallLimits = FIXED_STALL) -> None:
+                 stall: StallLimits = FIXED_STALL, standby_at_launch: bool = False) -> None:
         self.clock = FakeClock(100.0)
         self.registry = CollectorRegistry()
         identity = Identity("n1", "10.0.0.1", SPEC, "incarnation-1")
-        timing = Timing(HEARTBEAT, NODE_TIMEOUT, join_timeout, stall, stop_grace=10.0)
+        timing = Timing(HEARTBEAT, NODE_TIMEOUT, join_timeout, stall, stop_grace=10.0,
+                        standby_at_launch=standby_at_launch)
         self.core = AgentCore(identity, timing, Connection("head:29400", failover=failover),
                               AgentMetrics(self.registry, "job", "n1"), self.clock, pick_port=lambda host: 5555)
 
@@ -714,6 +715,18 @@ def test_a_trainer_that_never_reports_gets_its_standby_forty_seconds_after_its_l
     assert standbys(tick(h)) == []
     h.clock.now += 0.1
     assert standbys(tick(h)) == [PrepareStandby(1)]
+
+
+def test_a_node_with_cores_to_spare_builds_the_standby_at_the_launch() -> None:
+    """So that a failure early in a generation, and every one of a crash loop, relaunches warm too."""
+    h = Harness(standby_at_launch=True)
+    h.running()
+    assert standbys(tick(h)) == [PrepareStandby(1)]
+    h.core.worker_exited(1, 1)
+    h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    h.core.worker_stopped(StopResult(1, True))
+    h.running(generation=2)
+    assert standbys(tick(h)) == [PrepareStandby(2)]
 
 
 def test_a_report_that_comes_due_builds_the_standby_without_waiting_for_a_tick() -> None:
