@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     readmit.add_argument("node", metavar="NODE", help="the quarantined node's id (see tfelastic status)")
     _add_operator_connection(readmit)
 
+    report = sub.add_parser("report", help="where the job's time went: a line per generation, then the goodput "
+                                           "and its badput by category (also after a job on etcd ended)")
+    _add_operator_connection(report)
+    report.add_argument("--json", action="store_true", help="print one JSON object")
+
     restart = sub.add_parser("restart", help="restart the job: every trainer checkpoints and stops, and the same "
                                              "nodes re-form (not counted as a failure)")
     restart.add_argument("--reason", default="", help="recorded in the coordinator's log and the restart reason")
@@ -158,12 +163,16 @@ def config_from_coordinator_args(args: argparse.Namespace) -> CoordinatorConfig:
     return validate_coordinator(coordinator_from_values(given, listen))
 
 
+def _operator_config(args: argparse.Namespace) -> tuple[OperatorConfig, str | None]:
+    values = {**_given(args, flags_of(OPERATOR)), "rendezvous": parse_rendezvous(args.rendezvous, "--rendezvous")}
+    config = validate_operator(operator_from_values(values))
+    return config, read_token(config.rendezvous.token_file) if config.rendezvous.token_file else None
+
+
 def _operator_target(args: argparse.Namespace) -> tuple[Endpoint, str | None, TlsConfig]:
     """The coordinator to ask, its token and TLS; with an etcd rendezvous, the one etcd says leads the job."""
-    values = {**_given(args, flags_of(OPERATOR)), "rendezvous": parse_rendezvous(args.rendezvous, "--rendezvous")}
-    config: OperatorConfig = validate_operator(operator_from_values(values))
+    config, token = _operator_config(args)
     rdzv = config.rendezvous
-    token = read_token(rdzv.token_file) if rdzv.token_file else None
     endpoint = rdzv.endpoint if isinstance(rdzv.endpoint, Endpoint) else commands.find_coordinator(config)
     return endpoint, token, rdzv.tls
 
@@ -180,6 +189,10 @@ def _dispatch(args: argparse.Namespace, slurm: SlurmStep | None) -> int:
         from tfelastic.daemon.demo import run_demo
 
         return run_demo(nodes=args.nodes, faults=args.faults, as_json=args.json, workdir=args.workdir)
+    if name == "report":
+        from tfelastic.daemon.report import run_report
+
+        return run_report(*_operator_config(args), as_json=args.json)
     endpoint, token, tls = _operator_target(args)
     if name == "status":
         if args.watch is not None and not args.watch > 0:

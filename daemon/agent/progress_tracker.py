@@ -31,6 +31,7 @@ class ProgressTracker:
         self._checkpoint_at: float | None = None
         self._sent: ProgressMessage | None = None
         self.done = False  # the trainer reported that training completed
+        self._phases = PhaseClock(clock)
 
     def new_generation(self) -> None:
         """A new worker starts: nothing it reports has come in yet."""
@@ -38,10 +39,16 @@ class ProgressTracker:
         self._latest = self._sent = None
         self._checkpoint_at = None  # until it reports one: the last one may have been another generation's
         self.done = False
+        self._phases = PhaseClock(self._clock)
 
     @property
     def latest(self) -> ProgressMessage | None:
         return self._latest
+
+    def phase(self, message: ProgressMessage) -> None:
+        """Every report of the current generation, the ones before its restore too: the time its saves and
+        evaluations took (the goodput ledger's checkpoint and other)."""
+        self._phases.report(message)
 
     def record(self, message: ProgressMessage) -> None:
         now = self._clock()
@@ -69,7 +76,8 @@ class ProgressTracker:
             step=latest.step, examples=latest.examples or 0, loss=latest.loss,
             checkpoint_step=latest.checkpoint_step if latest.checkpoint_step is not None else -1,
             reported_at=self._latest_at, steps_per_second=self.steps_per_second(),
-            checkpoint_at=self._checkpoint_at)
+            checkpoint_at=self._checkpoint_at, save_seconds=self._phases.save_seconds,
+            other_seconds=self._phases.other_seconds)
 
     def steps_per_second(self) -> float:
         """Over the last 30 s of reports; 0 (unknown) until they span a second. Reports are stamped when the
@@ -78,6 +86,29 @@ class ProgressTracker:
             return 0.0
         (t0, s0), (t1, s1) = self._recent[0], self._recent[-1]
         return (s1 - s0) / (t1 - t0) if t1 - t0 >= 1.0 else 0.0
+
+
+class PhaseClock:
+    """How long a generation's trainer spent in its saves and evaluations, from the phases it announces: a save
+    lasts from its ``save`` report to the next report, or what the next report says it held training up
+    (``stall``, the fast tier's own measure); an evaluation from its ``eval`` report to the next one."""
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self.save_seconds = 0.0
+        self.other_seconds = 0.0
+        self._phase: Phase | None = None
+        self._since = 0.0
+
+    def report(self, message: ProgressMessage) -> None:
+        now = self._clock()
+        if self._phase is Phase.SAVE:
+            self.save_seconds += message.stall if message.stall is not None else now - self._since
+        elif self._phase is Phase.EVAL:
+            self.other_seconds += now - self._since
+        elif message.stall is not None:  # a save the trainer did not announce, measured by itself
+            self.save_seconds += message.stall
+        self._phase, self._since = message.phase, now
 
 
 class FailureTimes:

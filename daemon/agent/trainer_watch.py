@@ -82,6 +82,7 @@ class TrainerWatch:
         first = self.tracker.latest is None
         self.failures.progressed()
         self.stall.progress(message.step, message.phase, training_done=message.done)
+        self.tracker.phase(message)
         if first and before_restore(message):
             return False  # its step (a new process's 0) is neither where it resumed nor steps made
         self.tracker.record(message)

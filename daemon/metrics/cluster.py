@@ -69,6 +69,13 @@ class ClusterCollector(Collector):
         yield CounterMetricFamily("tfelastic_cluster_steps_lost", "Steps redone from below a checkpoint the job "
                                   "had saved: a backup deleted or damaged (logged as a warning).",
                                   value=snap.steps_lost)
+        if snap.goodput is not None:
+            seconds = CounterMetricFamily("tfelastic_job_seconds", "The job's wall time since its first formation, "
+                                          "by where it went (docs/goodput.md); goodput is training over the sum.",
+                                          labels=["category"])
+            for category, value in snap.goodput.seconds.items():
+                seconds.add_metric([category], value)
+            yield seconds
 
 
 def register_cluster_collector(registry: CollectorRegistry,

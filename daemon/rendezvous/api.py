@@ -139,6 +139,8 @@ class WorkerProgress:
     reported_at: float = 0.0  # on the coordinator's clock
     steps_per_second: float = 0.0
     checkpoint_at: float | None = None  # on the coordinator's clock
+    save_seconds: float = 0.0  # this generation's saves held the trainer up this long (goodput: checkpoint)
+    other_seconds: float = 0.0  # and it spent this long in evaluations (goodput: other)
 
 
 # What an agent sends the coordinator on its session.
@@ -276,6 +278,29 @@ class CoordinatorInfo:
 
 
 @dataclass(frozen=True)
+class GenerationSummary:
+    """One generation in the job's goodput timeline (rendezvous/goodput.py)."""
+
+    generation: int
+    formed_at: float  # Unix time
+    size: int  # its members
+    members: tuple[str, ...]  # the first of them, in rank order
+    restored_step: int | None  # where its chief resumed
+    startup_seconds: float | None  # from its formation to its chief's first report
+    steps_redone: int
+    ended: str  # why it ended ("" while it runs)
+    seconds: dict[str, float]  # by goodput category, while it was the last formed
+
+
+@dataclass(frozen=True)
+class GoodputView:
+    """The job's goodput ledger: seconds by category to now, and its timeline (the most recent generations)."""
+
+    seconds: dict[str, float]
+    generations: tuple[GenerationSummary, ...] = ()
+
+
+@dataclass(frozen=True)
 class ClusterSnapshot:
     job: str
     state: JobState | None  # None: a status that carried none
@@ -293,6 +318,7 @@ class ClusterSnapshot:
     steps_lost: int = 0  # of those, steps below a checkpoint the job had saved
     coordinator: CoordinatorInfo | None = None
     quarantines_by_kind: dict[str, int] = field(default_factory=dict)  # "worker_failures" or "node_check"
+    goodput: GoodputView | None = None
 
 
 @dataclass(frozen=True)

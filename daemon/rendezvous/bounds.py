@@ -167,4 +167,7 @@ def _report_problems(report: pb.WorkerReport) -> list[str]:
                         f"0..{MAX_SECONDS:g}")
     if not math.isfinite(p.steps_per_second):
         problems.append(f"progress.steps_per_second {p.steps_per_second} is not finite")
+    for name in ("save_seconds", "other_seconds"):
+        if not 0.0 <= getattr(p, name) <= MAX_SECONDS:
+            problems.append(f"progress.{name} {getattr(p, name)} is not in 0..{MAX_SECONDS:g}")
     return problems

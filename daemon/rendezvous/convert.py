@@ -105,6 +105,7 @@ def progress_to_proto(progress: api.WorkerProgress, now: float) -> pb.Progress:
         has_loss=progress.loss is not None, age_seconds=max(0.0, now - progress.reported_at),
         checkpoint_step=progress.checkpoint_step, steps_per_second=progress.steps_per_second,
         checkpoint_age_seconds=-1.0 if progress.checkpoint_at is None else max(0.0, now - progress.checkpoint_at),
+        save_seconds=progress.save_seconds, other_seconds=progress.other_seconds,
     )
 
 
@@ -114,7 +115,8 @@ def progress_from_proto(progress: pb.Progress, now: float) -> api.WorkerProgress
         step=progress.step, examples=progress.examples, loss=progress.loss if progress.has_loss else None,
         checkpoint_step=progress.checkpoint_step, reported_at=now - progress.age_seconds,
         steps_per_second=progress.steps_per_second,
-        checkpoint_at=now - checkpoint_age if checkpoint_age >= 0 else None)
+        checkpoint_at=now - checkpoint_age if checkpoint_age >= 0 else None, save_seconds=progress.save_seconds,
+        other_seconds=progress.other_seconds)
 
 
 # ---------------------------------------------------------------------------------------------- orders
@@ -216,7 +218,27 @@ def status_to_proto(snap: api.ClusterSnapshot, now: float) -> pb.ClusterStatus:
         restarts_by_reason=[pb.RestartCount(reason=r, count=c)
                             for r, c in sorted(snap.restarts_by_reason.items())],
         quarantines=[pb.QuarantineCount(kind=k, count=c) for k, c in sorted(snap.quarantines_by_kind.items())],
+        goodput=None if snap.goodput is None else goodput_to_proto(snap.goodput),
     )
+
+
+def _seconds_to_proto(seconds: dict[str, float]) -> list[pb.CategorySeconds]:
+    return [pb.CategorySeconds(category=c, seconds=s) for c, s in seconds.items()]
+
+
+def goodput_to_proto(view: api.GoodputView) -> pb.Goodput:
+    return pb.Goodput(seconds=_seconds_to_proto(view.seconds), generations=[pb.GenerationLine(
+        generation=g.generation, formed_at=g.formed_at, size=g.size, members=g.members,
+        restored_step=g.restored_step or 0, has_restored_step=g.restored_step is not None,
+        startup_seconds=g.startup_seconds or 0.0, has_startup_seconds=g.startup_seconds is not None,
+        steps_redone=g.steps_redone, ended=g.ended, seconds=_seconds_to_proto(g.seconds)) for g in view.generations])
+
+
+def goodput_from_proto(message: pb.Goodput) -> api.GoodputView:
+    return api.GoodputView({c.category: c.seconds for c in message.seconds}, tuple(api.GenerationSummary(
+        g.generation, g.formed_at, g.size, tuple(g.members), g.restored_step if g.has_restored_step else None,
+        g.startup_seconds if g.has_startup_seconds else None, g.steps_redone, g.ended,
+        {c.category: c.seconds for c in g.seconds}) for g in message.generations))
 
 
 def _node_state(node: pb.NodeStatus) -> api.NodeState:
@@ -244,4 +266,5 @@ def status_from_proto(status: pb.ClusterStatus, now: float) -> api.ClusterSnapsh
         warnings=tuple(status.warnings), steps_redone=status.steps_redone, steps_lost=status.steps_lost,
         coordinator=api.CoordinatorInfo(status.coordinator.node, status.coordinator.address, status.coordinator.since)
         if status.HasField("coordinator") else None,
-        quarantines_by_kind={q.kind: q.count for q in status.quarantines})
+        quarantines_by_kind={q.kind: q.count for q in status.quarantines},
+        goodput=goodput_from_proto(status.goodput) if status.HasField("goodput") else None)

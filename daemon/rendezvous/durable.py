@@ -38,6 +38,7 @@ class DurableState:
     steps_lost: int = 0
     warnings: tuple[str, ...] = ()
     quarantined: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> kind, reason, until, count
+    goodput: dict[str, Any] | None = None  # the goodput ledger (rendezvous/goodput.py), times as wall-clock
 
     def to_json(self) -> bytes:
         doc: dict[str, Any] = dataclasses.asdict(self)

@@ -120,8 +120,9 @@ async def create_server(
     credentials = server_credentials(tls) if tls is not None and tls.enabled else None
     limits = limits or Limits()
     rendezvous = Rendezvous(settings, clock, spec)
+    rendezvous.wall_offset = time.time() - clock()
     if takeover is not None:
-        rendezvous.take_over(takeover.recorded, time.time() - clock(), grace=settings.node_timeout_seconds,
+        rendezvous.take_over(takeover.recorded, rendezvous.wall_offset, grace=settings.node_timeout_seconds,
                              graces=takeover.graces)
 
     def new_server() -> grpc.aio.Server:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tfelastic.daemon.rendezvous.api import ClusterSnapshot, NodeSnapshot, NodeState
+from tfelastic.daemon.rendezvous.api import ClusterSnapshot, GenerationSummary, GoodputView, NodeSnapshot, NodeState
 
 if TYPE_CHECKING:
     from tfelastic.daemon.rendezvous.state import Rendezvous
@@ -30,7 +30,16 @@ def cluster_snapshot(rv: Rendezvous) -> ClusterSnapshot:
         steps_lost=resumes.steps_lost,
         nodes=tuple(nodes),
         quarantines_by_kind=dict(rv.quarantine.by_kind),
+        goodput=_goodput(rv),
     )
+
+
+def _goodput(rv: Rendezvous) -> GoodputView:
+    ledger = rv.goodput
+    return GoodputView(ledger.now_totals(), tuple(
+        GenerationSummary(line.generation, line.formed_at + rv.wall_offset, line.size, line.members,
+                          line.restored_step, line.startup_seconds, line.steps_redone, line.ended, line.seconds)
+        for line in ledger.lines_now()))
 
 
 def _node(rv: Rendezvous, node_id: str) -> NodeSnapshot:

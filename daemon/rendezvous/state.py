@@ -56,6 +56,7 @@ from tfelastic.daemon.rendezvous.api import (
     WorkerStatus,
 )
 from tfelastic.daemon.rendezvous.durable import DurableState
+from tfelastic.daemon.rendezvous.goodput import ChiefReport, GoodputLedger
 from tfelastic.daemon.rendezvous.membership import Membership, Node
 from tfelastic.daemon.rendezvous.quarantine import COOLDOWN_OVER, QuarantineBook
 from tfelastic.daemon.rendezvous.restarts import RestartBook
@@ -100,6 +101,8 @@ class Rendezvous:
         self.restarts = RestartBook(settings, clock)
         self.drained: set[str] = set()  # drained by an operator (and not back since)
         self.quarantine = QuarantineBook(settings)
+        self.goodput = GoodputLedger(clock)
+        self.wall_offset = 0.0  # wall clock minus this clock, for times shown to people (the host sets it)
 
     @property
     def restarts_total(self) -> int:
@@ -185,6 +188,7 @@ class Rendezvous:
                         for rank, n in enumerate(self._members) if n in self.nodes)
         return DurableState(self.spec, self.state, self.reason, self.generation, members,
                             chief_succeeded=self._chief_succeeded, drained=tuple(sorted(self.drained)),
+                            goodput=self.goodput.export(wall_offset),
                             **self.restarts.export(wall_offset), **self.quarantine.export(wall_offset))
 
     def take_over(self, recorded: DurableState, wall_offset: float, grace: float,
@@ -200,6 +204,8 @@ class Rendezvous:
         self.drained = set(recorded.drained)
         self.restarts.take_over(recorded, wall_offset)
         self.quarantine.take_over(recorded.quarantined, wall_offset)
+        if recorded.goodput is not None:
+            self.goodput.take_over(recorded.goodput, wall_offset)
         self.state = JobState.WAITING if recorded.state is JobState.RESTARTING else recorded.state
         if self.state is JobState.RUNNING:
             for m in recorded.members:
@@ -221,6 +227,9 @@ class Rendezvous:
         if node is not None:
             node.progress = progress
             self.restarts.progress(generation, progress.step, progress.checkpoint_step)
+            if self._ranks.get(node_id) == 0 and self.state is JobState.RUNNING:
+                self.goodput.reported(ChiefReport(progress.step, progress.save_seconds, progress.other_seconds,
+                                                  progress.reported_at))
 
     def node_gpus(self, node_id: str, gpus: int, utilization: float) -> None:
         node = self.nodes.get(node_id)
@@ -456,6 +465,7 @@ class Rendezvous:
             return self._finish(JobState.SUCCEEDED, f"training completed on the chief; then {reason.value}: {detail}")
         now = self._clock()
         spec = self._require_spec()
+        self.goodput.restarting(f"{reason.value}: {detail}", planned=not reason.counts_against_budget)
         if self.restarts.budget_exhausted(reason, spec):
             return self._finish(
                 JobState.FAILED,
@@ -483,6 +493,8 @@ class Rendezvous:
     def _try_close_round(self, now: float) -> list[Send]:
         if self.spec is None or self.state not in (JobState.WAITING, JobState.RESTARTING) or self.nodes.any_stopping():
             return []
+        if self.state is JobState.RESTARTING:
+            self.goodput.stopped()
         self.state = JobState.WAITING  # RESTARTING -> WAITING: every old worker is confirmed gone
         spec = self._require_spec()
         waiting = self.nodes.count(NodeState.WAITING)
@@ -510,6 +522,7 @@ class Rendezvous:
         self.generation = max(self.generation, self._seen_generation) + 1
         self.restarts.formed()
         self._reformation.done()
+        self.goodput.formed(self.generation, chosen)
         self._members = chosen
         self._ranks = {node_id: rank for rank, node_id in enumerate(chosen)}
         self.state = JobState.RUNNING  # WAITING -> RUNNING
@@ -559,4 +572,5 @@ class Rendezvous:
     def _finish(self, state: JobState, reason: str) -> list[Send]:
         self.state = state  # RUNNING -> SUCCEEDED, * -> FAILED
         self.reason = reason
+        self.goodput.finished(f"{state.value}: {reason}")
         return [Send(node_id, Finished(state, reason)) for node_id in self.nodes]

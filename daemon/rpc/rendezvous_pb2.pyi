@@ -94,7 +94,7 @@ class Heartbeat(_message.Message):
     def __init__(self) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("step", "loss", "has_loss", "examples", "age_seconds", "checkpoint_step", "steps_per_second", "checkpoint_age_seconds")
+    __slots__ = ("step", "loss", "has_loss", "examples", "age_seconds", "checkpoint_step", "steps_per_second", "checkpoint_age_seconds", "save_seconds", "other_seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class Progress(_message.Message):
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     loss: float
     has_loss: bool
@@ -111,7 +113,9 @@ class Progress(_message.Message):
     checkpoint_step: int
     steps_per_second: float
     checkpoint_age_seconds: float
-    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: bool = ..., examples: _Optional[int] = ..., age_seconds: _Optional[float] = ..., checkpoint_step: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., checkpoint_age_seconds: _Optional[float] = ...) -> None: ...
+    save_seconds: float
+    other_seconds: float
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: bool = ..., examples: _Optional[int] = ..., age_seconds: _Optional[float] = ..., checkpoint_step: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., checkpoint_age_seconds: _Optional[float] = ..., save_seconds: _Optional[float] = ..., other_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerReport(_message.Message):
     __slots__ = ("generation", "status", "exit_code", "pid", "progress", "has_progress", "detail", "gpus", "gpu_utilization")
@@ -284,7 +288,7 @@ class RestartCount(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes", "restarts_total", "restarts_by_reason", "max_restarts", "nodes", "warnings", "steps_redone", "steps_lost", "coordinator", "quarantines")
+    __slots__ = ("job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes", "restarts_total", "restarts_by_reason", "max_restarts", "nodes", "warnings", "steps_redone", "steps_lost", "coordinator", "quarantines", "goodput")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +305,7 @@ class ClusterStatus(_message.Message):
     STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     QUARANTINES_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: JobState
     reason: str
@@ -317,7 +322,50 @@ class ClusterStatus(_message.Message):
     steps_lost: int
     coordinator: CoordinatorInfo
     quarantines: _containers.RepeatedCompositeFieldContainer[QuarantineCount]
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., restarts_total: _Optional[int] = ..., restarts_by_reason: _Optional[_Iterable[_Union[RestartCount, _Mapping]]] = ..., max_restarts: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., steps_redone: _Optional[int] = ..., steps_lost: _Optional[int] = ..., coordinator: _Optional[_Union[CoordinatorInfo, _Mapping]] = ..., quarantines: _Optional[_Iterable[_Union[QuarantineCount, _Mapping]]] = ...) -> None: ...
+    goodput: Goodput
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., restarts_total: _Optional[int] = ..., restarts_by_reason: _Optional[_Iterable[_Union[RestartCount, _Mapping]]] = ..., max_restarts: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., steps_redone: _Optional[int] = ..., steps_lost: _Optional[int] = ..., coordinator: _Optional[_Union[CoordinatorInfo, _Mapping]] = ..., quarantines: _Optional[_Iterable[_Union[QuarantineCount, _Mapping]]] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ...) -> None: ...
+
+class CategorySeconds(_message.Message):
+    __slots__ = ("category", "seconds")
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    category: str
+    seconds: float
+    def __init__(self, category: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class GenerationLine(_message.Message):
+    __slots__ = ("generation", "formed_at", "size", "members", "restored_step", "has_restored_step", "startup_seconds", "has_startup_seconds", "steps_redone", "ended", "seconds")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    FORMED_AT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
+    HAS_RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_STARTUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_REDONE_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    formed_at: float
+    size: int
+    members: _containers.RepeatedScalarFieldContainer[str]
+    restored_step: int
+    has_restored_step: bool
+    startup_seconds: float
+    has_startup_seconds: bool
+    steps_redone: int
+    ended: str
+    seconds: _containers.RepeatedCompositeFieldContainer[CategorySeconds]
+    def __init__(self, generation: _Optional[int] = ..., formed_at: _Optional[float] = ..., size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., restored_step: _Optional[int] = ..., has_restored_step: bool = ..., startup_seconds: _Optional[float] = ..., has_startup_seconds: bool = ..., steps_redone: _Optional[int] = ..., ended: _Optional[str] = ..., seconds: _Optional[_Iterable[_Union[CategorySeconds, _Mapping]]] = ...) -> None: ...
+
+class Goodput(_message.Message):
+    __slots__ = ("seconds", "generations")
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    seconds: _containers.RepeatedCompositeFieldContainer[CategorySeconds]
+    generations: _containers.RepeatedCompositeFieldContainer[GenerationLine]
+    def __init__(self, seconds: _Optional[_Iterable[_Union[CategorySeconds, _Mapping]]] = ..., generations: _Optional[_Iterable[_Union[GenerationLine, _Mapping]]] = ...) -> None: ...
 
 class QuarantineCount(_message.Message):
     __slots__ = ("kind", "count")

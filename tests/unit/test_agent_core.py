@@ -802,3 +802,25 @@ def test_a_join_after_a_generation_names_its_size_for_a_coordinator_that_starts_
     h.core.received(api.StopWorkers(3, api.RestartReason.WORKER_EXIT))
     [join] = joins(h.core.worker_stopped(StopResult(1, True)))
     assert (join.node.last_generation, join.node.last_rank, join.node.last_world_size) == (3, 1, 2)
+
+
+def test_reports_carry_the_time_the_trainer_spent_in_its_saves_and_evaluations() -> None:
+    """For the goodput ledger: a save lasts from its announcement to the next report, or what the fast tier says
+    it held training up; an evaluation from its announcement to the next report."""
+    h = Harness()
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=0, phase=Phase.SETUP))
+    h.core.progress(ProgressMessage(1, 4001, step=10))
+    h.core.progress(ProgressMessage(1, 4001, step=20, phase=Phase.SAVE))
+    h.clock.now += 2.0
+    h.core.progress(ProgressMessage(1, 4001, step=20))  # a save without a measure of its own: 2 s
+    h.core.progress(ProgressMessage(1, 4001, step=30, phase=Phase.SAVE))
+    h.clock.now += 1.0
+    h.core.progress(ProgressMessage(1, 4001, step=30, stall=0.25, checkpoint_step=30))  # the tier's own: 0.25 s
+    h.core.progress(ProgressMessage(1, 4001, step=40, phase=Phase.EVAL))
+    h.clock.now += 5.0
+    h.core.progress(ProgressMessage(1, 4001, step=40))
+    h.core.received(api.Heartbeat())
+    [report] = reports(h.core.tick())
+    assert report.progress is not None
+    assert (report.progress.save_seconds, report.progress.other_seconds) == (2.25, 5.0)

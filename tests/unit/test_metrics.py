@@ -106,6 +106,20 @@ def test_cluster_collector_reads_the_published_snapshot() -> None:
     assert value("tfelastic_cluster_info", {"tfelastic_job": "mnist"}) == 1
 
 
+def test_cluster_collector_exports_the_goodput_ledger_by_category() -> None:
+    from tfelastic.daemon.rendezvous.api import GoodputView
+    from tfelastic.daemon.rendezvous.goodput import CATEGORIES
+
+    seconds = {c: float(i) for i, c in enumerate(CATEGORIES)}
+    snap = ClusterSnapshot(job="mnist", state=JobState.RUNNING, reason="", generation=1, world_size=1, min_nodes=1,
+                           max_nodes=1, max_restarts=3, restarts_total=0, restarts_by_reason={},
+                           goodput=GoodputView(seconds))
+    registry = CollectorRegistry()
+    register_cluster_collector(registry, lambda: snap)
+    assert {c: registry.get_sample_value("tfelastic_job_seconds_total", {"category": c}) for c in CATEGORIES} == \
+        seconds
+
+
 def test_cluster_collector_names_each_quarantined_node_and_counts_quarantines_by_kind() -> None:
     snap = ClusterSnapshot(
         job="mnist", state=JobState.RUNNING, reason="", generation=3, world_size=2, min_nodes=2, max_nodes=3,

@@ -106,7 +106,8 @@ def test_a_refused_write_deposes_the_coordinator_and_nothing_it_held_goes_out() 
 
 
 def test_progress_after_a_failure_writes_nothing_even_as_the_wall_clock_moves() -> None:
-    """Only changes of state are written: the failure times must not be re-derived (and jitter) per write."""
+    """Only changes of state are written: the failure times must not be re-derived (and jitter) per write. The
+    chief's first report ends the generation's start-up in the goodput ledger: that change is written once."""
     async def scenario() -> None:
         store = InMemoryStore()
         clock = FakeClock()
@@ -123,7 +124,8 @@ def test_progress_after_a_failure_writes_nothing_even_as_the_wall_clock_moves() 
             rv.progress("a", 2, WorkerProgress(step=step))
             writer.dispatch([])
             await settle()
-        assert len(store.saved) == saved
+        assert len(store.saved) == saved + 1
+        assert store.saved[-1].goodput is not None and store.saved[-1].goodput["activity"] == "training"
 
     asyncio.run(scenario())
 

@@ -19,6 +19,8 @@ from tfelastic.daemon.rendezvous.api import (
     DuplicateNodeError,
     Evict,
     Finished,
+    GenerationSummary,
+    GoodputView,
     JobClosedError,
     JobSpec,
     JobState,
@@ -36,6 +38,7 @@ from tfelastic.daemon.rendezvous.api import (
     WorkerProgress,
 )
 from tfelastic.daemon.rendezvous.durable import DurableState
+from tfelastic.daemon.rendezvous.goodput import CATEGORIES
 from tfelastic.daemon.rendezvous.restarts import HEALTHY_RUN_SECONDS
 from tfelastic.daemon.rendezvous.state import Rendezvous
 
@@ -944,6 +947,8 @@ def test_snapshot_of_a_running_job() -> None:
             node("c", 2, NodeState.RUNNING),
             node("d", -1, NodeState.WAITING),
         ),
+        goodput=GoodputView(dict.fromkeys(CATEGORIES, 0.0), (GenerationSummary(
+            1, 0.0, 3, ("a", "b", "c"), None, None, 0, "", dict.fromkeys(CATEGORIES, 0.0)),)),
     )
 
 

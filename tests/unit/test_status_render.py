@@ -4,6 +4,7 @@ keys and values are asserted exactly; the table is asserted line by line."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from tfelastic.daemon.status import SCHEMA_VERSION, render_table, status_to_json
 
 TOP_KEYS = ["schema_version", "job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes",
             "max_restarts", "restarts_total", "restarts_by_reason", "nodes", "warnings", "steps_redone", "steps_lost",
-            "coordinator", "quarantines_by_kind"]
+            "coordinator", "quarantines_by_kind", "goodput"]
 NODE_KEYS = ["node_id", "rank", "address", "state", "worker_pid", "step", "loss", "last_checkpoint_step",
              "progress_age_seconds", "steps_per_second", "last_checkpoint_age_seconds", "gpus", "gpu_utilization",
              "quarantine"]
@@ -85,6 +86,7 @@ def test_status_to_json_has_exactly_the_documented_keys_and_values() -> None:
         "steps_lost": 0,
         "coordinator": {"node": "gpu-01", "address": "10.0.0.1:29400", "since": 1795000000.25},
         "quarantines_by_kind": {},
+        "goodput": None,  # the proto has no ledger: an older coordinator's status
     }
     assert SCHEMA_VERSION == 1
     json.dumps(doc)  # serialisable as it is
@@ -125,7 +127,7 @@ def test_an_empty_status_is_a_complete_document() -> None:
     assert doc == {"schema_version": 1, "job": "", "state": "unknown", "reason": "", "generation": 0,
                    "world_size": 0, "min_nodes": 0, "max_nodes": 0, "max_restarts": 0, "restarts_total": 0,
                    "restarts_by_reason": {}, "nodes": [], "warnings": [], "steps_redone": 0, "steps_lost": 0,
-                   "coordinator": None, "quarantines_by_kind": {}}
+                   "coordinator": None, "quarantines_by_kind": {}, "goodput": None}
 
 
 def test_render_table() -> None:
@@ -201,3 +203,56 @@ def test_warnings_and_steps_lost_are_shown() -> None:
     doc = to_json(cluster_status(warnings=[warning], steps_redone=130, steps_lost=100))
     assert (doc["warnings"], doc["steps_redone"], doc["steps_lost"]) == ([warning], 130, 100)
     assert render_table(doc).splitlines()[4] == f"WARNING: {warning}"
+
+
+LEDGER = pb.Goodput(
+    seconds=[pb.CategorySeconds(category=c, seconds=s) for c, s in (
+        ("training", 900.0), ("redone", 30.0), ("startup", 40.0), ("checkpoint", 10.0), ("detection", 15.0),
+        ("stopping", 1.0), ("waiting", 3.0), ("other", 1.0))],
+    generations=[
+        pb.GenerationLine(generation=1, formed_at=WALL, size=2, members=["node-a", "node-b"], restored_step=0,
+                          has_restored_step=True, startup_seconds=20.0, has_startup_seconds=True,
+                          ended="stalled: node-b: no progress for 15.0s",
+                          seconds=[pb.CategorySeconds(category="startup", seconds=20.0),
+                                   pb.CategorySeconds(category="training", seconds=500.0),
+                                   pb.CategorySeconds(category="detection", seconds=15.0)]),
+        pb.GenerationLine(generation=2, formed_at=WALL + 600, size=2, members=["node-a", "node-b"],
+                          restored_step=450, has_restored_step=True, startup_seconds=20.0, has_startup_seconds=True,
+                          steps_redone=30, seconds=[pb.CategorySeconds(category="training", seconds=400.0)]),
+    ])
+
+
+def test_the_goodput_ledger_in_json_and_the_table() -> None:
+    doc = to_json(cluster_status(goodput=LEDGER))
+    assert doc["goodput"] == {
+        "ratio": 0.9, "wall_seconds": 1000.0,
+        "seconds": {"training": 900.0, "redone": 30.0, "startup": 40.0, "checkpoint": 10.0, "detection": 15.0,
+                    "stopping": 1.0, "waiting": 3.0, "other": 1.0},
+        "badput": [{"category": "startup", "seconds": 40.0, "share": 0.04},
+                   {"category": "redone", "seconds": 30.0, "share": 0.03},
+                   {"category": "detection", "seconds": 15.0, "share": 0.015},
+                   {"category": "checkpoint", "seconds": 10.0, "share": 0.01},
+                   {"category": "waiting", "seconds": 3.0, "share": 0.003},
+                   {"category": "stopping", "seconds": 1.0, "share": 0.001},
+                   {"category": "other", "seconds": 1.0, "share": 0.001}]}
+    assert render_table(doc).splitlines()[4] == "goodput 90.0% of 16m40s; badput: startup 4.0%, redone 3.0%, " \
+                                                "detection 1.5%"
+
+
+def test_the_report_has_a_line_per_generation_then_the_totals() -> None:
+    from tfelastic.daemon.rendezvous.convert import goodput_from_proto
+    from tfelastic.daemon.status import render_report, timeline_json
+
+    doc = to_json(cluster_status(goodput=LEDGER))
+    timeline = timeline_json(goodput_from_proto(LEDGER))
+    assert [(g["generation"], g["restored_step"], g["steps_redone"], g["badput_seconds"]) for g in timeline] == [
+        (1, 0, 0, 35.0), (2, 450, 30, 0.0)]
+    lines = render_report(doc, timeline).splitlines()
+    formed = [time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(WALL + t)).split() for t in (0, 600)]
+    assert [line.split() for line in lines[2:5]] == [
+        ["GEN", "FORMED", "MEMBERS", "RESTORED", "REDONE", "STARTUP", "BADPUT", "ENDED"],
+        ["1", *formed[0], "node-a,node-b", "0", "0", "20.0s", "35s", "stalled:", "node-b:", "no", "progress", "for",
+         "15.0s"],
+        ["2", *formed[1], "node-a,node-b", "450", "30", "20.0s", "0s", "(running)"]]
+    assert lines[6] == "goodput 90.0% of 16m40s; badput: startup 4.0%, redone 3.0%, detection 1.5%"
+    assert lines[7].split() == ["training", "15m00s", "90.0%"]

@@ -1,0 +1,255 @@
+"""The job's goodput ledger (pure): where every second of the job went, from its first formation to its end, in
+categories that add up to the wall time. Goodput is ``training / wall``.
+
+The coordinator feeds it its own events (a generation formed, a restart decided, the old workers all gone, the
+verdict) and the chief's progress reports, each with the step it reached and, per generation, how long the
+trainer's saves held it up and how long it spent in announced phases (evaluation). Between two reports:
+
+* the trainer's own save and phase time is ``checkpoint`` and ``other``;
+* the rest is split by steps: steps beyond the furthest step the job had reached are ``training``, steps below it
+  ``redone``;
+* from a generation's formation to its chief's first report that counts is ``startup``;
+* from the chief's last report to a failure's restart decision is ``detection`` (a hang until its verdict, a lost
+  node until its timeout; the fault came after that report); a planned restart's is still training;
+* from the decision until every old worker is gone is ``stopping``; then ``waiting`` until the next formation
+  (backoff, too few nodes, quarantine, the last call).
+
+Every second is in exactly one category and one generation's line: a generation's line runs from its formation to
+the next one's. Times are the coordinator's clock; :meth:`GoodputLedger.export` turns them into wall-clock time so
+that a successor (etcd) continues the ledger.
+
+What it exports changes only when the activity does (a formation, the end of a start-up, a restart, the old
+workers gone, the end), so that the durable state is not written per progress report: it is the ledger as that
+change left it, with the open interval starting there. A successor splits that whole interval by steps at its
+first report, as the ledger splits the interval between two reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+CATEGORIES = ("training", "redone", "startup", "checkpoint", "detection", "stopping", "waiting", "other")
+BADPUT = tuple(c for c in CATEGORIES if c != "training")
+MAX_GENERATIONS = 200  # lines kept for the report; the totals count every generation
+MEMBERS_LISTED = 16  # a line names its first members; it counts them all
+
+Clock = Callable[[], float]
+
+
+def _zero() -> dict[str, float]:
+    return dict.fromkeys(CATEGORIES, 0.0)
+
+
+@dataclass
+class GenerationLine:
+    """One generation in the job's timeline."""
+
+    generation: int
+    formed_at: float  # on the coordinator's clock (wall-clock seconds once exported)
+    size: int
+    members: tuple[str, ...]  # the first MEMBERS_LISTED, in rank order
+    restored_step: int | None = None  # where its chief resumed (its first report that counts)
+    startup_seconds: float | None = None  # formation to that report
+    steps_redone: int = 0
+    ended: str = ""  # why it ended ("" while it runs)
+    seconds: dict[str, float] = field(default_factory=_zero)  # every category, while it was the last formed
+
+    def badput(self) -> float:
+        return sum(self.seconds[c] for c in BADPUT)
+
+    def to_dict(self, wall_offset: float) -> dict[str, Any]:
+        return {"generation": self.generation, "formed_at": self.formed_at + wall_offset, "size": self.size,
+                "members": list(self.members),
+                "restored_step": self.restored_step, "startup_seconds": self.startup_seconds,
+                "steps_redone": self.steps_redone, "ended": self.ended, "seconds": dict(self.seconds)}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any], wall_offset: float) -> GenerationLine:
+        return cls(int(doc["generation"]), float(doc["formed_at"]) - wall_offset, int(doc["size"]),
+                   tuple(str(m) for m in doc["members"]),
+                   None if doc["restored_step"] is None else int(doc["restored_step"]),
+                   None if doc["startup_seconds"] is None else float(doc["startup_seconds"]),
+                   int(doc["steps_redone"]), str(doc["ended"]),
+                   {c: float(doc["seconds"].get(c, 0.0)) for c in CATEGORIES})
+
+
+@dataclass(frozen=True)
+class ChiefReport:
+    """What the ledger needs of a report of the chief: its step, and its save and phase seconds so far in this
+    generation (the agent adds them up)."""
+
+    step: int
+    save_seconds: float = 0.0
+    other_seconds: float = 0.0
+    at: float | None = None  # when the agent read it (on the coordinator's clock); None: now
+
+
+def view_of_export(doc: dict[str, Any], now_wall: float) -> tuple[dict[str, float], list[GenerationLine]]:
+    """The totals and the lines of an exported ledger (read from etcd, with no coordinator to ask), its open
+    interval counted to ``now_wall`` in its category: wall-clock times throughout."""
+    book = GoodputLedger(lambda: now_wall)
+    book.take_over(doc, 0.0)
+    return book.now_totals(), book.lines_now()
+
+
+class GoodputLedger:
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self.totals = _zero()
+        self.lines: deque[GenerationLine] = deque(maxlen=MAX_GENERATIONS)
+        self._activity: str | None = None  # the category time goes to now; None before the first formation
+        self._since = 0.0  # when the open interval started
+        self.furthest_step = -1  # the furthest step the job reached
+        self._last: ChiefReport | None = None  # the chief's last report of this generation
+        self._exported: dict[str, Any] = self._export_now(0.0)  # as the last change of activity left it
+
+    # ------------------------------------------------------------------------------------------------ events
+
+    def formed(self, generation: int, members: Iterable[str]) -> None:
+        now = self._close()
+        members = tuple(members)
+        self.lines.append(GenerationLine(generation, now, len(members), members[:MEMBERS_LISTED]))
+        self._open("startup", now)
+        self._last = None
+
+    def reported(self, report: ChiefReport) -> None:
+        """A progress report of the current generation's chief."""
+        if self._activity not in ("startup", "training"):
+            return
+        now = self._clock() if report.at is None else min(self._clock(), max(self._since, report.at))
+        line = self.lines[-1]
+        if self._activity == "startup":
+            line.startup_seconds = now - self._since
+            line.restored_step = report.step
+            line.steps_redone = max(0, self.furthest_step - report.step)
+            self._add("startup", now - self._since)
+            self._last = report
+            self._open("training", now)
+            return
+        self._split(report, now)
+        self._since, self._last = now, report
+        self.furthest_step = max(self.furthest_step, report.step)
+
+    def restarting(self, reason: str, planned: bool) -> None:
+        """The coordinator decided to restart: the time since the chief's last report is ``detection`` after a
+        failure (the fault came after that report), the last activity's after a planned restart."""
+        if self._activity is None:
+            return
+        now = self._close(detection=not planned)
+        self.lines[-1].ended = reason
+        self._open("stopping", now)
+
+    def stopped(self) -> None:
+        """Every old worker is gone: waiting for the next formation."""
+        if self._activity == "stopping":
+            self._open("waiting", self._close())
+
+    def finished(self, why: str) -> None:
+        if self._activity is None:
+            return
+        now = self._close()
+        if not self.lines[-1].ended:
+            self.lines[-1].ended = why
+        self._open(None, now)
+
+    # ------------------------------------------------------------------------------------------------ reads
+
+    def now_totals(self) -> dict[str, float]:
+        """The totals with the open interval counted in, to this moment (its category so far)."""
+        totals = dict(self.totals)
+        if self._activity is not None:
+            totals[self._open_category()] += max(0.0, self._clock() - self._since)
+        return totals
+
+    def lines_now(self) -> list[GenerationLine]:
+        """The timeline, the open interval counted in the last line."""
+        lines = [dataclasses.replace(line, seconds=dict(line.seconds)) for line in self.lines]
+        if lines and self._activity is not None:
+            lines[-1].seconds[self._open_category()] += max(0.0, self._clock() - self._since)
+        return lines
+
+    def goodput(self) -> float | None:
+        totals = self.now_totals()
+        wall = sum(totals.values())
+        return totals["training"] / wall if wall > 0 else None
+
+    # ------------------------------------------------------------------------------------------- internals
+
+    def _open(self, activity: str | None, now: float) -> None:
+        self._activity, self._since = activity, now
+        self._exported = self._export_now(0.0)
+
+    def _open_category(self) -> str:
+        """Where the open interval goes if it closed now: a training interval without a report is training or
+        redone as its last report was."""
+        activity = self._activity
+        assert activity is not None
+        if activity == "training" and self._last is not None and self._last.step < self.furthest_step:
+            return "redone"
+        return activity
+
+    def _close(self, *, detection: bool = False) -> float:
+        """Adds the open interval to its category (or to detection) and returns now."""
+        now = self._clock()
+        if self._activity is not None:
+            category = "detection" if detection and self._activity == "training" else self._open_category()
+            self._add(category, now - self._since)
+        return now
+
+    def _split(self, report: ChiefReport, now: float) -> None:
+        last = self._last
+        assert last is not None
+        elapsed = max(0.0, now - self._since)
+        saves = min(elapsed, max(0.0, report.save_seconds - last.save_seconds))
+        other = min(elapsed - saves, max(0.0, report.other_seconds - last.other_seconds))
+        self._add("checkpoint", saves)
+        self._add("other", other)
+        rest = elapsed - saves - other
+        steps = report.step - last.step
+        if steps <= 0:
+            self._add("redone" if last.step < self.furthest_step else "training", rest)
+            return
+        redone = min(steps, max(0, self.furthest_step - last.step))
+        self._add("redone", rest * redone / steps)
+        self._add("training", rest * (steps - redone) / steps)
+
+    def _add(self, category: str, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self.totals[category] += seconds
+        if self.lines:
+            self.lines[-1].seconds[category] += seconds
+
+    # ------------------------------------------------------------------------------------------- durability
+
+    def export(self, wall_offset: float) -> dict[str, Any]:
+        """The ledger for the durable state, as the last change of activity left it, with times as wall-clock
+        seconds (``wall_offset``: wall clock minus this clock)."""
+        doc = dict(self._exported)
+        doc["since"] += wall_offset
+        doc["lines"] = [{**line, "formed_at": line["formed_at"] + wall_offset} for line in doc["lines"]]
+        return doc
+
+    def _export_now(self, wall_offset: float) -> dict[str, Any]:
+        last = self._last
+        return {"totals": dict(self.totals), "activity": self._activity, "since": self._since + wall_offset,
+                "furthest_step": self.furthest_step,
+                "last": None if last is None else [last.step, last.save_seconds, last.other_seconds],
+                "lines": [line.to_dict(wall_offset) for line in self.lines]}
+
+    def take_over(self, doc: dict[str, Any], wall_offset: float) -> None:
+        """Continues a ledger a predecessor exported: its open interval goes on from where it started."""
+        self.totals = {c: float(doc["totals"].get(c, 0.0)) for c in CATEGORIES}
+        self.lines = deque((GenerationLine.from_dict(line, wall_offset) for line in doc["lines"]),
+                           maxlen=MAX_GENERATIONS)
+        activity = doc["activity"]
+        self._activity = activity if activity in CATEGORIES or activity == "training" else None
+        self._since = min(float(doc["since"]) - wall_offset, self._clock())
+        self.furthest_step = int(doc["furthest_step"])
+        last = doc["last"]
+        self._last = None if last is None else ChiefReport(int(last[0]), float(last[1]), float(last[2]))
+        self._exported = self._export_now(0.0)

@@ -1,0 +1,80 @@
+"""The goodput ledger end to end: real agents, a killed worker, `tfelastic report` from the coordinator while the
+job runs, and from etcd after a job on etcd ended (no coordinator leads it any more)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cluster import COUNTER, kill, members, scrape
+from tests.conftest import ClusterFactory
+from tests.etcd import EtcdCluster
+
+pytestmark = pytest.mark.integration
+
+TRAINER = [sys.executable, COUNTER]
+FAST = ["--stop-grace", "2", "--last-call", "0.5", "--settle", "1"]
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
+    folder = tmp_path / "etcd"
+    folder.mkdir()
+    cluster = EtcdCluster(folder).start()
+    yield cluster
+    cluster.stop()
+
+
+def report(rendezvous: str, *extra: str) -> dict[str, Any]:
+    result = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "report", "--json", "--rendezvous",
+                             rendezvous, *extra], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    doc: dict[str, Any] = json.loads(result.stdout)
+    return doc
+
+
+def test_a_running_jobs_report_and_metrics_account_for_a_killed_worker(make_cluster: ClusterFactory) -> None:
+    cluster = make_cluster(TRAINER, extra_args=FAST, env={"COUNTER_STEPS": "100000"})
+    cluster.start_host("a")
+    cluster.start("b")
+    doc = cluster.wait_running(1, 2, step=20)
+    kill(members(doc)[0]["worker_pid"])  # the chief
+    doc = cluster.wait_running(2, 2, step=doc["nodes"][0]["step"] + 20, timeout=60)
+    ledger = report(str(cluster.endpoint))
+    assert ledger["source"] == "coordinator"
+    first, second = ledger["generations"]
+    assert first["ended"].startswith("worker_exit: a: trainer was killed by SIGKILL"), first
+    assert (first["restored_step"], second["ended"]) == (1, "")  # its first report after start-up
+    assert second["restored_step"] is not None and second["restored_step"] > 0  # from the counter's step file
+    goodput = ledger["goodput"]
+    assert 0.0 < goodput["ratio"] < 1.0
+    assert goodput["seconds"]["startup"] > 0 and goodput["seconds"]["training"] > 0
+    assert abs(sum(goodput["seconds"].values()) - goodput["wall_seconds"]) < 1e-2
+    _, samples = scrape(f"http://{cluster.agents[0].metrics_address()}/metrics")
+    metric = {c: samples.get(("tfelastic_job_seconds_total", (("category", c),))) for c in goodput["seconds"]}
+    assert all(value is not None for value in metric.values()), metric
+    assert metric["training"] >= goodput["seconds"]["training"] * 0.5  # scraped a moment apart
+    cluster.stop()
+
+
+def test_the_report_of_an_ended_job_on_etcd_comes_from_etcd(make_cluster: ClusterFactory, etcd: EtcdCluster) -> None:
+    cluster = make_cluster(TRAINER, extra_args=FAST, env={"COUNTER_STEPS": "80"}, etcd=etcd.url)
+    cluster.start("a")
+    cluster.start("b")
+    doc = cluster.wait_running(1, 2, step=10)
+    kill(members(doc)[1]["worker_pid"])
+    assert cluster.wait_all(90) == [0, 0], cluster.logs()
+    ledger = report(etcd.url)
+    assert ledger["source"] == "etcd" and ledger["state"] == "succeeded"
+    assert [g["generation"] for g in ledger["generations"]] == [1, 2]
+    assert ledger["generations"][-1]["ended"] == "succeeded: every trainer of generation 2 exited 0"
+    assert 0.0 < ledger["goodput"]["ratio"] < 1.0
+    text = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "report", "--rendezvous", etcd.url],
+                          capture_output=True, text=True, timeout=60)
+    assert text.returncode == 0 and "goodput " in text.stdout and "  training " in text.stdout, text
