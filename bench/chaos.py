@@ -51,7 +51,7 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,10 +61,13 @@ from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.exit_codes import ExitCode
 
 from bench.common import read_events
+from bench.ledger_check import LedgerCheck
+from bench.ledger_check import check as check_ledger
 from tests.cluster import Agent, Cluster, members, processes_of, wait_for
 from tests.etcd import EtcdCluster, leader_of
 from tests.trainers.ledger import chain, checkpoints
 
+STEP_SECONDS = 0.05  # the ledger trainer's
 LEDGER = [sys.executable, str(Path(__file__).resolve().parent.parent / "tests" / "trainers" / "ledger.py")]
 NODES = ("a", "b", "c")
 QUARANTINE_WINDOW = 4.0
@@ -118,12 +121,13 @@ class Soak:
     violations: list[str] = field(default_factory=list)
     exits: list[tuple[str, int]] = field(default_factory=list)  # agents that ended by themselves
     torn_restores: int = 0
-    settled_restarts: Counter[str] | None = None  # the restarts counted when the last fault had been recovered
-    settled_generation: int = 0  # the generation then
+    ledger: LedgerCheck | None = None  # the job's goodput ledger against the outside, once it ended
+    settled_generation: int = 0  # the job's generation once the last fault was recovered (or at the start)
 
     def __post_init__(self) -> None:
         env: dict[str, str | None] = {"LEDGER_EVENTS": str(self.events), "LEDGER_CONTROL_DIR": str(self.control),
-               "LEDGER_TARGET_FILE": str(self.target_file), "LEDGER_STEPS": "1000000000"}
+               "LEDGER_TARGET_FILE": str(self.target_file), "LEDGER_STEPS": "1000000000",
+               "LEDGER_STEP_SECONDS": str(STEP_SECONDS)}
         self.control.mkdir()
         flags = list(FLAGS) + ([] if self.stall_timeout == "learned" else ["--stall-timeout", self.stall_timeout])
         if self.hosts.netns:
@@ -318,14 +322,15 @@ def inject(soak: Soak, kind: str, last_strike: float) -> Result:
     if kind in STRIKES and wait > 0:
         time.sleep(wait)  # two faults must not add up to a quarantine by chance
     before = soak.status()
-    check_uncaused_restarts(soak, before)
+    if before["generation"] != soak.settled_generation:  # a restart with no fault injected: a false stall verdict
+        soak.violations.append(uncaused(range(soak.settled_generation + 1, before["generation"] + 1)))
     started = time.monotonic()
     node = getattr(soak, kind)(before)
     after = soak.wait(lambda d: d["generation"] > before["generation"] and soak.training(soak.furthest(before))(d),
                       f"recovery from {kind} of {node}")
     seconds = time.monotonic() - started
     restarts = Counter(after["restarts_by_reason"]) - Counter(before["restarts_by_reason"])
-    soak.settled_restarts, soak.settled_generation = Counter(after["restarts_by_reason"]), after["generation"]
+    soak.settled_generation = after["generation"]
     if not expected_restarts(kind, restarts):
         soak.violations.append(f"{kind} of {node}: restarts {dict(restarts)} are not what this fault causes")
     if kind == "hang":
@@ -333,10 +338,8 @@ def inject(soak: Soak, kind: str, last_strike: float) -> Result:
     return Result(kind, node, seconds, restarts)
 
 
-def check_uncaused_restarts(soak: Soak, doc: dict[str, Any]) -> None:
-    """No restart since the last fault was recovered (a false stall verdict, say): none was injected."""
-    if soak.settled_restarts is not None and (uncaused := Counter(doc["restarts_by_reason"]) - soak.settled_restarts):
-        soak.violations.append(f"restarts {dict(uncaused)} after the last fault was recovered, with none injected")
+def uncaused(generations: Iterable[int]) -> str:
+    return f"generations {list(generations)} started after the last fault was recovered, with none injected"
 
 
 def schedule(rng: random.Random, count: int, kinds: tuple[str, ...]) -> list[str]:
@@ -361,8 +364,6 @@ def restarts_on_metrics(soak: Soak, node: str) -> dict[str, int]:
 def finish(soak: Soak) -> None:
     """Let the job end at a known step, then check everything the soak promises."""
     doc = soak.status()
-    check_uncaused_restarts(soak, doc)
-    soak.settled_generation = doc["generation"]  # the job's last: it runs to the target without a fault
     deadline = time.monotonic() + 5.0  # /metrics shows what the coordinator published at its last heartbeat
     while (counted := restarts_on_metrics(soak, soak.leader())) != doc["restarts_by_reason"] and \
             time.monotonic() < deadline:
@@ -379,11 +380,12 @@ def finish(soak: Soak) -> None:
     if not ends or any((e["step"], e["digest"]) != (target, expected) for e in ends):
         soak.violations.append(f"the job did not end at step {target} with the chain's digest: {ends}")
     events = read_events(soak.events)
+    soak.ledger = check_ledger(soak.etcd.url, soak.events, target, STEP_SECONDS)
     soak.torn_restores = sum(1 for e in events if e["event"] == "start" and e["torn"])
     soak.violations += stale_saves(events)
     if late := sorted({e["generation"] for e in events if e["event"] == "start"
-                       and e["generation"] > soak.settled_generation}):
-        soak.violations.append(f"generations {late} started after the last fault was recovered, with none injected")
+                       and e["generation"] > soak.settled_generation}):  # on the way to the target, too
+        soak.violations.append(uncaused(late))
     documented = {int(code) for code in ExitCode}
     for node, code in soak.exits:
         if code not in documented:
@@ -437,7 +439,7 @@ def run_soak(faults: int, seed: int, tmp: Path, hosts: Hosts, only: tuple[str, .
     try:
         for node in NODES:
             soak.start(node)
-        soak.wait(soak.training(0), "three members training")
+        soak.settled_generation = soak.wait(soak.training(0), "three members training")["generation"]
         last_strike = 0.0
         for i, kind in enumerate(schedule(rng, faults, kinds), 1):
             result = inject(soak, kind, last_strike)
@@ -471,6 +473,8 @@ def report(results: list[Result], soak: Soak) -> None:
               f"max {max(times):6.2f}s")
     total = sum((r.restarts for r in results), Counter())
     print(f"restarts: {dict(sorted(total.items()))}")
+    for line in soak.ledger.lines() if soak.ledger is not None else ["goodput ledger: not read"]:
+        print(line)
     # Not a violation (the agent still exits with its code), but a hang on the way out that the bound cut short.
     bounded = [line for agent in soak.agents.values() for line in agent.log().splitlines()
                if any(mark in line for mark in BOUNDED_EXIT)]

@@ -21,6 +21,10 @@ Schedules (seconds from the launch; a fault falls wherever the job is then):
           bench's sitecustomize sleeps forever in the main thread, while TensorFlow's own threads run on), and at
           90 s an agent SIGKILLed and restarted 1 s later as systemd would; for (c), which has no agent, a
           worker SIGKILL stands in for the node's loss
+The job's own goodput ledger (docs/goodput.md) is printed beside (a) and (b): its training / wall from the first
+formation to the end, next to the same ratio measured from outside, "training goodput": the fault-free run's
+training time (from its first step's end to its last step's, by hand, the example's own clock) over the run's time
+from its first generation's launch to the job's verdict (the agents' log lines).
 A run that is not done ``--cap`` seconds after the fault-free time is stopped and reported as stalled (the
 loop of (c) has no hang detection: a live hang stalls it for good). Both variants (a) and (b) get
 --max-restarts 10 so that the budget, which is not what is measured, does not end a run. Traffic stays on
@@ -33,6 +37,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,6 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import free_port
@@ -77,6 +83,34 @@ class Run:
     seconds: float
     finished: bool
     faults: list[str] = field(default_factory=list)
+    ledger: dict[str, Any] | None = None  # status's goodput object at the end (a job with us)
+    window: float | None = None  # from the first generation's launch to the verdict, from the agents' logs
+
+
+@dataclass
+class Reference:
+    seconds: float  # the fault-free run by hand, launch to exit
+    train_seconds: float  # its training: the chief's first step's end to its last step's
+
+
+LOG_TIME = re.compile(r"^(\d\d):(\d\d):(\d\d\.\d{3}) ")
+
+
+def log_time(line: str) -> float:
+    found = LOG_TIME.match(line)
+    assert found, line
+    hours, minutes, seconds = found.groups()
+    return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+
+
+def launch_to_verdict(logs: str) -> float | None:
+    """Seconds from generation 1's first launch to the job's verdict, as the agents logged them."""
+    lines = logs.splitlines()
+    launched = [log_time(line) for line in lines if "generation 1: started worker" in line]
+    verdict = [log_time(line) for line in lines if "tfelastic.agent: job succeeded" in line]
+    if not launched or not verdict:
+        return None
+    return (max(verdict) - min(launched)) % 86400  # a run across midnight
 
 
 class FaultClock:
@@ -113,7 +147,8 @@ def _launch_by_hand(tmp: Path, steps: int, env: dict[str, str]) -> list[subproce
     for rank in range(2):
         tf_config = json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}})
         procs.append(subprocess.Popen(
-            [sys.executable, *example_args(steps, plain=True), "--backup-dir", str(tmp / "backup")],
+            [sys.executable, *example_args(steps, plain=True), "--backup-dir", str(tmp / "backup"),
+             "--summary-file", str(tmp / "summary.jsonl")],
             env=dict(os.environ, **env, TF_CONFIG=tf_config), cwd=tmp, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True))
     return procs
@@ -126,7 +161,8 @@ def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
         p.wait()
 
 
-def without_us(steps: int, schedule: list[tuple[float, str]], cap: float) -> Run:
+def without_us(steps: int, schedule: list[tuple[float, str]], cap: float,
+               summaries: list[dict[str, Any]] | None = None) -> Run:
     """The relaunch loop: start both workers; when one exits non-zero, kill all and start again."""
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -146,6 +182,8 @@ def without_us(steps: int, schedule: list[tuple[float, str]], cap: float) -> Run
                 faults.tick()
                 codes = [p.poll() for p in procs]
                 if all(c == 0 for c in codes):
+                    if summaries is not None and (tmp / "summary.jsonl").exists():
+                        summaries += [json.loads(line) for line in (tmp / "summary.jsonl").read_text().splitlines()]
                     return Run(time.monotonic() - faults.start, True, faults.done)
                 if any(c not in (None, 0) for c in codes):
                     _kill_all(procs)
@@ -189,22 +227,42 @@ def with_us(steps: int, schedule: list[tuple[float, str]], cap: float, defaults:
         faults = FaultClock(schedule, inject)
         cluster.start_host("a", timeout=60)
         cluster.start("b")
+        ledger: dict[str, Any] | None = None
+        polled = 0.0
         try:
             while time.monotonic() - faults.start < cap:
                 faults.tick()
+                if time.monotonic() - polled >= 0.5:  # the ledger as the coordinator last told it
+                    polled = time.monotonic()
+                    doc = cluster.status()
+                    ledger = doc["goodput"] if doc is not None and doc.get("goodput") else ledger
                 if all(a.proc.poll() is not None for a in cluster.agents):
                     finished = all(a.proc.returncode == 0 for a in cluster.agents)
-                    return Run(time.monotonic() - faults.start, finished, faults.done)
+                    return Run(time.monotonic() - faults.start, finished, faults.done, ledger,
+                               launch_to_verdict(cluster.logs()))
                 time.sleep(0.05)
             return Run(time.monotonic() - faults.start, False, faults.done)
         finally:
             cluster.stop()
 
 
-def fault_free(steps: int) -> float:
-    run = without_us(steps, [], cap=3600)
+def fault_free(steps: int) -> Reference:
+    summaries: list[dict[str, Any]] = []
+    run = without_us(steps, [], cap=3600, summaries=summaries)
     assert run.finished, "the fault-free run did not finish"
-    return run.seconds
+    [chief] = [s for s in summaries if s["rank"] == 0 and not s["preempted"]]
+    return Reference(run.seconds, chief["train_seconds"])
+
+
+def ledger_line(run: Run, reference: Reference) -> str:
+    """The ledger's goodput beside the same ratio measured from outside."""
+    if run.ledger is None or run.ledger.get("ratio") is None or run.window is None:
+        return "no ledger read"
+    outside = reference.train_seconds / run.window
+    ledger = run.ledger["ratio"]
+    top = ", ".join(f"{b['category']} {100 * b['share']:.1f}%" for b in run.ledger["badput"][:4])
+    return (f"ledger goodput {ledger:.3f} vs training goodput from outside {outside:.3f} "
+            f"({100 * (ledger - outside):+.1f} pp); ledger's badput: {top}")
 
 
 def main() -> None:
@@ -218,18 +276,22 @@ def main() -> None:
         # This machine's speed drifts by up to 1.5x over minutes: the fault-free time is measured before and
         # after the variants, and their mean is the reference.
         before = fault_free(args.steps)
-        cap = before + args.cap
+        cap = before.seconds + args.cap
         runs = {"(a) tfelastic defaults": with_us(args.steps, schedule, cap, defaults=True),
                 "(b) tfelastic, warm start and fast tier off": with_us(args.steps, schedule, cap, defaults=False),
                 "(c) MWMS + BackupAndRestore(100) + relaunch loop": without_us(args.steps, schedule, cap)}
         after = fault_free(args.steps)
-        reference = (before + after) / 2
-        print(f"schedule {name}: fault-free by hand {before:.1f}s before, {after:.1f}s after ({args.steps} steps)",
+        reference = (before.seconds + after.seconds) / 2
+        training = Reference(reference, (before.train_seconds + after.train_seconds) / 2)
+        print(f"schedule {name}: fault-free by hand {before.seconds:.1f}s before, {after.seconds:.1f}s after "
+              f"({args.steps} steps; training {before.train_seconds:.1f}s and {after.train_seconds:.1f}s of them)",
               flush=True)
         for label, run in runs.items():
             verdict = (f"{run.seconds:6.1f}s  goodput {reference / run.seconds:.3f}" if run.finished
                        else f"stalled: not done after {run.seconds:.0f}s (goodput < {reference / run.seconds:.3f})")
             print(f"  {label:50s} {verdict}   faults: {'; '.join(run.faults)}", flush=True)
+            if label.startswith(("(a)", "(b)")) and run.finished:
+                print(f"      {ledger_line(run, training)}", flush=True)
         a, c = runs["(a) tfelastic defaults"], runs["(c) MWMS + BackupAndRestore(100) + relaunch loop"]
         print(f"  (a)/(c) goodput ratio: {c.seconds / a.seconds:.2f}{'' if c.finished else ' (at least)'}",
               flush=True)

@@ -17,7 +17,7 @@ from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.preflight import check_tls_files
 from tfelastic.daemon.rendezvous.api import GenerationSummary, GoodputView
 from tfelastic.daemon.rendezvous.durable import DurableState
-from tfelastic.daemon.rendezvous.goodput import view_of_export
+from tfelastic.daemon.rendezvous.goodput import ledger_of_export
 from tfelastic.daemon.status import goodput_json, render_report, status_to_json, timeline_json
 
 
@@ -85,7 +85,7 @@ def _from_etcd(config: OperatorConfig) -> dict[str, Any]:
 def _view(recorded: DurableState) -> GoodputView | None:
     if recorded.goodput is None:
         return None
-    totals, lines = view_of_export(recorded.goodput, time.time())
-    return GoodputView(totals, tuple(GenerationSummary(
+    ledger = ledger_of_export(recorded.goodput, time.time())
+    return GoodputView(ledger.now_totals(), tuple(GenerationSummary(
         line.generation, line.formed_at, line.size, line.members, line.restored_step, line.startup_seconds,
-        line.steps_redone, line.ended, line.seconds) for line in lines))
+        line.steps_redone, line.ended, line.seconds) for line in ledger.lines_now()), ledger.steps_redone)

@@ -53,6 +53,7 @@ def goodput_json(view: GoodputView | None) -> dict[str, Any] | None:
     return {"ratio": round(view.seconds.get("training", 0.0) / wall, 4) if wall > 0 else None,
             "wall_seconds": round(wall, 3),
             "seconds": {c: round(s, 3) for c, s in view.seconds.items()},
+            "steps_redone": view.steps_redone,
             "badput": [{"category": c, "seconds": round(s, 3), "share": round(s / wall, 4)} for c, s in badput]}
 
 

@@ -58,12 +58,22 @@ def datasets(data: common.Data, plan: BatchPlan, seed: int) -> tuple[Any, Any]:
 
 
 class StepProbe(keras.callbacks.Callback):  # type: ignore[misc]
-    """Records the step fit resumed at; sleeps ``--step-seconds`` after each step."""
+    """Records the step fit resumed at and when its first and last steps ended; sleeps ``--step-seconds`` after
+    each step."""
 
     def __init__(self, step_seconds: float) -> None:
         super().__init__()
         self.step_seconds = step_seconds
         self.initial_step = 0
+        self.first_step_end: float | None = None
+        self.last_step_end: float | None = None
+
+    @property
+    def train_seconds(self) -> float | None:
+        """From the end of the first step (which traces and compiles) to the end of the last."""
+        if self.first_step_end is None or self.last_step_end is None:
+            return None
+        return self.last_step_end - self.first_step_end
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self.initial_step = int(self.model.optimizer.iterations.numpy())
@@ -72,6 +82,9 @@ class StepProbe(keras.callbacks.Callback):  # type: ignore[misc]
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self.step_seconds:
             time.sleep(self.step_seconds)
+        self.last_step_end = time.monotonic()
+        if self.first_step_end is None:
+            self.first_step_end = self.last_step_end
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         print(f"training done at step {int(self.model.optimizer.iterations.numpy())}", flush=True)
@@ -110,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     exported = export_model(model, args.export_dir, strategy) if args.export_dir else None
     train_loss = (history.history.get("loss") or [None])[-1]  # no epoch ran when resumed at the end
     common.emit_summary(args, EXAMPLE, preempted=False, final_step=int(model.optimizer.iterations.numpy()),
-                        initial_step=probe.initial_step, fit_seconds=fit_seconds, train_loss=train_loss,
+                        initial_step=probe.initial_step, fit_seconds=fit_seconds,
+                        train_seconds=probe.train_seconds, train_loss=train_loss,
                         loss=float(loss),
                         accuracy=float(accuracy), exported=exported, weights_digest=common.final_weights(model, args),
                         **fields)

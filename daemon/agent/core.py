@@ -364,7 +364,10 @@ class AgentCore:
             return []
         log.info("generation %d: stopping the worker (%s)", order.generation, reason.value)
         self._rejoin_session = self._contact.session  # the Join after the stop confirms the worker is gone
-        return [Announce(f"restarting: {reason.value}"),
+        # The steps the trainer made since the last heartbeat: the coordinator counts the next generation's
+        # redone steps from the furthest one.
+        unsent = self.trainer.progress_report() if self.worker.state is WorkerState.RUNNING else None
+        return [Announce(f"restarting: {reason.value}"), *([unsent] if unsent else []),
                 *self._stop(reason.value, planned=not reason.counts_against_budget)]
 
     def _finished(self, order: api.Finished) -> list[Action]:

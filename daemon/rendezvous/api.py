@@ -298,6 +298,7 @@ class GoodputView:
 
     seconds: dict[str, float]
     generations: tuple[GenerationSummary, ...] = ()
+    steps_redone: int = 0  # of every generation, those dropped from the timeline too
 
 
 @dataclass(frozen=True)

@@ -88,12 +88,12 @@ class ChiefReport:
     at: float | None = None  # when the agent read it (on the coordinator's clock); None: now
 
 
-def view_of_export(doc: dict[str, Any], now_wall: float) -> tuple[dict[str, float], list[GenerationLine]]:
-    """The totals and the lines of an exported ledger (read from etcd, with no coordinator to ask), its open
-    interval counted to ``now_wall`` in its category: wall-clock times throughout."""
+def ledger_of_export(doc: dict[str, Any], now_wall: float) -> GoodputLedger:
+    """An exported ledger (read from etcd, with no coordinator to ask) as of ``now_wall``, its open interval counted
+    in its category: wall-clock times throughout."""
     book = GoodputLedger(lambda: now_wall)
     book.take_over(doc, 0.0)
-    return book.now_totals(), book.lines_now()
+    return book
 
 
 class GoodputLedger:
@@ -104,6 +104,7 @@ class GoodputLedger:
         self._activity: str | None = None  # the category time goes to now; None before the first formation
         self._since = 0.0  # when the open interval started
         self.furthest_step = -1  # the furthest step the job reached
+        self.steps_redone = 0  # every generation's, the lines dropped from the timeline too
         self._last: ChiefReport | None = None  # the chief's last report of this generation
         self._exported: dict[str, Any] = self._export_now(0.0)  # as the last change of activity left it
 
@@ -126,6 +127,7 @@ class GoodputLedger:
             line.startup_seconds = now - self._since
             line.restored_step = report.step
             line.steps_redone = max(0, self.furthest_step - report.step)
+            self.steps_redone += line.steps_redone
             self._add("startup", now - self._since)
             self._last = report
             self._open("training", now)
@@ -133,6 +135,10 @@ class GoodputLedger:
         self._split(report, now)
         self._since, self._last = now, report
         self.furthest_step = max(self.furthest_step, report.step)
+
+    def reached(self, step: int) -> None:
+        """The chief's last step before its generation stopped, reported after the restart decision."""
+        self.furthest_step = max(self.furthest_step, step)
 
     def restarting(self, reason: str, planned: bool) -> None:
         """The coordinator decided to restart: the time since the chief's last report is ``detection`` after a
@@ -237,7 +243,7 @@ class GoodputLedger:
     def _export_now(self, wall_offset: float) -> dict[str, Any]:
         last = self._last
         return {"totals": dict(self.totals), "activity": self._activity, "since": self._since + wall_offset,
-                "furthest_step": self.furthest_step,
+                "furthest_step": self.furthest_step, "steps_redone": self.steps_redone,
                 "last": None if last is None else [last.step, last.save_seconds, last.other_seconds],
                 "lines": [line.to_dict(wall_offset) for line in self.lines]}
 
@@ -250,6 +256,7 @@ class GoodputLedger:
         self._activity = activity if activity in CATEGORIES or activity == "training" else None
         self._since = min(float(doc["since"]) - wall_offset, self._clock())
         self.furthest_step = int(doc["furthest_step"])
+        self.steps_redone = int(doc.get("steps_redone", 0))
         last = doc["last"]
         self._last = None if last is None else ChiefReport(int(last[0]), float(last[1]), float(last[2]))
         self._exported = self._export_now(0.0)

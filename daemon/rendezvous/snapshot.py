@@ -39,7 +39,7 @@ def _goodput(rv: Rendezvous) -> GoodputView:
     return GoodputView(ledger.now_totals(), tuple(
         GenerationSummary(line.generation, line.formed_at + rv.wall_offset, line.size, line.members,
                           line.restored_step, line.startup_seconds, line.steps_redone, line.ended, line.seconds)
-        for line in ledger.lines_now()))
+        for line in ledger.lines_now()), ledger.steps_redone)
 
 
 def _node(rv: Rendezvous, node_id: str) -> NodeSnapshot:

@@ -223,6 +223,12 @@ class Rendezvous:
             node.worker_pid = pid
 
     def progress(self, node_id: str, generation: int, progress: WorkerProgress) -> None:
+        if self.state is JobState.RESTARTING and generation == self.generation and node_id in self._ranks:
+            # Its last steps before the stop: the furthest step the next generation's redone steps count from.
+            self.restarts.resumes.reached(progress.step, progress.checkpoint_step)
+            if self._ranks[node_id] == 0:
+                self.goodput.reached(progress.step)
+            return
         node = self._member_of(node_id, generation)
         if node is not None:
             node.progress = progress

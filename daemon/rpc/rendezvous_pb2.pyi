@@ -360,12 +360,14 @@ class GenerationLine(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., formed_at: _Optional[float] = ..., size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., restored_step: _Optional[int] = ..., has_restored_step: bool = ..., startup_seconds: _Optional[float] = ..., has_startup_seconds: bool = ..., steps_redone: _Optional[int] = ..., ended: _Optional[str] = ..., seconds: _Optional[_Iterable[_Union[CategorySeconds, _Mapping]]] = ...) -> None: ...
 
 class Goodput(_message.Message):
-    __slots__ = ("seconds", "generations")
+    __slots__ = ("seconds", "generations", "steps_redone")
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_REDONE_FIELD_NUMBER: _ClassVar[int]
     seconds: _containers.RepeatedCompositeFieldContainer[CategorySeconds]
     generations: _containers.RepeatedCompositeFieldContainer[GenerationLine]
-    def __init__(self, seconds: _Optional[_Iterable[_Union[CategorySeconds, _Mapping]]] = ..., generations: _Optional[_Iterable[_Union[GenerationLine, _Mapping]]] = ...) -> None: ...
+    steps_redone: int
+    def __init__(self, seconds: _Optional[_Iterable[_Union[CategorySeconds, _Mapping]]] = ..., generations: _Optional[_Iterable[_Union[GenerationLine, _Mapping]]] = ..., steps_redone: _Optional[int] = ...) -> None: ...
 
 class QuarantineCount(_message.Message):
     __slots__ = ("kind", "count")

@@ -22,8 +22,10 @@ default LEDGER_STEPS, 100), LEDGER_STEP_SECONDS (default 0.05), LEDGER_CONTROL_D
 a generation: this rank of that generation stops stepping and stays alive, a live hang; while <dir>/bad-<node>
 exists the rank exits 1 at start, a bad GPU), LEDGER_EVENTS (one JSON line per start and end).
 
-Progress: a report per step, announcing start-up and saves as the library's trainers do (so that an agent with
-the default hang detection learns the step times: docs/configuration.md).
+Progress: a report per step, announcing start-up, the step it restored and saves as the library's trainers do (so
+that an agent with the default hang detection learns the step times: docs/configuration.md). Each rank keeps the
+furthest step it applied in LEDGER_EVENTS.reached-<generation>-<rank> (rewritten in place every step), so that a
+soak can count the steps redone after each restart itself.
 """
 
 from __future__ import annotations
@@ -178,7 +180,9 @@ def main() -> int:
     reporter = ProgressReporter.from_env(min_interval=0)
     reporter.report(0, phase=Phase.SETUP)  # as the library's trainers do: the agent then learns the step times
     step, digest, torn = restore(backup)
+    reporter.report(step, phase=Phase.SETUP, restored_tier="shared", restored_step=step)  # where it resumes
     event("start", step=step, torn=torn)
+    reached = os.open(f"{events}.reached-{generation}-{rank}", os.O_WRONLY | os.O_CREAT, 0o644) if events else -1
     workers = json.loads(env["TF_CONFIG"])["cluster"]["worker"]
     try:
         ring = Ring(workers, rank, peer_timeout)
@@ -197,6 +201,8 @@ def main() -> int:
         except (OSError, ConnectionError) as e:
             return block_then_fail(e, peer_timeout, stopping)
         step, digest = step + 1, advance(digest, step + 1)
+        if reached >= 0:
+            os.pwrite(reached, f"{step:012d}".encode(), 0)
         saving = rank == 0 and (step % save_every == 0 or stopping)
         if saving:
             reporter.report(step, phase=Phase.SAVE)

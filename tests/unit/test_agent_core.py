@@ -824,3 +824,15 @@ def test_reports_carry_the_time_the_trainer_spent_in_its_saves_and_evaluations()
     [report] = reports(h.core.tick())
     assert report.progress is not None
     assert (report.progress.save_seconds, report.progress.other_seconds) == (2.25, 5.0)
+
+
+def test_a_stop_order_sends_the_progress_the_coordinator_has_not_seen_first() -> None:
+    h = Harness()
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=10))  # the first report goes out at once
+    h.core.progress(ProgressMessage(1, 4001, step=17))  # waits for the next heartbeat
+    actions = h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    [report] = reports(actions)
+    assert report.progress is not None and report.progress.step == 17
+    kinds = [type(a) for a in actions]
+    assert kinds.index(Send) < kinds.index(Stop)  # before the trainer is stopped

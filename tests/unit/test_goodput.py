@@ -244,3 +244,26 @@ def test_the_ledger_goes_to_the_durable_state_and_a_successor_continues_it() -> 
     goodput = successor.snapshot().goodput
     assert goodput is not None and round(goodput.seconds["training"], 6) == 9.0
     assert round(goodput.seconds["startup"], 6) == 2.0
+
+
+def test_the_chiefs_last_steps_reported_after_the_restart_decision_count_as_reached() -> None:
+    """Its agent sends what the trainer reported since the last heartbeat when it is told to stop: the next
+    generation's steps below it are redone."""
+    from tfelastic.daemon.rendezvous.api import RestartReason, WorkerProgress
+
+    from tests.unit.test_rendezvous_state import at, rejoin_all, running
+
+    clock = FakeClock(0.0)
+    rv = running(clock, ["a", "b"])
+    at(clock, rv, clock.now + 1.0)
+    rv.progress("a", 1, WorkerProgress(step=0, reported_at=clock.now))
+    at(clock, rv, clock.now + 5.0)
+    rv.progress("a", 1, WorkerProgress(step=100, reported_at=clock.now))
+    rv.worker_failed("b", 1, RestartReason.WORKER_EXIT, "exit 1")
+    rv.progress("a", 1, WorkerProgress(step=108, reported_at=clock.now))  # the flush at the stop order
+    rv.progress("b", 1, WorkerProgress(step=109, reported_at=clock.now))  # not the chief: not the ledger's mark
+    rejoin_all(rv, "a", "b")
+    rv.progress("a", 2, WorkerProgress(step=100, reported_at=clock.now))
+    goodput = rv.snapshot().goodput
+    assert goodput is not None and goodput.generations[-1].steps_redone == 8
+    assert rv.snapshot().steps_redone == 9  # status's count: any member's furthest

@@ -219,7 +219,7 @@ LEDGER = pb.Goodput(
         pb.GenerationLine(generation=2, formed_at=WALL + 600, size=2, members=["node-a", "node-b"],
                           restored_step=450, has_restored_step=True, startup_seconds=20.0, has_startup_seconds=True,
                           steps_redone=30, seconds=[pb.CategorySeconds(category="training", seconds=400.0)]),
-    ])
+    ], steps_redone=30)
 
 
 def test_the_goodput_ledger_in_json_and_the_table() -> None:
@@ -228,6 +228,7 @@ def test_the_goodput_ledger_in_json_and_the_table() -> None:
         "ratio": 0.9, "wall_seconds": 1000.0,
         "seconds": {"training": 900.0, "redone": 30.0, "startup": 40.0, "checkpoint": 10.0, "detection": 15.0,
                     "stopping": 1.0, "waiting": 3.0, "other": 1.0},
+        "steps_redone": 30,
         "badput": [{"category": "startup", "seconds": 40.0, "share": 0.04},
                    {"category": "redone", "seconds": 30.0, "share": 0.03},
                    {"category": "detection", "seconds": 15.0, "share": 0.015},

@@ -1,0 +1,94 @@
+"""The job's goodput ledger against what a soak sees from outside (bench/chaos.py): its goodput beside the training
+time the job's steps need without faults over the job's time, and its steps redone beside the ledger trainer's own
+count (tests/trainers/ledger.py keeps the furthest step each rank applied in each generation)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tfelastic.daemon.netutil import free_port
+
+from bench.common import read_events
+
+LEDGER_TRAINER = str(Path(__file__).resolve().parent.parent / "tests" / "trainers" / "ledger.py")
+FAULT_FREE_STEPS = 200
+
+
+@dataclass(frozen=True)
+class LedgerCheck:
+    ledger_goodput: float
+    outside_goodput: float
+    ledger_redone: int
+    trainer_redone: int
+    badput: list[tuple[str, float]]
+
+    def lines(self) -> list[str]:
+        top = ", ".join(f"{c} {100 * s:.1f}%" for c, s in self.badput[:4])
+        return [f"goodput: ledger {self.ledger_goodput:.3f}, from outside {self.outside_goodput:.3f} "
+                f"({100 * (self.ledger_goodput - self.outside_goodput):+.1f} pp); ledger's badput: {top}",
+                f"steps redone: report {self.ledger_redone}, the trainer's own count {self.trainer_redone}"]
+
+
+def report_of(etcd_url: str, job: str = "default") -> dict[str, Any]:
+    """`tfelastic report --json`, read from etcd once the job has ended."""
+    result = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "report", "--json", "--rendezvous", etcd_url,
+                             "--job", job], capture_output=True, text=True, timeout=60, check=True)
+    doc: dict[str, Any] = json.loads(result.stdout)
+    return doc
+
+
+def trainer_redone(events_path: Path) -> int:
+    """The steps the chiefs applied again: for each generation after the first, the furthest step a chief of an
+    earlier generation applied, less the step this generation's chief started from."""
+    starts = sorted((e["generation"], e["step"]) for e in read_events(events_path)
+                    if e["event"] == "start" and e["rank"] == 0)
+    furthest, redone = -1, 0
+    for generation, start in starts:
+        redone += max(0, furthest - start)
+        reached = Path(f"{events_path}.reached-{generation}-0")
+        if reached.exists() and (text := reached.read_text().strip()):
+            furthest = max(furthest, int(text))
+        furthest = max(furthest, start)
+    return redone
+
+
+def fault_free_step_seconds(workers: int, step_seconds: float) -> float:
+    """The ledger trainer's seconds per step on ``workers`` ranks launched by hand, with no fault."""
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        addresses = [f"127.0.0.1:{free_port()}" for _ in range(workers)]
+        env = {**os.environ, "TFELASTIC_BACKUP_DIR": str(tmp / "backup"), "TFELASTIC_NODE_ID": "n",
+               "TFELASTIC_GENERATION": "1", "LEDGER_EVENTS": str(tmp / "events.jsonl"),
+               "LEDGER_STEPS": str(FAULT_FREE_STEPS), "LEDGER_STEP_SECONDS": str(step_seconds)}
+        procs = [subprocess.Popen([sys.executable, LEDGER_TRAINER], cwd=tmp, stdout=subprocess.DEVNULL,
+                                  env={**env, "TFELASTIC_RANK": str(rank), "TF_CONFIG": json.dumps(
+                                      {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}})})
+                 for rank in range(workers)]
+        deadline = time.monotonic() + 120
+        for p in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+        events = [e for e in read_events(tmp / "events.jsonl") if e["rank"] == 0]
+        start = next(e["time"] for e in events if e["event"] == "start")
+        end = next(e["time"] for e in events if e["event"] == "end")
+        return float(end - start) / FAULT_FREE_STEPS
+
+
+def check(etcd_url: str, events_path: Path, final_step: int, step_seconds: float) -> LedgerCheck:
+    """The soak's job has ended at ``final_step``: compare its ledger with the outside: the time ``final_step``
+    steps take without faults over the time from the first generation's chief start to the job's last end (the
+    trainers' own clocks)."""
+    goodput = report_of(etcd_url)["goodput"]
+    events = read_events(events_path)
+    first = min(e["time"] for e in events if e["event"] == "start" and e["generation"] == 1)
+    last = max(e["time"] for e in events if e["event"] == "end")
+    outside = final_step * fault_free_step_seconds(3, step_seconds) / (last - first)
+    return LedgerCheck(goodput["ratio"], outside, goodput["steps_redone"], trainer_redone(events_path),
+                       [(b["category"], b["share"]) for b in goodput["badput"]])
