@@ -1,13 +1,15 @@
-"""The `tfelastic` command: it parses, and nothing else. The flags come from the option table of
-:mod:`tfelastic.daemon.config`; each subcommand's work is in :mod:`tfelastic.daemon.commands`. A bad value exits
-with code 78 (EX_CONFIG) and a message that names the option and the fix, before anything starts."""
+"""The `tfelastic` command: it parses, and nothing else. The flags come from the option table
+(:mod:`tfelastic.daemon.options`), the other sources of a setting are in :mod:`tfelastic.daemon.sources`, and each
+subcommand's work is in :mod:`tfelastic.daemon.commands`. A bad value exits with code 78 (EX_CONFIG) and a
+message that names the option and the fix, before anything starts; a malformed command line (an unknown flag or
+subcommand, a missing argument) exits 2, as every command-line tool does."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from tfelastic.daemon import commands
@@ -41,14 +43,21 @@ from tfelastic.daemon.options import (
 )
 from tfelastic.daemon.secret_file import read_token
 from tfelastic.daemon.slurm import SlurmStep
+from tfelastic.daemon.sources import environment_values, gather
 
 _UNSET: Any = object()  # the default of every option flag: not given (the configuration's default applies)
 
 
+USAGE = 2  # a malformed command line
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
+        """A value a flag's parser refused is a bad setting (78); anything else is a malformed command line."""
         self.print_usage(sys.stderr)
-        self.exit(ExitCode.CONFIG, f"tfelastic: error: {message}\n")
+        flag_value = message.startswith("argument --") and not any(
+            usage in message for usage in ("expected one argument", "expected at most", "not allowed with"))
+        self.exit(ExitCode.CONFIG if flag_value else USAGE, f"tfelastic: error: {message}\n")
 
 
 def _add_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
@@ -70,16 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command_name", required=True, parser_class=_Parser)
 
     agent = sub.add_parser("agent", help="run the node daemon from a TOML job file")
-    agent.add_argument("--config", required=True, metavar="JOB.toml")
+    agent.add_argument("--config", required=True, metavar="JOB.toml", help="the job file (docs/configuration.md)")
     _add_no_slurm(agent)
 
     run = sub.add_parser("run", help="run the node daemon from flags (like torchrun)")
+    _add_config(run)
     _add_options(run, flags_of(AGENT))
     _add_no_slurm(run)
     run.add_argument("trainer", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
 
     coord = sub.add_parser("coordinator", help="run a standalone coordinator (e.g. on a head node)")
-    coord.add_argument("--listen", required=True, metavar="HOST:PORT")
+    coord.add_argument("--listen", metavar="HOST:PORT", help="where it serves the job (default: the job file's "
+                       "rendezvous endpoint; required with an etcd rendezvous)")
+    _add_config(coord)
     _add_options(coord, flags_of(COORDINATOR))
 
     status = sub.add_parser("status", help="show the cluster as the coordinator sees it")
@@ -124,9 +136,17 @@ def _add_no_slurm(p: argparse.ArgumentParser) -> None:
                    help="ignore SLURM's environment (also TFELASTIC_NO_SLURM=1); see docs/configuration.md#slurm")
 
 
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="JOB.toml", default=None,
+                   help="read the settings this command has from the job file (flags and TFELASTIC_* variables "
+                        "win; also $TFELASTIC_CONFIG)")
+
+
 def _add_operator_connection(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rendezvous", required=True, metavar="HOST:PORT|etcd://...",
-                   help="the coordinator's endpoint, or the job's etcd (then --job names the job)")
+    _add_config(p)
+    p.add_argument("--rendezvous", metavar="HOST:PORT|etcd://...", default=_UNSET,
+                   help="the coordinator's endpoint, or the job's etcd (then --job names the job); or from --config "
+                        "or $TFELASTIC_RENDEZVOUS")
     _add_options(p, [name for name in flags_of(OPERATOR) if name != "rendezvous"])
 
 
@@ -140,31 +160,47 @@ def _given(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
     return values
 
 
-def config_from_run_args(args: argparse.Namespace, slurm: SlurmStep | None = None) -> AgentConfig:
+def config_from_run_args(args: argparse.Namespace, slurm: SlurmStep | None = None,
+                         environ: Mapping[str, str] = os.environ) -> AgentConfig:
     command = list(args.trainer)
     if command and command[0] == "--":
         command = command[1:]
-    values = {**_given(args, flags_of(AGENT)), "command": tuple(command)}
+    flags = _given(args, flags_of(AGENT))
+    if command:
+        flags["command"] = tuple(command)
+    values = gather(flags, [*flags_of(AGENT), "max_nodes", "command", "env"], environ, args.config)
     if slurm is not None:
         values = slurm.complete(values)  # flags win; SLURM fills the rest; the configuration's defaults after that
     if "rendezvous" not in values:
-        raise ConfigError("--rendezvous: required outside a SLURM job step; give HOST:PORT, e.g. head-node:29400")
+        raise ConfigError("--rendezvous: required outside a SLURM job step; give HOST:PORT, e.g. head-node:29400 "
+                          "(or in --config, or $TFELASTIC_RENDEZVOUS)")
+    values.setdefault("command", ())
     return validate(from_values(values))
 
 
-def config_from_coordinator_args(args: argparse.Namespace) -> CoordinatorConfig:
+def config_from_coordinator_args(args: argparse.Namespace,
+                                 environ: Mapping[str, str] = os.environ) -> CoordinatorConfig:
     """``--rendezvous etcd://...`` makes the coordinator a head-node candidate of that job; without it, the job's
-    one coordinator on ``--listen``."""
-    listen = Endpoint.parse(args.listen, "--listen", allow_port_zero=True)
-    given = _given(args, flags_of(COORDINATOR))
+    one coordinator on ``--listen`` (by default the job file's rendezvous endpoint)."""
+    given = gather(_given(args, flags_of(COORDINATOR)), flags_of(COORDINATOR), environ, args.config)
+    endpoint = given.get("rendezvous")
+    if args.listen is None and not isinstance(endpoint, Endpoint):
+        raise ConfigError("--listen: required" + (" with an etcd rendezvous: where this candidate serves the job"
+                                                   if endpoint is not None else "; give HOST:PORT, e.g. 0.0.0.0:29400"))
+    listen = Endpoint.parse(args.listen, "--listen", allow_port_zero=True) if args.listen else endpoint
+    assert isinstance(listen, Endpoint)
     if not isinstance(given.setdefault("rendezvous", listen), EtcdTarget) and given["rendezvous"] != listen:
         raise ConfigError("--rendezvous: a standalone coordinator takes only an etcd URL there (etcd://HOST:PORT,...); "
                           "it listens on --listen")
     return validate_coordinator(coordinator_from_values(given, listen))
 
 
-def _operator_config(args: argparse.Namespace) -> tuple[OperatorConfig, str | None]:
-    values = {**_given(args, flags_of(OPERATOR)), "rendezvous": parse_rendezvous(args.rendezvous, "--rendezvous")}
+def _operator_config(args: argparse.Namespace,
+                     environ: Mapping[str, str] = os.environ) -> tuple[OperatorConfig, str | None]:
+    values = gather(_given(args, flags_of(OPERATOR)), flags_of(OPERATOR), environ, args.config)
+    if "rendezvous" not in values:
+        raise ConfigError("--rendezvous: required; give the coordinator's HOST:PORT or the job's etcd://..., or "
+                          "--config JOB.toml, or $TFELASTIC_RENDEZVOUS")
     config = validate_operator(operator_from_values(values))
     return config, read_token(config.rendezvous.token_file) if config.rendezvous.token_file else None
 
@@ -177,10 +213,21 @@ def _operator_target(args: argparse.Namespace) -> tuple[Endpoint, str | None, Tl
     return endpoint, token, rdzv.tls
 
 
+def config_from_file(path: str, slurm: SlurmStep | None = None,
+                     environ: Mapping[str, str] = os.environ) -> AgentConfig:
+    """``tfelastic agent --config JOB.toml``: the file, with TFELASTIC_* variables over it."""
+    environment = environment_values(environ, [*flags_of(AGENT), "max_nodes"])
+    return load_toml(path, lambda values: _completed({**values, **environment}, slurm))
+
+
+def _completed(values: dict[str, Any], slurm: SlurmStep | None) -> dict[str, Any]:
+    return slurm.complete(values) if slurm is not None else values
+
+
 def _dispatch(args: argparse.Namespace, slurm: SlurmStep | None) -> int:
     name = args.command_name
     if name == "agent":
-        return commands.run_agent(load_toml(args.config, slurm.complete if slurm else None), slurm)
+        return commands.run_agent(config_from_file(args.config, slurm), slurm)
     if name == "run":
         return commands.run_agent(config_from_run_args(args, slurm), slurm)
     if name == "coordinator":
@@ -212,8 +259,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     slurm = SlurmStep.detect(os.environ, off=getattr(args, "no_slurm", False))
-    if args.command_name == "run" and args.rendezvous is _UNSET and slurm is None:
-        parser.error("the following arguments are required: --rendezvous (outside a SLURM job step)")
     try:
         return _dispatch(args, slurm)
     except ConfigError as e:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from tfelastic.daemon.agent.api import StopResult
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.rendezvous.api import Assignment
+from tfelastic.daemon.sources import config_variables
 from tfelastic.daemon.worker.instrument import instrumentation_env
 from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
 from tfelastic.daemon.worker.warm import Standby, StandbyKey
@@ -234,7 +235,7 @@ def trainer_env(base: Mapping[str, str], assignment: Assignment, *, job: str, no
     env = dict(base)
     env.setdefault("TF_USE_LEGACY_KERAS", "1")  # Keras 3 cannot run model.fit under MWMS (FACTS 1)
     env.setdefault("PYTHONUNBUFFERED", "1")  # a print reaches the log as it happens, and is not lost to a kill
-    for name in (LOCAL_CHECKPOINT_DIR_ENV, RESTORE_STEP_ENV):
+    for name in (LOCAL_CHECKPOINT_DIR_ENV, RESTORE_STEP_ENV, *config_variables()):
         env.pop(name, None)  # only the agent's own values: never one inherited from its environment
     env.update(TrainerEnvironment(
         rank=assignment.rank, world_size=assignment.world_size, generation=assignment.generation,

@@ -153,7 +153,8 @@ def test_the_command_in_the_token_message_makes_a_token_the_agent_accepts(tmp_pa
 def test_no_slurm_ignores_the_job_step(tmp_path: Path, flags: list[str], env: dict[str, str]) -> None:
     result = tfelastic("run", *flags, "--", "true", env={**srun_env(4242, 0), **env}, cwd=tmp_path)
     assert result.returncode == EX_CONFIG, result
-    assert "tfelastic: error: the following arguments are required: --rendezvous" in result.stderr, result.stderr
+    assert "tfelastic: configuration error: --rendezvous: required outside a SLURM job step" in result.stderr, \
+        result.stderr
 
 
 def test_the_harness_keeps_a_surrounding_slurm_job_out_of_other_tests(monkeypatch: pytest.MonkeyPatch,
