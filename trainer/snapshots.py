@@ -2,22 +2,13 @@
 it too.
 
 A *store* is a directory of snapshots, one per step: ``STORE/step-000000000120/``, holding TensorFlow's
-checkpoint files (``ckpt.index``, ``ckpt.data-*``) or a flash snapshot's (``flash.bin``, ``flash.json``,
-``objects.pb``: :mod:`tfelastic.trainer.flash`), and ``MANIFEST.json`` (the step and every file's size). A
-snapshot is complete when its directory has that name and its manifest agrees with the files on disk; it is
-built under a temporary name and renamed into place once its files are written and flushed, so a kill at any
-moment leaves either a complete snapshot or one that :func:`complete_steps` ignores (and :func:`prune` removes).
+checkpoint files (``ckpt.index``, ``ckpt.data-*``) or a flash snapshot's (:mod:`tfelastic.trainer.flash`), and
+``MANIFEST.json`` (the step and every file's size). The node-local tier's stores are under
+``LOCAL_ROOT/JOB/NODE/`` (:func:`local_store_root`), the shared tier's under the backup directory.
 
-Two tiers hold stores of the same name:
-
-- the node-local tier, ``LOCAL_ROOT/JOB/NODE/NAME`` (default root ``/dev/shm/tfelastic``): every worker writes
-  its own copy (MWMS replicas are identical), so a worker that crashed on a live node restores from memory;
-- the shared tier, ``BACKUP_DIR/NAME``: the chief copies each local snapshot there in the background, for a new
-  or replacement node.
-
-The agent reports the steps its node can restore from either tier (:func:`restorable_steps`); the coordinator
-picks the newest step every member of the next generation can restore and the agent passes it to the trainer
-as ``TFELASTIC_RESTORE_STEP``.
+Invariant: a snapshot is complete when its directory has that name and its manifest agrees with the files on
+disk; it is built under a temporary name and renamed into place once its files are flushed, so a kill at any
+moment leaves either a complete snapshot or one that :func:`complete_steps` ignores.
 """
 
 from __future__ import annotations

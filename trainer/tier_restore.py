@@ -1,18 +1,13 @@
 """The fast checkpoint tier's read side (:mod:`tfelastic.trainer.tiered` writes): which snapshot a worker
 restores, from which tier, and what happens to the others.
 
-:meth:`TierRestorer.restore` restores the step the coordinator chose (``TFELASTIC_RESTORE_STEP``: the newest
-step every member of the generation can restore), from the local tier when this node has it, else from the
-shared one. When the agents found no common step (or the store is outside the agent's backup directory, where
-they do not look), every worker restores the newest snapshot of the shared tier, which all of them see (an
-agreement check after the restore stops workers that did not); without an agent, the newest snapshot of either
-tier that restores.
+:meth:`TierRestorer.restore` restores the coordinator's step (``TFELASTIC_RESTORE_STEP``) from the local tier
+when this node has it, else from the shared one. Without a common step (or for a store the agents do not scan)
+every worker restores the newest shared snapshot; without an agent, the newest of either tier that restores.
 
-A snapshot whose manifest is complete but whose data does not read back (TensorFlow's or a flash snapshot's
-checksums: damaged storage) is set aside as ``damaged-...``, so that the next round does not choose it again;
-any other restore error (a model that no longer matches the snapshot) is raised as it is. After a restore, this
-worker's snapshots newer than the step restored are removed: they belong to an abandoned history, which a later
-restore must not pick up.
+Invariants: a snapshot whose data does not read back (damaged storage) is set aside as ``damaged-...`` and the
+next copy is tried in the same restore; any other restore error (a model that no longer matches) is raised as it
+is; after a restore, this worker's snapshots newer than the step restored are removed (an abandoned history).
 """
 
 from __future__ import annotations
@@ -23,11 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tfelastic.trainer import flash, snapshots
+from tfelastic.trainer._tf import tf
 from tfelastic.trainer.checkpoint import NoRestorableCheckpointError
-from tfelastic.trainer.tfkeras import ensure_legacy_keras
-
-ensure_legacy_keras()
-import tensorflow as tf  # noqa: E402
 
 log = logging.getLogger(__name__)
 
