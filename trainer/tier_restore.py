@@ -120,6 +120,8 @@ class TierRestorer:
         except Exception as e:
             if not isinstance(e, _DAMAGED_DATA) and snapshots.is_complete(path):
                 raise  # not the storage: a model that no longer matches the snapshot, an out-of-memory error
+            if not flash.is_flash(path):
+                _drop_pending_restores(self.checkpoint, snapshots.checkpoint_prefix(path))
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             result.skipped.append((path, reason))
             mine = path.startswith(self.write_store + os.sep) or self.is_chief
@@ -140,3 +142,21 @@ class TierRestorer:
             if removed:
                 log.info("removed snapshots newer than the step restored (%s) from %s: steps %s",
                          "none" if restored is None else restored, store, ", ".join(map(str, removed)))
+
+
+def _drop_pending_restores(checkpoint: Any, prefix: str) -> None:
+    """Drops what a failed ``checkpoint.restore(prefix)`` left pending. TensorFlow keeps, on the objects it restored
+    into, a restore for each object of the snapshot that does not exist yet (the checkpoint's save counter, an
+    optimizer's slots before its first step) and runs every one it kept when that object is created, the newest
+    restore's first: it would read ``prefix`` after the snapshot was set aside. These are TensorFlow's private
+    attributes; what this TensorFlow lacks is left alone."""
+    def reads_prefix(position: Any) -> bool:
+        return getattr(getattr(position, "checkpoint", None), "save_path_string", None) == prefix
+
+    for trackable in tf.train.TrackableView(checkpoint).descendants():
+        pending = getattr(trackable, "_deferred_dependencies", None)  # a child's name -> its positions
+        if isinstance(pending, dict):
+            for name in list(pending):
+                pending[name] = [position for position in pending[name] if not reads_prefix(position)]
+                if not pending[name]:
+                    del pending[name]
