@@ -73,8 +73,8 @@ class TieredCheckpoint:
         self.is_chief = is_chief
         self.shared_store = os.path.abspath(shared_store)
         name = os.path.basename(os.path.normpath(self.shared_store))
-        self.local_store = (os.path.join(environment.local_checkpoint_dir, name)
-                            if environment.local_checkpoint_dir else None)
+        node_dir = _private_or_none(environment.local_checkpoint_dir)
+        self.local_store = os.path.join(node_dir, name) if node_dir else None
         self._managed = environment.managed
         self._wanted = environment.restore_step
         self._keep_local, self._keep_shared = keep_local, keep_shared
@@ -270,7 +270,7 @@ class TieredCheckpoint:
                 shutil.rmtree(building, ignore_errors=True)
             self._written(step)
             return
-        self._writer.complete(snapshots.seal(building, tier.store, step))
+        self._writer.complete(snapshots.seal(building, tier.store, step, private=tier.kind == LOCAL))
         snapshots.prune(tier.store, tier.keep, protect=self._protected())
         self.sealed_step = step
         if tier.kind == SHARED:
@@ -304,6 +304,20 @@ class TieredCheckpoint:
         error = self._sealer.take_error()
         if error is not None:
             raise RuntimeError(f"a snapshot could not be written to {self.write_store}: {error}") from error
+
+
+def _private_or_none(node_dir: str | None) -> str | None:
+    """The local tier's directory of this node (the agent made it), once made sure it is this user's own, mode
+    0700; None (no local tier, with a warning) when it is another user's or a link."""
+    if not node_dir:
+        return None
+    try:
+        snapshots.make_private_dirs(node_dir, node_dir)
+    except snapshots.UnsafeTierError as e:
+        log.warning("the local checkpoint tier is off: %s, so another user could read or replace the snapshots "
+                    "there; snapshots go to the shared tier (the chief's; the other workers keep none)", e)
+        return None
+    return node_dir
 
 
 def _last_line(error: BaseException) -> str:

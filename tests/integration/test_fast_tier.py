@@ -68,6 +68,25 @@ CASES = """
               "formats": {tier_name: [sorted(os.listdir(os.path.join(store, snapshots.snapshot_name(s))))
                                       for s in (10, 20, 30)]
                           for tier_name, store in (("local", os.path.join(local_root, "fit")), ("shared", shared))}}
+
+    def modes(snapshot):  # the snapshot directory's, then its files'
+        return [oct(os.stat(snapshot).st_mode & 0o777), sorted({oct(os.stat(os.path.join(snapshot, name)).st_mode
+                                                                     & 0o777) for name in os.listdir(snapshot)})]
+
+    report["modes"] = {"node": oct(os.stat(local_root).st_mode & 0o777),
+                       "local": [modes(snapshots.snapshot_dir(os.path.join(local_root, "fit"), s)) for s in (10, 30)]}
+    if os.geteuid() == 0:  # another user's directory where the agent's should be (nobody's, mode 0777)
+        hostile = os.path.abspath("hostile")
+        os.mkdir(hostile)
+        os.chown(hostile, 65534, 65534)
+        os.chmod(hostile, 0o777)
+        refused = TieredCheckpoint(checkpoint, os.path.abspath("refused/fit"), is_chief=True, persist_seconds=0,
+                                   env=TrainerEnvironment(progress_socket="agent.sock", local_checkpoint_dir=hostile))
+        refused.save(1)
+        refused.close()
+        report["hostile"] = {"local_store": refused.local_store, "left": os.listdir(hostile),
+                             "mode": oct(os.stat(hostile).st_mode & 0o777),
+                             "shared": snapshots.complete_steps(os.path.abspath("refused/fit"))}
     data = os.path.join(local_root, "fit", snapshots.snapshot_name(30), snapshots.FLASH_DATA)
     with open(data, "r+b") as f:  # same size, other bytes: the manifest cannot tell, the restore can
         f.seek(200)
@@ -115,6 +134,18 @@ def test_the_first_snapshot_is_tensorflows_and_the_next_are_flash_snapshots(case
     flash = ["MANIFEST.json", "flash.bin", "flash.json", "objects.pb"]
     for tier in ("local", "shared"):
         assert cases["formats"][tier] == [tensorflow, flash, flash]
+
+
+def test_the_local_tier_is_this_users_alone(cases: dict[str, Any]) -> None:
+    """The node's directory 0700, each snapshot's 0700 and its files (TensorFlow's, a flash snapshot's) 0600."""
+    assert cases["modes"] == {"node": "0o700", "local": [["0o700", ["0o600"]], ["0o700", ["0o600"]]]}
+
+
+def test_a_node_directory_another_user_owns_is_refused_and_the_snapshots_go_to_the_shared_tier(
+        cases: dict[str, Any]) -> None:
+    if "hostile" not in cases:
+        pytest.skip("building another user's directory needs root")
+    assert cases["hostile"] == {"local_store": None, "left": [], "mode": "0o777", "shared": [1]}
 
 
 def test_the_copy_to_the_shared_tier_is_throttled_and_flush_copies_the_newest(cases: dict[str, Any]) -> None:
