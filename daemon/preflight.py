@@ -2,8 +2,8 @@
 can be read, the ports are free, the backup directory can be written, the secrets are readable by us alone.
 
 Each failure is a :class:`ConfigError` naming the option, so the process exits 78 with one line and no traceback.
-One check only warns: a local checkpoint root that cannot be written turns the fast tier off for the run
-(:func:`local_tier_or_off`).
+One check only warns: a local checkpoint tier that cannot be written, or whose directories are not this user's own,
+turns the fast tier off for the run (:func:`local_tier_or_off`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tfelastic.daemon.etcd.client import EtcdCredentials
 from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.netutil import is_local_address, port_taken, route_address
 from tfelastic.daemon.secret_file import read_secret, read_token
+from tfelastic.trainer import snapshots
 
 
 def raise_open_files_limit() -> tuple[int, int]:
@@ -129,17 +130,23 @@ def check_backup_dir(config: AgentConfig) -> None:
 
 
 def local_tier_or_off(config: AgentConfig) -> AgentConfig:
-    """The configuration to run with: unchanged when the local checkpoint root can be created and written, else
-    with the fast tier off and a WARNING. Not a failure: the tier only makes recovery faster (the trainers
-    still checkpoint to the backup dir), and /dev/shm may be missing or read-only in a container."""
+    """The configuration to run with: unchanged when the local checkpoint tier can be created and written and each
+    of its levels (ROOT/JOB/NODE) is this user's own directory, mode 0700 (snapshots hold the model's weights, and
+    /dev/shm is open to every user); else with the fast tier off and a WARNING. Not a failure: the tier only makes
+    recovery faster (the trainers still checkpoint to the backup dir), and /dev/shm may be missing or read-only in
+    a container."""
     tier = config.local_tier()  # ROOT/JOB/NODE: the trainer writes there
     if tier is None:
         return config
     try:
-        os.makedirs(tier, exist_ok=True)
-        os.chmod(tier, 0o700)  # snapshots hold the model's weights: /dev/shm is readable by every user
+        snapshots.make_private_dirs(config.node.local_checkpoint_dir, tier)
         with tempfile.NamedTemporaryFile(dir=tier, prefix=".tfelastic-check-"):
             pass
+    except snapshots.UnsafeTierError as e:
+        logging.getLogger("tfelastic").warning(
+            "--local-checkpoint-dir: %s: another user could read or replace the snapshots there, so the "
+            "node-local snapshot tier is off for this run; remove it, or give a root of this user's own", e)
+        return config.replace(local_checkpoint_dir="")
     except OSError as e:
         logging.getLogger("tfelastic").warning(
             "--local-checkpoint-dir: cannot write %s (%s): the node-local snapshot tier is off for this run; "

@@ -5,9 +5,10 @@ local agent, for hang detection, ``tfelastic status`` and metrics), :mod:`~tfela
 the agent set), :mod:`~tfelastic.trainer.batching` (batch sizes and learning rate when the world size changes),
 :mod:`~tfelastic.trainer.tfkeras` (the tf_keras guard) and :mod:`~tfelastic.trainer.exit_codes` are pure.
 
-The modules that need TensorFlow set ``TF_USE_LEGACY_KERAS=1`` before importing it: ``strategy``
-(``make_strategy``), ``callbacks`` (``fit_callbacks`` for ``model.fit``), ``loop`` (a custom training loop),
-``checkpoint``, ``data``, ``preemption`` (the graceful stop, exit 42) and ``export``. See docs/trainer.md.
+The modules that need TensorFlow import it through :mod:`~tfelastic.trainer._tf`, which sets
+``TF_USE_LEGACY_KERAS=1`` first: ``strategy`` (``make_strategy``), ``callbacks`` (``fit_callbacks`` for
+``model.fit``), ``loop`` (a custom training loop), ``checkpoint``, ``data``, ``preemption`` (the graceful stop,
+exit 42) and ``export``. See docs/trainer.md.
 """
 
 from tfelastic.trainer.progress import Phase, ProgressReporter, report

@@ -3,18 +3,14 @@
 :func:`fit_callbacks` is the bundle for ``model.fit`` under the daemon: BackupAndRestore on the agent's backup
 directory, progress reports, the graceful stop on SIGTERM (exit 42), and TensorBoard on the chief only.
 
-Importing this module imports TensorFlow and tf_keras (``TF_USE_LEGACY_KERAS=1`` is set first: FACTS 1).
+Importing this module imports TensorFlow and tf_keras (through :mod:`tfelastic.trainer._tf`).
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-
 from typing import Any, Literal
 
-import tf_keras as keras
+from tfelastic.trainer._tf import keras
 from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.fast_backup import FastBackupAndRestore
 from tfelastic.trainer.preemption import STOP, preemption_guard

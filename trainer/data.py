@@ -19,11 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tfelastic.trainer._tf import tf
 from tfelastic.trainer.batching import check_divisible
-from tfelastic.trainer.tfkeras import ensure_legacy_keras
-
-ensure_legacy_keras()
-import tensorflow as tf  # noqa: E402
 
 ExamplesFn = Callable[[int], Any]  # epoch -> tf.data.Dataset of single examples, deterministic for a given epoch
 

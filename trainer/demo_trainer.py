@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # Keras 3 cannot run model.fit under MWMS (FACTS 1)
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # Keras 3 cannot run model.fit under MWMS
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfelastic.trainer.progress import ProgressReporter

@@ -15,12 +15,9 @@ import os
 import shutil
 from typing import Any
 
+from tfelastic.trainer._tf import keras, tf
 from tfelastic.trainer.scratch import process_temp_dir
-from tfelastic.trainer.tfkeras import check_model, ensure_legacy_keras
-
-ensure_legacy_keras()
-import tensorflow as tf  # noqa: E402
-import tf_keras  # noqa: E402
+from tfelastic.trainer.tfkeras import check_model
 
 
 def export_model(model: Any, path: str, strategy: Any | None = None) -> str | None:
@@ -40,7 +37,7 @@ def export_model(model: Any, path: str, strategy: Any | None = None) -> str | No
 
 def load_model(path: str) -> Any:
     """The exported model without its optimizer (for inference and evaluation); call it outside any strategy."""
-    return tf_keras.models.load_model(path, compile=False)
+    return keras.models.load_model(path, compile=False)
 
 
 def _save_then_rename(model: Any, path: str) -> None:

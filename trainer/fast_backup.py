@@ -8,22 +8,17 @@ with ``BackupAndRestore(save_freq=N)``. Saves are asynchronous snapshots (see :m
 every ``save_every`` steps, or, by default, as often as the overhead budget allows
 (:mod:`tfelastic.trainer.save_schedule`); in a multi-worker job the workers adopt the chief's interval.
 
-Importing this module imports TensorFlow and tf_keras (``TF_USE_LEGACY_KERAS=1`` is set first: FACTS 1).
+Importing this module imports TensorFlow and tf_keras (through :mod:`tfelastic.trainer._tf`).
 """
 
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-
 import time
 from collections.abc import Callable
 from typing import Any
 
-import tensorflow as tf
-import tf_keras as keras
-from tf_keras.src.distribute.worker_training_state import WorkerTrainingState
+from tfelastic.trainer._tf import WorkerTrainingState, keras, tf
 from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.loop import agree_across_workers, agreed_interval, make_all_reduce
 from tfelastic.trainer.progress import Phase, ProgressReporter

@@ -1,31 +1,14 @@
-"""Flash snapshots: a checkpoint's variables copied, in the training thread, into one file that is reused from
-snapshot to snapshot.
+"""Flash snapshots: a checkpoint's variables copied, in the training thread, into a data file mapped into memory
+and reused from snapshot to snapshot (the fast tier's cheap write: docs/trainer.md says why), and their restore.
 
-Why not TensorFlow's own writer for the local tier: measured here (docs/benchmarks.md), most of a snapshot's cost
-on the host is not copying bytes but getting fresh memory for them. TensorFlow's asynchronous checkpoint copies
-the variables into new buffers and writes new files, and each new page is a page fault (on this VM about 1 s per
-400 MB, against 0.03 s to copy into memory already in use). A flash snapshot copies each variable's bytes
-straight into a data file that an older snapshot of the same size owned, mapped into memory once, so its pages
-are already there: the copy is the whole cost, and it is short enough to do synchronously, between two steps,
-which also makes the snapshot consistent without a second copy.
+A snapshot directory holds ``flash.bin`` (each variable's bytes at a 64-byte aligned offset), ``flash.json`` (per
+variable: its path in the object graph, TensorFlow's key, dtype, shape, offset, size and a checksum, the sum of
+its 64-bit words modulo 2**64) and ``objects.pb`` (TensorFlow's object graph).
 
-A snapshot directory (:mod:`tfelastic.trainer.snapshots`) then holds ``flash.bin`` (the variables' bytes, each
-at a 64-byte aligned offset), ``flash.json`` (per variable: its path in the checkpoint's object graph,
-TensorFlow's checkpoint key, dtype, shape, offset, size and a checksum: the sum of its 64-bit words, modulo
-2**64) and ``objects.pb`` (TensorFlow's object graph of the checkpoint). The manifest and the rename into place
-work as for TensorFlow's files.
-
-Only checkpoints whose saved state is plain variables of fixed-size types in host memory are written this way
-(a model with its optimizer and counters, trained on CPUs); one that also saves something else (a ``tf.data``
-iterator, a string variable), or whose variables are on a GPU, keeps TensorFlow's writer: that one copies the
-variables into host buffers it keeps from save to save, and writes while the GPUs train. The mapping from
-variables to TensorFlow's keys is taken from, and checked against, a snapshot TensorFlow wrote of the same
-checkpoint (the tier's first), so a flash snapshot restores exactly what that one would.
-
-:func:`restore` assigns every variable that exists now. Variables that do not exist yet (an optimizer's slots
-before its first step, a model not built yet) are restored as TensorFlow restores them: the snapshot is
-written out as a TensorFlow checkpoint in a temporary directory, whose restore TensorFlow defers until they are
-created.
+Invariants: only a checkpoint whose saved state is plain fixed-size variables in host memory is written this
+way; the mapping to TensorFlow's keys is taken from, and checked against, TensorFlow's snapshot of the same
+checkpoint, so :func:`restore` restores exactly what that one would (variables not created yet through
+TensorFlow's deferred restore); a checksum that does not match raises :class:`FlashDamagedError`.
 """
 
 from __future__ import annotations
@@ -40,14 +23,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
+from google.protobuf import message
 from tfelastic.trainer import snapshots
+from tfelastic.trainer._tf import tf, trackable_object_graph_pb2
 from tfelastic.trainer.scratch import process_temp_dir
-from tfelastic.trainer.tfkeras import ensure_legacy_keras
-
-ensure_legacy_keras()
-import tensorflow as tf  # noqa: E402
-from google.protobuf import message  # noqa: E402
-from tensorflow.core.protobuf import trackable_object_graph_pb2  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -28,18 +28,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from tfelastic.trainer import flash, snapshots
+from tfelastic.trainer._tf import tf
 from tfelastic.trainer.batching import epoch_steps
 from tfelastic.trainer.data import ExamplesFn, distribute_epoch
 from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.preemption import STOP, preemption_guard
 from tfelastic.trainer.progress import Phase, ProgressReporter
 from tfelastic.trainer.save_schedule import DEFAULT_BUDGET, SaveSchedule
-from tfelastic.trainer.tfkeras import check_model, ensure_legacy_keras
+from tfelastic.trainer.tfkeras import check_model
 from tfelastic.trainer.tier_restore import TierRestore
 from tfelastic.trainer.tiered import TieredCheckpoint
-
-ensure_legacy_keras()
-import tensorflow as tf  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -1,24 +1,11 @@
-"""Graceful stop: on SIGTERM every worker saves at one agreed step boundary, then exits 42.
+"""Graceful stop: on SIGTERM every worker saves at one agreed step boundary, then exits 42
+(:data:`~tfelastic.trainer.exit_codes.CHECKPOINTED_AND_STOPPED`).
 
-The agent sends SIGTERM on a planned stop (drain, scale-up, ``systemctl stop``) and waits ``stop_grace`` before
-SIGKILL. What a trainer does with it:
-
-- **while training** (inside :meth:`StopSignal.training`): the workers agree on a step through TensorFlow's
-  ``PreemptionCheckpointHandler`` (the signalled worker publishes "save after run N+1" in the coordination
-  service and waits until every worker has acknowledged it, so nobody has passed that step), all of them save
-  there (the chief to shared storage, the others to temporary paths: saving may run collectives), and each
-  raises :class:`Preempted`, a ``SystemExit(42)``: :data:`~tfelastic.trainer.exit_codes.CHECKPOINTED_AND_STOPPED`.
-- **outside training** (start-up, restore, evaluation and export after the final save): nothing is unsaved, so
-  the signal raises :class:`Preempted` at once.
-
-Why not TensorFlow's defaults: MultiWorkerMirroredStrategy installs a C++ SIGTERM handler that only records the
-signal, so an unmodified MWMS trainer ignores SIGTERM until the agent's SIGKILL; tf_keras'
-``BackupAndRestore(save_before_preemption=True)`` creates its handler only on Google Cloud (measured: off GCP it
-is silently off); and the handler detects the platform with an HTTP request to ``metadata.google.internal``
-(5 s timeout; 3 ms here, where the address has no route) and on a GCP VM it would watch maintenance events
-instead of SIGTERM, or do nothing on CPU VMs. So this module owns SIGTERM, hands it to the handler through a
-``TerminationConfig`` (public API: our exit, our save, no grace period), and hides the metadata server while the
-handler is built.
+This module owns SIGTERM in the trainer. Inside :meth:`StopSignal.training` the workers agree on the step through
+TensorFlow's ``PreemptionCheckpointHandler`` (built with our ``TerminationConfig``, with the GCE metadata server
+hidden while it is built), all save there, and each raises :class:`Preempted` (a ``SystemExit(42)``); outside
+training the signal raises :class:`Preempted` at once, nothing being unsaved. One handler per process
+(:func:`preemption_guard`). Why not TensorFlow's defaults: docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -34,11 +21,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
+from tfelastic.trainer._tf import tf
 from tfelastic.trainer.exit_codes import CHECKPOINTED_AND_STOPPED
-from tfelastic.trainer.tfkeras import ensure_legacy_keras
-
-ensure_legacy_keras()
-import tensorflow as tf  # noqa: E402
 
 log = logging.getLogger(__name__)
 

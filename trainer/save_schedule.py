@@ -1,25 +1,13 @@
 """When to take the next snapshot: every ``save_every`` steps when the user says so, otherwise as often as an
 overhead budget allows. Pure: the clock readings come in as arguments.
 
-The adaptive interval is the number of steps whose training time pays for one save's stall within the budget:
-``ceil(stall / (budget * step_seconds))``, between 1 and ``maximum``. The stall is the time a save held
-training up (the snapshot's copy to host memory, and any wait for the previous snapshot's write); the step time
-is measured between saves, so evaluation and other callbacks count as training time. The first three saves' stalls
-are not used: the first is TensorFlow's (it allocates its host copies; for its own later saves it also traces
-the copy function), the next two are flash snapshots into new files (``trainer/flash.py``: later ones reuse
-those files' memory).
-Every worker must save at the same step, so in a multi-worker job the workers adopt the chief's interval
-(:meth:`SaveSchedule.adopt`).
-
-A save can cost more than its stall where the host's CPUs also train: TensorFlow's writer serializes the snapshot
-in background threads that compete with the training step (on 2 CPU cores, a 400 MB snapshot slowed the steps
-during its write by about 40 %: docs/benchmarks.md). So the cost charged to the budget is the stall plus the
-write's *interference*: the time the steps that ran during the write took beyond the step time measured with no
-write under way (the callers report every step with :meth:`SaveSchedule.step_done`). A flash snapshot is written
-within its stall, and on a GPU node, whose training does not run on the CPUs, the interference is about nothing.
-The chief's copy to the shared tier is not charged here: it comes at most every 30 s whatever the interval.
-The interval is also at least one step more than a write takes, so that a save never waits for the previous
-one and the step time without a write can be measured.
+The adaptive interval is ``ceil(cost / (budget * step_seconds))`` steps, between 1 and ``maximum``, where a
+save's cost is its stall plus its background write's *interference* (the time the steps that ran during the
+write took beyond the step time with no write under way; :meth:`SaveSchedule.step_done` sees every step). The
+first three saves' stalls are not used (TensorFlow's first allocates its copies; the next two flash snapshots
+map new files). The interval is at least one step more than a write takes, so a save never waits for the
+previous one. Every worker must save at the same step: the workers adopt the chief's interval
+(:meth:`SaveSchedule.adopt`). docs/trainer.md has the measurements behind the rule.
 """
 
 from __future__ import annotations

@@ -2,34 +2,39 @@
 it too.
 
 A *store* is a directory of snapshots, one per step: ``STORE/step-000000000120/``, holding TensorFlow's
-checkpoint files (``ckpt.index``, ``ckpt.data-*``) or a flash snapshot's (``flash.bin``, ``flash.json``,
-``objects.pb``: :mod:`tfelastic.trainer.flash`), and ``MANIFEST.json`` (the step and every file's size). A
-snapshot is complete when its directory has that name and its manifest agrees with the files on disk; it is
-built under a temporary name and renamed into place once its files are written and flushed, so a kill at any
-moment leaves either a complete snapshot or one that :func:`complete_steps` ignores (and :func:`prune` removes).
+checkpoint files (``ckpt.index``, ``ckpt.data-*``) or a flash snapshot's (:mod:`tfelastic.trainer.flash`), and
+``MANIFEST.json`` (the step and every file's size). The node-local tier's stores are under
+``LOCAL_ROOT/JOB/NODE/`` (:func:`local_store_root`; the default root is one per user, :data:`LOCAL_ROOT_DEFAULT`),
+the shared tier's under the backup directory.
 
-Two tiers hold stores of the same name:
-
-- the node-local tier, ``LOCAL_ROOT/JOB/NODE/NAME`` (default root ``/dev/shm/tfelastic``): every worker writes
-  its own copy (MWMS replicas are identical), so a worker that crashed on a live node restores from memory;
-- the shared tier, ``BACKUP_DIR/NAME``: the chief copies each local snapshot there in the background, for a new
-  or replacement node.
-
-The agent reports the steps its node can restore from either tier (:func:`restorable_steps`); the coordinator
-picks the newest step every member of the next generation can restore and the agent passes it to the trainer
-as ``TFELASTIC_RESTORE_STEP``.
+Invariants: a snapshot is complete when its directory has that name and its manifest agrees with the files on
+disk; it is built under a temporary name and renamed into place once its files are flushed, so a kill at any
+moment leaves either a complete snapshot or one that :func:`complete_steps` ignores. Every level of the local
+tier, root to node, is a directory (not a link) of this user's own with mode 0700 (:func:`make_private_dirs`), and
+its snapshot files are 0600: the weights are for this user only, and no other user can swap a directory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import pwd
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Iterable
 
-LOCAL_ROOT_DEFAULT = "/dev/shm/tfelastic"
+
+def default_local_root(shm: str = "/dev/shm") -> str:
+    """The local tier's default root: one per user (``/dev/shm/tfelastic-UID``), so that a root another user
+    made first never stands in the way (every level must be this user's own: :func:`make_private_dirs`)."""
+    return os.path.join(shm, f"tfelastic-{os.geteuid()}")
+
+
+LOCAL_ROOT_DEFAULT = default_local_root()
 MANIFEST = "MANIFEST.json"
 CHECKPOINT_PREFIX = "ckpt"  # TensorFlow's files inside a snapshot: ckpt.index, ckpt.data-00000-of-00001
 FLASH_DATA, FLASH_LAYOUT = "flash.bin", "flash.json"  # or a flash snapshot's (tfelastic.trainer.flash)
@@ -45,6 +50,11 @@ class SnapshotError(RuntimeError):
 
 class NothingWritten(SnapshotError):
     """The checkpoint's writer left no index: its write failed (TensorFlow raises why at its next write)."""
+
+
+class UnsafeTierError(SnapshotError):
+    """A level of the local tier is not this user's own directory: another user could read or swap the
+    snapshots. The message names the level and its owner."""
 
 
 def local_store_root(root: str, job: str, node_id: str) -> str:
@@ -70,9 +80,10 @@ def temporary_dir(store: str, step: int) -> str:
     return os.path.join(store, f"{_TEMPORARY}{snapshot_name(step)}-{uuid.uuid4().hex[:8]}")
 
 
-def seal(building: str, store: str, step: int) -> str:
-    """Writes the manifest of the files in ``building``, flushes them, and renames the directory to the step's
-    snapshot. Returns the snapshot's path. An older snapshot of the same step is replaced."""
+def seal(building: str, store: str, step: int, private: bool = False) -> str:
+    """Writes the manifest of the files in ``building``, flushes them (``private``: the local tier's, made mode
+    0600 and the directory 0700 first), and renames the directory to the step's snapshot. Returns the snapshot's
+    path. An older snapshot of the same step is replaced."""
     files = {name: os.path.getsize(os.path.join(building, name)) for name in sorted(os.listdir(building))
              if name != MANIFEST}
     if not any(name.endswith(".index") or name == FLASH_LAYOUT for name in files):
@@ -81,7 +92,11 @@ def seal(building: str, store: str, step: int) -> str:
     manifest = os.path.join(building, MANIFEST)
     with open(manifest, "w", encoding="utf-8") as out:
         json.dump({"step": step, "files": files}, out)
+    if private:
+        os.chmod(building, 0o700)
     for name in [*files, MANIFEST]:
+        if private:
+            os.chmod(os.path.join(building, name), 0o600)
         _fsync_file(os.path.join(building, name))
     final = snapshot_dir(store, step)
     if os.path.isdir(final):
@@ -244,6 +259,48 @@ def remove_temporaries(store: str) -> None:
     for name in names:
         if name.startswith(_TEMPORARY):
             shutil.rmtree(os.path.join(store, name), ignore_errors=True)
+
+
+def make_private_dirs(root: str, path: str) -> None:
+    """Creates ``path`` and the levels from ``root`` down to it, mode 0700 (``root``'s parents as they come), or
+    checks those that exist: each must be a directory, not a symbolic link, owned by this user; it is made mode
+    0700. Raises :class:`UnsafeTierError` naming the first level that is not. Each level is opened without
+    following a link and checked and changed through that descriptor: nothing can be swapped in between."""
+    root, path = os.path.normpath(root), os.path.normpath(path)
+    below = os.path.relpath(path, root)  # the levels under root: JOB/NODE, or none
+    os.makedirs(os.path.dirname(root), exist_ok=True)
+    level = root
+    _private_dir(level)
+    for part in [] if below == os.curdir else below.split(os.sep):
+        level = os.path.join(level, part)
+        _private_dir(level)
+
+
+def _private_dir(path: str) -> None:
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):  # which one: the kernel's choice
+            raise UnsafeTierError(f"{path} is a symbolic link") from e
+        raise  # not a directory, or not this user's to open: it cannot be written
+    try:
+        status = os.fstat(fd)
+        if status.st_uid != os.geteuid():
+            raise UnsafeTierError(f"{path} is owned by {_user(status.st_uid)}, not by this user "
+                                  f"({_user(os.geteuid())})")
+        if stat.S_IMODE(status.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _safe(part: str) -> str:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from tfelastic.trainer._tf import tf
 from tfelastic.trainer.environment import TrainerEnvironment, parse_collective
 from tfelastic.trainer.preemption import STOP
-from tfelastic.trainer.tfkeras import check_keras, ensure_legacy_keras
-
-ensure_legacy_keras()
-import tensorflow as tf  # noqa: E402
+from tfelastic.trainer.tfkeras import check_keras
 
 
 def make_strategy(collective: str | None = None) -> Any:

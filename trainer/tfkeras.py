@@ -1,11 +1,10 @@
-"""The tf_keras guard: Keras 3 cannot run ``model.fit`` under MultiWorkerMirroredStrategy (FACTS 1).
+"""The tf_keras guard: Keras 3 cannot run ``model.fit`` under MultiWorkerMirroredStrategy.
 
 TensorFlow picks the Keras behind ``tf.keras`` from ``TF_USE_LEGACY_KERAS`` when it is imported, so the variable
-must be set before the first ``import tensorflow``. The library's modules set it (if unset) before they import
-TensorFlow, and :func:`check_keras` (run by ``make_strategy`` and the callbacks) fails with the fix when it is
-too late: TensorFlow was imported first, the variable says no, or a model is a Keras 3 model.
-
-Importing this module imports nothing heavy; the checks read ``sys.modules`` and never import TensorFlow.
+must be set before the first ``import tensorflow``: :mod:`tfelastic.trainer._tf`, through which the library's
+modules import TensorFlow, calls :func:`ensure_legacy_keras` first. :func:`check_keras` and :func:`check_model`
+fail with the fix when it is too late (TensorFlow was imported first, the variable says no) or a model is a
+Keras 3 model. Importing this module imports nothing heavy; the checks read ``sys.modules`` only.
 """
 
 from __future__ import annotations

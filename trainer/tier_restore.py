@@ -1,18 +1,13 @@
 """The fast checkpoint tier's read side (:mod:`tfelastic.trainer.tiered` writes): which snapshot a worker
 restores, from which tier, and what happens to the others.
 
-:meth:`TierRestorer.restore` restores the step the coordinator chose (``TFELASTIC_RESTORE_STEP``: the newest
-step every member of the generation can restore), from the local tier when this node has it, else from the
-shared one. When the agents found no common step (or the store is outside the agent's backup directory, where
-they do not look), every worker restores the newest snapshot of the shared tier, which all of them see (an
-agreement check after the restore stops workers that did not); without an agent, the newest snapshot of either
-tier that restores.
+:meth:`TierRestorer.restore` restores the coordinator's step (``TFELASTIC_RESTORE_STEP``) from the local tier
+when this node has it, else from the shared one. Without a common step (or for a store the agents do not scan)
+every worker restores the newest shared snapshot; without an agent, the newest of either tier that restores.
 
-A snapshot whose manifest is complete but whose data does not read back (TensorFlow's or a flash snapshot's
-checksums: damaged storage) is set aside as ``damaged-...``, so that the next round does not choose it again;
-any other restore error (a model that no longer matches the snapshot) is raised as it is. After a restore, this
-worker's snapshots newer than the step restored are removed: they belong to an abandoned history, which a later
-restore must not pick up.
+Invariants: a snapshot whose data does not read back (damaged storage) is set aside as ``damaged-...`` and the
+next copy is tried in the same restore; any other restore error (a model that no longer matches) is raised as it
+is; after a restore, this worker's snapshots newer than the step restored are removed (an abandoned history).
 """
 
 from __future__ import annotations
@@ -23,11 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tfelastic.trainer import flash, snapshots
+from tfelastic.trainer._tf import tf
 from tfelastic.trainer.checkpoint import NoRestorableCheckpointError
-from tfelastic.trainer.tfkeras import ensure_legacy_keras
-
-ensure_legacy_keras()
-import tensorflow as tf  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +120,8 @@ class TierRestorer:
         except Exception as e:
             if not isinstance(e, _DAMAGED_DATA) and snapshots.is_complete(path):
                 raise  # not the storage: a model that no longer matches the snapshot, an out-of-memory error
+            if not flash.is_flash(path):
+                _drop_pending_restores(self.checkpoint, snapshots.checkpoint_prefix(path))
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             result.skipped.append((path, reason))
             mine = path.startswith(self.write_store + os.sep) or self.is_chief
@@ -148,3 +142,21 @@ class TierRestorer:
             if removed:
                 log.info("removed snapshots newer than the step restored (%s) from %s: steps %s",
                          "none" if restored is None else restored, store, ", ".join(map(str, removed)))
+
+
+def _drop_pending_restores(checkpoint: Any, prefix: str) -> None:
+    """Drops what a failed ``checkpoint.restore(prefix)`` left pending. TensorFlow keeps, on the objects it restored
+    into, a restore for each object of the snapshot that does not exist yet (the checkpoint's save counter, an
+    optimizer's slots before its first step) and runs every one it kept when that object is created, the newest
+    restore's first: it would read ``prefix`` after the snapshot was set aside. These are TensorFlow's private
+    attributes; what this TensorFlow lacks is left alone."""
+    def reads_prefix(position: Any) -> bool:
+        return getattr(getattr(position, "checkpoint", None), "save_path_string", None) == prefix
+
+    for trackable in tf.train.TrackableView(checkpoint).descendants():
+        pending = getattr(trackable, "_deferred_dependencies", None)  # a child's name -> its positions
+        if isinstance(pending, dict):
+            for name in list(pending):
+                pending[name] = [position for position in pending[name] if not reads_prefix(position)]
+                if not pending[name]:
+                    del pending[name]

@@ -10,10 +10,7 @@ import shutil
 from typing import Any
 
 from tfelastic.trainer import flash, snapshots
-from tfelastic.trainer.tfkeras import ensure_legacy_keras
-
-ensure_legacy_keras()
-import tensorflow as tf  # noqa: E402
+from tfelastic.trainer._tf import tf
 
 log = logging.getLogger(__name__)
 

@@ -1,29 +1,16 @@
-"""The fast checkpoint tier: snapshots to node-local memory, persisted to shared storage in the background. The
-layout is :mod:`tfelastic.trainer.snapshots`.
+"""The fast checkpoint tier: snapshots of a checkpoint in node-local memory, copied to shared storage in the
+background. The layout is :mod:`~tfelastic.trainer.snapshots`, one snapshot's write
+:mod:`~tfelastic.trainer.tier_writer`, the restore :mod:`~tfelastic.trainer.tier_restore`.
 
-The first snapshot of a process is TensorFlow's asynchronous checkpoint
-(``CheckpointOptions(experimental_enable_async_checkpoint=True)``): :meth:`TieredCheckpoint.save` holds training
-up while TensorFlow copies the variables, and TensorFlow writes the files in its own thread. When the checkpoint's
-state is all plain variables (a model, its optimizer, counters), the next ones are *flash snapshots*
-(:mod:`tfelastic.trainer.flash`): the variables' bytes written in the training thread into a file the oldest
-local snapshot gave up, which costs a fraction of TensorFlow's write (no new memory) and needs no background
-work. Either way a sealer thread of ours then seals the snapshot (manifest, flush, rename:
-:func:`~tfelastic.trainer.snapshots.seal`) in the local tier and prunes the old ones, and on the chief a persister
-thread copies the newest sealed snapshot to the shared tier, at most every ``persist_seconds`` (30 s; and always
-the newest at :meth:`TieredCheckpoint.flush`). Every worker saves at the same step (TensorFlow's save may run
-collectives) and keeps its own local copy. A ``portable`` save is TensorFlow's format whatever the state (the
-custom loop's final save, whose path it hands to the user).
+Each save picks its :class:`Tier` once: the local tier; without one (or once it is full), the shared tier on the
+chief and a scratch directory on the other workers, which keep nothing but must still write (a save may run
+collectives). The training thread writes, the :class:`~tfelastic.trainer.sealer.Sealer` seals and prunes, and on
+the chief the :class:`~tfelastic.trainer.persister.Persister` copies the newest sealed snapshot to the shared tier
+at most every ``persist_seconds``; :meth:`TieredCheckpoint.flush` copies the newest itself.
 
-:meth:`TieredCheckpoint.restore` restores the step the coordinator chose, from the local tier when this node has it
-(:mod:`tfelastic.trainer.tier_restore`).
-
-The local tier is bounded: before a snapshot, the room it needs (the newest snapshot's size, with headroom) is
-made by removing all but the newest local snapshot; when even that is not enough, or a write runs out of space,
-this worker's snapshots go to the shared tier from then on (the chief's; the others keep none), with a warning.
-
-Errors of the background write surface at the next save or at :meth:`TieredCheckpoint.flush`; a failed copy to
-the shared tier is logged and retried with the next snapshot, and :meth:`TieredCheckpoint.flush` (a graceful
-stop, the end of training) tries the newest once more itself and raises if it still fails.
+Invariants: every worker saves at the same step; the local tier keeps a snapshot until the persister has copied
+it; a worker whose local tier has no room (before a write, or a write ran out of space) leaves it for good, with a
+warning; an error of the background work is raised at the next save or at :meth:`TieredCheckpoint.flush`.
 """
 
 from __future__ import annotations
@@ -31,17 +18,17 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import queue
 import shutil
-import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from tfelastic.trainer import flash, snapshots
 from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.persister import Persister
 from tfelastic.trainer.scratch import process_temp_dir
-from tfelastic.trainer.tier_restore import TierRestore, TierRestorer
+from tfelastic.trainer.sealer import Sealer
+from tfelastic.trainer.tier_restore import LOCAL, SHARED, TierRestore, TierRestorer
 from tfelastic.trainer.tier_writer import SnapshotWriter
 
 log = logging.getLogger(__name__)
@@ -52,7 +39,25 @@ PERSIST_SECONDS = 30.0
 # The room a local snapshot needs, as a multiple of the newest one's size: TensorFlow's temporary files, a model
 # that grew a little. The first snapshot's size is not known: its write shows whether it fits.
 LOCAL_HEADROOM = 1.1
+SCRATCH = "scratch"  # a worker without a tier of its own: it writes each snapshot, and keeps none
 _SPARE = "spare-flash.bin"  # a scratch directory's data file, for the next flash snapshot there
+
+
+@dataclass(frozen=True)
+class Tier:
+    """Where one save writes: ``kind`` LOCAL, SHARED or SCRATCH, the ``store`` directory, and how many snapshots
+    it ``keep``s there (0 for scratch)."""
+    kind: str
+    store: str
+    keep: int
+
+
+@dataclass(frozen=True)
+class _SealJob:
+    step: int
+    building: str  # the snapshot's temporary directory
+    tier: Tier
+
 
 class TieredCheckpoint:
     """Snapshots of ``checkpoint`` in the shared tier's store ``shared_store`` and in the local tier's store of
@@ -68,20 +73,18 @@ class TieredCheckpoint:
         self.is_chief = is_chief
         self.shared_store = os.path.abspath(shared_store)
         name = os.path.basename(os.path.normpath(self.shared_store))
-        self.local_store = (os.path.join(environment.local_checkpoint_dir, name)
-                            if environment.local_checkpoint_dir else None)
+        node_dir = _private_or_none(environment.local_checkpoint_dir)
+        self.local_store = os.path.join(node_dir, name) if node_dir else None
         self._managed = environment.managed
         self._wanted = environment.restore_step
         self._keep_local, self._keep_shared = keep_local, keep_shared
         self._writer = SnapshotWriter(checkpoint, mapped_files=keep_local)
-        self._scratch: str | None = None  # a non-chief without a local tier writes here, and keeps nothing
+        self._scratch: str | None = None  # the SCRATCH tier's directory, made when first needed
         self._local_full = False  # the local tier has no room for a snapshot: write as without one
-        self._sealing: queue.Queue[tuple[int, str, str] | None] = queue.Queue()
+        self._sealer: Sealer[_SealJob] = Sealer(self._seal_job)
         # The chief copies its local snapshots to the shared tier (without a local tier, it writes there).
         self._persister = Persister(self.local_store, self.shared_store, keep_shared, persist_seconds) \
             if is_chief and self.local_store else None
-        self._error: BaseException | None = None
-        self._sealer: threading.Thread | None = None
         self.sealed_step: int | None = None  # the newest snapshot complete in this worker's write tier
         self._sealed_in_shared: int | None = None
         self.last_write_seconds: float | None = None  # save() to sealed: the latest
@@ -89,17 +92,20 @@ class TieredCheckpoint:
         self._last_started: int | None = None
         self._written_step: int | None = None  # the newest snapshot whose background work is over
 
-    @property
-    def write_store(self) -> str:
-        """Where this worker's snapshots go: the local tier; without one, the shared tier on the chief and a
-        scratch directory elsewhere (the save must still run on every worker: it may run collectives)."""
+    def _tier(self) -> Tier:
+        """Where the next snapshot goes (see the module docstring)."""
         if self.local_store and not self._local_full:
-            return self.local_store
+            return Tier(LOCAL, self.local_store, self._keep_local)
         if self.is_chief:
-            return self.shared_store
+            return Tier(SHARED, self.shared_store, self._keep_shared)
         if self._scratch is None:
             self._scratch = process_temp_dir("scratch")  # close() may not come (an exception, a stop, a kill)
-        return self._scratch
+        return Tier(SCRATCH, self._scratch, 0)
+
+    @property
+    def write_store(self) -> str:
+        """The directory this worker's next snapshot goes to."""
+        return self._tier().store
 
     def save(self, step: int, portable: bool = False) -> float:
         """Starts a snapshot of ``step``; returns how long training was held up (seconds). A second save of the
@@ -108,73 +114,74 @@ class TieredCheckpoint:
         began = time.monotonic()
         # TensorFlow's write waits for the previous one anyway; the seal after it is short. Then the previous
         # write's error is the sealer's to see (TensorFlow hands it to the first caller), and its size is known.
-        self._sealing.join()
+        self._sealer.wait()
         self._raise_background_error()
         if step == self._last_started and not (portable and self._writer.last_was_flash):
             return 0.0
         if step == self._last_started and self._persister:
             self._persister.forget(step)  # the shared tier gets the portable one at the next flush
         self._last_started = step
-        self._start_sealer()
-        os.makedirs(self.write_store, exist_ok=True)
-        if self.write_store == self.local_store:
-            self._make_room(self.local_store)
+        tier = self._tier()
+        os.makedirs(tier.store, exist_ok=True)
+        if tier.kind == LOCAL and not self._make_room(tier.store):
+            tier = self._tier()
         self._writer.choose(self._scratch)
-        store, building = self._building(step)
+        building = self._building(tier, step)
         self._save_began[step] = began
         try:
-            self._write(store, building, portable)
+            self._write(tier, building, portable)
         except Exception as e:  # TensorFlow raises the previous write's error here, before this write
             shutil.rmtree(building, ignore_errors=True)
-            if store != self.local_store or not _out_of_space(e):
+            if tier.kind != LOCAL or not _out_of_space(e):
                 raise
             self._leave_local_tier(f"writing a snapshot ran out of space: {_last_line(e)}")
-            store, building = self._building(step)
-            self._write(store, building, portable)
-        self._sealing.put((step, building, store))
+            tier = self._tier()
+            building = self._building(tier, step)
+            self._write(tier, building, portable)
+        self._sealer.submit(_SealJob(step, building, tier))
         return time.monotonic() - began
 
-    def _write(self, store: str, building: str, portable: bool) -> None:
+    def _write(self, tier: Tier, building: str, portable: bool) -> None:
         """A flash snapshot, synchronously; else TensorFlow's asynchronous write, which TensorFlow finishes in its
         own thread. A worker that keeps no snapshot writes one too: reading a sync-on-read variable is an
         all-reduce, which every worker must join."""
         if not self._writer.flash or portable:
             self._writer.write(building, portable)
             return
-        recycled = self._reusable(store)
+        recycled = self._reusable(tier)
         try:
-            self._writer.write(building, portable, recycled, keep_mapped=store in (self.local_store, self._scratch))
+            self._writer.write(building, portable, recycled, keep_mapped=tier.kind != SHARED)
         finally:
-            if recycled and store == self.local_store:
+            if recycled and tier.kind == LOCAL:
                 shutil.rmtree(os.path.dirname(recycled), ignore_errors=True)
 
-    def _reusable(self, store: str) -> str | None:
-        """A data file whose memory the next flash snapshot in ``store`` can take over: the local tier's oldest
+    def _reusable(self, tier: Tier) -> str | None:
+        """A data file whose memory the next flash snapshot in ``tier`` can take over: the local tier's oldest
         snapshot's, or the scratch directory's spare."""
-        if store == self.local_store:
-            return snapshots.retire_oldest(store, self._keep_local, protect=self._protected())
-        spare = os.path.join(store, _SPARE)
-        return spare if store == self._scratch and os.path.exists(spare) else None
+        if tier.kind == LOCAL:
+            return snapshots.retire_oldest(tier.store, tier.keep, protect=self._protected())
+        spare = os.path.join(tier.store, _SPARE)
+        return spare if tier.kind == SCRATCH and os.path.exists(spare) else None
 
     def _protected(self) -> tuple[int, ...]:
         """The step the persister copies: the local tier keeps it until then."""
         return self._persister.pinned() if self._persister else ()
 
-    def _building(self, step: int) -> tuple[str, str]:
-        """The write store now, and a new temporary directory in it for ``step``."""
-        store = self.write_store
-        os.makedirs(store, exist_ok=True)
-        building = snapshots.temporary_dir(store, step)
+    @staticmethod
+    def _building(tier: Tier, step: int) -> str:
+        """A new temporary directory in ``tier`` for ``step``."""
+        os.makedirs(tier.store, exist_ok=True)
+        building = snapshots.temporary_dir(tier.store, step)
         os.makedirs(building)
-        return store, building
+        return building
 
-    def _make_room(self, store: str) -> None:
+    def _make_room(self, store: str) -> bool:
         """Makes room in the local tier for one more snapshot, removing all but its newest one if need be; without
-        room, this worker stops using it (see the module docstring)."""
+        room, this worker stops using it (returns False: see the module docstring)."""
         newest = snapshots.complete_steps(store)
         need = LOCAL_HEADROOM * snapshots.snapshot_size(snapshots.snapshot_dir(store, newest[0])) if newest else 0
         if shutil.disk_usage(store).free >= need:
-            return
+            return True
         self._writer.release()  # the mapped files' memory, for the files the prune removes
         protected = self._protected()  # read once: a copy that ends in between must still be waited for
         snapshots.prune(store, 1, protect=protected)
@@ -184,8 +191,9 @@ class TieredCheckpoint:
             snapshots.prune(store, 1)
             free = shutil.disk_usage(store).free
         if free >= need:
-            return
+            return True
         self._leave_local_tier(f"{free / 2**20:.0f} MiB free, less than the {need / 2**20:.0f} MiB a snapshot needs")
+        return False
 
     def _leave_local_tier(self, why: str) -> None:
         if self._local_full:
@@ -197,17 +205,17 @@ class TieredCheckpoint:
 
     def wait_sealed(self) -> None:
         """Waits until every snapshot started is sealed (the next save does anyway, first)."""
-        self._sealing.join()
+        self._sealer.wait()
 
     def flush(self) -> None:
         """Waits until every snapshot started is sealed and, on the chief, the newest is in the shared tier."""
         self.checkpoint.sync()
-        self._sealing.join()
+        self._sealer.wait()
         if self._persister:
             self._persister.wait_idle()
         self._raise_background_error()
         sealed = self.sealed_step
-        if self._last_started is not None and sealed != self._last_started and self.write_store != self._scratch:
+        if self._last_started is not None and sealed != self._last_started and self._tier().kind != SCRATCH:
             raise RuntimeError(f"snapshot step {self._last_started} was not written to {self.write_store} (see "
                                "the error above): the state at this stop is not saved")
         # The newest was not copied (throttled, or the copy failed): now.
@@ -221,12 +229,9 @@ class TieredCheckpoint:
         try:
             self.flush()
         finally:
-            self._sealing.put(None)
+            self._sealer.stop()
             if self._persister:
                 self._persister.stop()
-            if self._sealer:
-                self._sealer.join()
-                self._sealer = None
             self._writer.release()
             if self._scratch:
                 shutil.rmtree(self._scratch, ignore_errors=True)
@@ -238,45 +243,37 @@ class TieredCheckpoint:
         return TierRestorer(self.checkpoint, self.local_store, self.shared_store, is_chief=self.is_chief,
                             write_store=self.write_store, managed=self._managed, wanted=self._wanted).restore()
 
-    def _start_sealer(self) -> None:
-        if self._sealer is None:
-            self._sealer = threading.Thread(target=self._seal_loop, name="tfelastic-seal", daemon=True)
-            self._sealer.start()
+    def _seal_job(self, job: _SealJob) -> None:
+        """In the sealer's thread: seals ``job``'s snapshot once TensorFlow has written it; the errors the next
+        save can deal with are logged here, the others raised for :meth:`_raise_background_error`."""
+        try:
+            self.checkpoint.sync()  # TensorFlow's writer thread has finished this snapshot's files
+            self._seal(job)
+        except BaseException as e:
+            shutil.rmtree(job.building, ignore_errors=True)
+            if job.tier.kind == LOCAL and _out_of_space(e):
+                self._leave_local_tier(f"sealing step {job.step} ran out of space")  # this snapshot is lost
+                self._written(job.step)
+            elif isinstance(e, snapshots.NothingWritten):  # the next save() or flush() deals with it
+                log.warning("snapshot step %d was not written to %s (TensorFlow's error follows at the next "
+                            "save)", job.step, job.tier.store)
+                self._written(job.step)
+            else:
+                raise
 
-    def _seal_loop(self) -> None:
-        while (job := self._sealing.get()) is not None:
-            step, building, store = job
-            try:
-                self.checkpoint.sync()  # TensorFlow's writer thread has finished this snapshot's files
-                self._seal(step, building, store)
-            except BaseException as e:
-                shutil.rmtree(building, ignore_errors=True)
-                if store == self.local_store and _out_of_space(e):
-                    self._leave_local_tier(f"sealing step {step} ran out of space")  # this snapshot is lost
-                    self._written(step)
-                elif isinstance(e, snapshots.NothingWritten):  # the next save() or flush() deals with it
-                    log.warning("snapshot step %d was not written to %s (TensorFlow's error follows at the next "
-                                "save)", step, store)
-                    self._written(step)
-                else:
-                    self._error = e
-            finally:
-                self._sealing.task_done()
-        self._sealing.task_done()
-
-    def _seal(self, step: int, building: str, store: str) -> None:
-        if store == self._scratch:
+    def _seal(self, job: _SealJob) -> None:
+        step, building, tier = job.step, job.building, job.tier
+        if tier.kind == SCRATCH:
             if not self._writer.complete(building):  # else read at the next save, then removed
                 if os.path.exists(flash.data_file(building)):
-                    os.replace(flash.data_file(building), os.path.join(store, _SPARE))
+                    os.replace(flash.data_file(building), os.path.join(tier.store, _SPARE))
                 shutil.rmtree(building, ignore_errors=True)
             self._written(step)
             return
-        self._writer.complete(snapshots.seal(building, store, step))
-        snapshots.prune(store, self._keep_local if store == self.local_store else self._keep_shared,
-                        protect=self._protected())
+        self._writer.complete(snapshots.seal(building, tier.store, step, private=tier.kind == LOCAL))
+        snapshots.prune(tier.store, tier.keep, protect=self._protected())
         self.sealed_step = step
-        if store == self.shared_store:
+        if tier.kind == SHARED:
             self._sealed_in_shared = step
         elif self._persister:
             self._persister.offer(step)  # unless throttled: the shared tier gets a newer one later, or at flush()
@@ -304,9 +301,23 @@ class TieredCheckpoint:
             self.last_write_seconds = time.monotonic() - began
 
     def _raise_background_error(self) -> None:
-        error, self._error = self._error, None
+        error = self._sealer.take_error()
         if error is not None:
             raise RuntimeError(f"a snapshot could not be written to {self.write_store}: {error}") from error
+
+
+def _private_or_none(node_dir: str | None) -> str | None:
+    """The local tier's directory of this node (the agent made it), once made sure it is this user's own, mode
+    0700; None (no local tier, with a warning) when it is another user's or a link."""
+    if not node_dir:
+        return None
+    try:
+        snapshots.make_private_dirs(node_dir, node_dir)
+    except snapshots.UnsafeTierError as e:
+        log.warning("the local checkpoint tier is off: %s, so another user could read or replace the snapshots "
+                    "there; snapshots go to the shared tier (the chief's; the other workers keep none)", e)
+        return None
+    return node_dir
 
 
 def _last_line(error: BaseException) -> str:

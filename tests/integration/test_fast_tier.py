@@ -68,6 +68,25 @@ CASES = """
               "formats": {tier_name: [sorted(os.listdir(os.path.join(store, snapshots.snapshot_name(s))))
                                       for s in (10, 20, 30)]
                           for tier_name, store in (("local", os.path.join(local_root, "fit")), ("shared", shared))}}
+
+    def modes(snapshot):  # the snapshot directory's, then its files'
+        return [oct(os.stat(snapshot).st_mode & 0o777), sorted({oct(os.stat(os.path.join(snapshot, name)).st_mode
+                                                                     & 0o777) for name in os.listdir(snapshot)})]
+
+    report["modes"] = {"node": oct(os.stat(local_root).st_mode & 0o777),
+                       "local": [modes(snapshots.snapshot_dir(os.path.join(local_root, "fit"), s)) for s in (10, 30)]}
+    if os.geteuid() == 0:  # another user's directory where the agent's should be (nobody's, mode 0777)
+        hostile = os.path.abspath("hostile")
+        os.mkdir(hostile)
+        os.chown(hostile, 65534, 65534)
+        os.chmod(hostile, 0o777)
+        refused = TieredCheckpoint(checkpoint, os.path.abspath("refused/fit"), is_chief=True, persist_seconds=0,
+                                   env=TrainerEnvironment(progress_socket="agent.sock", local_checkpoint_dir=hostile))
+        refused.save(1)
+        refused.close()
+        report["hostile"] = {"local_store": refused.local_store, "left": os.listdir(hostile),
+                             "mode": oct(os.stat(hostile).st_mode & 0o777),
+                             "shared": snapshots.complete_steps(os.path.abspath("refused/fit"))}
     data = os.path.join(local_root, "fit", snapshots.snapshot_name(30), snapshots.FLASH_DATA)
     with open(data, "r+b") as f:  # same size, other bytes: the manifest cannot tell, the restore can
         f.seek(200)
@@ -115,6 +134,18 @@ def test_the_first_snapshot_is_tensorflows_and_the_next_are_flash_snapshots(case
     flash = ["MANIFEST.json", "flash.bin", "flash.json", "objects.pb"]
     for tier in ("local", "shared"):
         assert cases["formats"][tier] == [tensorflow, flash, flash]
+
+
+def test_the_local_tier_is_this_users_alone(cases: dict[str, Any]) -> None:
+    """The node's directory 0700, each snapshot's 0700 and its files (TensorFlow's, a flash snapshot's) 0600."""
+    assert cases["modes"] == {"node": "0o700", "local": [["0o700", ["0o600"]], ["0o700", ["0o600"]]]}
+
+
+def test_a_node_directory_another_user_owns_is_refused_and_the_snapshots_go_to_the_shared_tier(
+        cases: dict[str, Any]) -> None:
+    if "hostile" not in cases:
+        pytest.skip("building another user's directory needs root")
+    assert cases["hostile"] == {"local_store": None, "left": [], "mode": "0o777", "shared": [1]}
 
 
 def test_the_copy_to_the_shared_tier_is_throttled_and_flush_copies_the_newest(cases: dict[str, Any]) -> None:
@@ -231,3 +262,76 @@ def test_a_local_tier_without_room_hands_the_snapshots_to_the_shared_tier(
     assert report["restored"][0] == 4 and report["value"] == 4.0
     assert report["raced"] is (True if case else None)  # the copy did end while room was being made
     assert ("has no room for a snapshot" in result.stderr) is warned, result.stderr[-4000:]
+
+
+DAMAGED_TENSORFLOW_SNAPSHOT = """
+    import json, os, sys
+    from tfelastic.trainer import snapshots
+    from tfelastic.trainer.environment import TrainerEnvironment
+    from tfelastic.trainer.tiered import TieredCheckpoint
+    import tensorflow as tf
+    import tf_keras as keras
+
+    local_root, shared = os.path.abspath("local"), os.path.abspath("shared/fit")
+    local = os.path.join(local_root, "fit")
+    model = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(4)])
+    optimizers = {"adam": keras.optimizers.Adam, "legacy-adam": keras.optimizers.legacy.Adam}
+    model.compile(optimizers[sys.argv[2]](0.1), "mse")
+    checkpoint = tf.train.Checkpoint(model=model)
+
+    def state():  # the model's variables and the optimizer's (its step and slots), by name without the scope
+        return {v.name.removeprefix("Adam/"): v.numpy().tolist() for v in model.variables + model.optimizer.variables()}
+
+    if sys.argv[1] == "write":
+        model.fit(tf.random.normal([8, 8], seed=1), tf.random.normal([8, 4], seed=2), batch_size=4, verbose=0)
+        tier = TieredCheckpoint(checkpoint, shared, is_chief=True, persist_seconds=0, env=TrainerEnvironment(
+            progress_socket="agent.sock", local_checkpoint_dir=local_root))
+        tier.save(1)  # a process's first snapshot: TensorFlow's format
+        tier.close()
+        snapshot = snapshots.snapshot_dir(local, 1)
+        data = os.path.join(snapshot, next(n for n in os.listdir(snapshot) if n.startswith("ckpt.data")))
+        with open(data, "r+b") as f:  # 64 bytes flipped: the manifest cannot tell, TensorFlow's checksum can
+            flipped = bytes(b ^ 0xFF for b in f.read(64))
+            f.seek(0)
+            f.write(flipped)
+        print(json.dumps({"state": state(), "files": sorted(os.listdir(snapshot))}))
+    else:
+        # A new trainer process, as after a crash: the checkpoint has no save counter yet, and the optimizer's
+        # slots are created after the restore (TensorFlow restores them then, from what the restore left).
+        env = TrainerEnvironment(progress_socket="agent.sock", local_checkpoint_dir=local_root, restore_step=1)
+        try:
+            result = TieredCheckpoint(checkpoint, shared, is_chief=True, env=env).restore()
+            create_slots = getattr(model.optimizer, "build", None) or model.optimizer._create_all_weights  # legacy
+            create_slots(model.trainable_variables)
+        except Exception as e:
+            print(json.dumps({"error": f"{type(e).__name__}: {str(e)[:300]}"}))
+            sys.exit(0)
+        print(json.dumps({"restored": [result.step, result.tier, os.path.relpath(result.path)],
+                          "skipped": [os.path.relpath(p) for p, _ in result.skipped], "state": state(),
+                          "local": snapshots.complete_steps(local),
+                          "set_aside": [n[:25] for n in os.listdir(local) if n.startswith("damaged-")]}))
+"""
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "legacy-adam"])  # their slots are restored in different ways
+def test_a_damaged_local_snapshot_in_tensorflows_format_falls_back_to_the_shared_copy_in_the_same_restore(
+        tmp_path: Path, optimizer: str) -> None:
+    """TensorFlow keeps, from a restore that failed, a restore for each object that did not exist yet (the save
+    counter, an optimizer's slots) and runs it when the object is created, reading the snapshot that was set
+    aside: the shared copy must restore, and every variable hold its saved value."""
+    def run(phase: str) -> dict[str, Any]:
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(DAMAGED_TENSORFLOW_SNAPSHOT), phase,
+                                 optimizer],
+                                cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+        report: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+        return report
+
+    written = run("write")
+    assert written["files"] == ["MANIFEST.json", "ckpt.data-00000-of-00001", "ckpt.index"]
+    restored = run("restore")
+    assert "error" not in restored, restored["error"]
+    assert restored["restored"] == [1, "shared", "shared/fit/step-000000000001"]
+    assert restored["skipped"] == ["local/fit/step-000000000001"]
+    assert restored["state"] == written["state"]
+    assert (restored["local"], restored["set_aside"]) == ([], ["damaged-step-000000000001"])

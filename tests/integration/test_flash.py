@@ -94,7 +94,7 @@ CASES = """
         tier.save(step)
         tier.flush() if step == 6 else tier.checkpoint.sync()
         data = os.path.join(local, "v", snapshots.snapshot_name(step), "flash.bin")
-        tier._sealing.join()
+        tier.wait_sealed()
         tier._persister.wait_idle()  # the copy to the shared tier holds its snapshot in the local tier until done
         inodes[step] = os.stat(data).st_ino if os.path.exists(data) else None
     tier.close()
@@ -112,7 +112,7 @@ CASES = """
     spares = []
     for step in range(1, 5):
         other.save(step)
-        other._sealing.join()
+        other.wait_sealed()
         spare = os.path.join(other._scratch, "spare-flash.bin")
         spares.append(os.stat(spare).st_ino if os.path.exists(spare) else None)
     report["scratch"] = {"spares": spares, "left": sorted(os.listdir(other._scratch)),

@@ -267,11 +267,24 @@ def test_fit_callbacks_bundle_order_tensorboard_rank_and_epoch_saves(tmp_path: P
 
 
 FIT_REPORTING = """
-        import json, os, socket, sys
+        import json, os, socket, sys, threading
         from tfelastic.trainer.progress import SOCKET_ENV, decode
         agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         agent.bind(os.path.abspath("progress.sock"))
+        agent.settimeout(0.05)
         os.environ[SOCKET_ENV] = os.path.abspath("progress.sock")
+        received, fit_over = [], threading.Event()
+
+        def listen():  # while fit runs, as the agent does: the socket queues few datagrams (max_dgram_qlen)
+            while True:
+                try:
+                    received.append(agent.recv(4096))
+                except TimeoutError:
+                    if fit_over.is_set():
+                        return
+
+        listener = threading.Thread(target=listen, daemon=True)
+        listener.start()
         from tfelastic.trainer.callbacks import fit_callbacks  # first: it sets TF_USE_LEGACY_KERAS
         import numpy as np
         import tensorflow as tf
@@ -281,13 +294,10 @@ FIT_REPORTING = """
         history = model.fit(x, y[:, :1], batch_size=16, epochs=2, verbose=0,
                             callbacks=fit_callbacks("backup", save_every=20, global_batch_size=16,
                                                     fast_tier=sys.argv[1] == "fast"))
-        agent.setblocking(False)
+        fit_over.set()
+        listener.join()
         reports = []
-        while True:
-            try:
-                message = decode(agent.recv(4096))
-            except BlockingIOError:
-                break
+        for message in map(decode, received):
             reports.append({"step": message.step, "examples": message.examples, "loss": message.loss,
                             "ckpt": message.checkpoint_step, "done": message.done, "phase": message.phase.value,
                             "stall": message.stall, "restored": message.restored_tier})

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -181,37 +182,59 @@ print("source:", "def fit(" in inspect.getsource(training.Model.fit))
 """
 
 
+class ProgressListener:
+    """The agent's end of the progress socket, read in a thread while the trainer runs, as the agent reads it:
+    a Unix datagram socket queues at most net.unix.max_dgram_qlen datagrams (10 on some hosts), and the
+    trainer's non-blocking send drops what does not fit, so reading only after the trainer exited loses reports."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(path)
+        self._sock.settimeout(0.05)
+        self._messages: list[dict[str, Any]] = []
+        self._done = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="progress-listener", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                self._messages.append(json.loads(self._sock.recv(65536)))
+            except TimeoutError:
+                if self._done.is_set():  # the trainer exited and the queue is empty
+                    return
+
+    def received(self) -> list[dict[str, Any]]:
+        """Every report, once the trainer has exited."""
+        self._done.set()
+        self._reader.join()
+        return self._messages
+
+    def close(self) -> None:
+        self._done.set()
+        self._reader.join()
+        self._sock.close()
+
+
 @pytest.fixture
-def progress_socket(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
-    path = str(tmp_path / "progress.sock")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(path)
-    sock.setblocking(False)
-    yield sock, path
-    sock.close()
-
-
-def received(sock: socket.socket) -> list[dict[str, Any]]:
-    messages = []
-    while True:
-        try:
-            messages.append(json.loads(sock.recv(1024)))
-        except BlockingIOError:
-            return messages
+def progress_socket(tmp_path: Path) -> Iterator[ProgressListener]:
+    listener = ProgressListener(str(tmp_path / "progress.sock"))
+    yield listener
+    listener.close()
 
 
 @pytest.mark.tensorflow
 def test_fit_reports_progress_once_per_fit_without_doubling_the_scripts_own(
-        progress_socket: tuple[socket.socket, str]) -> None:
-    sock, path = progress_socket
-    env = trainer_env({"TFELASTIC_PROGRESS_SOCKET": path, "TFELASTIC_GENERATION": "5", "TF_USE_LEGACY_KERAS": "1",
-                       "TF_CPP_MIN_LOG_LEVEL": "3"})
+        progress_socket: ProgressListener) -> None:
+    env = trainer_env({"TFELASTIC_PROGRESS_SOCKET": progress_socket.path, "TFELASTIC_GENERATION": "5",
+                       "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"})
     result = run_python(FITS, env)
     assert result.returncode == 0, result.stderr
     assert "tfelastic:" not in result.stderr
     assert result.stdout.splitlines() == ["user list untouched: True", "loader: SourceFileLoader SourceFileLoader",
                                           "finder left: False", "source: True"]
-    messages = received(sock)
+    messages = progress_socket.received()
     assert {m["g"] for m in messages} == {5}
     # One "done" per ProgressCallback that ran: one per fit, none for the CallbackList given as is.
     assert Counter(m["step"] for m in messages if m.get("done")) == {2: 1, 4: 1, 6: 1}, messages
@@ -233,13 +256,12 @@ model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=savers)
 
 @pytest.mark.tensorflow
 def test_an_unmodified_scripts_own_savers_are_announced_before_they_save(
-        progress_socket: tuple[socket.socket, str], tmp_path: Path) -> None:
-    sock, path = progress_socket
-    env = trainer_env({"TFELASTIC_PROGRESS_SOCKET": path, "TFELASTIC_GENERATION": "1", "TF_USE_LEGACY_KERAS": "1",
-                       "TF_CPP_MIN_LOG_LEVEL": "3"})
+        progress_socket: ProgressListener, tmp_path: Path) -> None:
+    env = trainer_env({"TFELASTIC_PROGRESS_SOCKET": progress_socket.path, "TFELASTIC_GENERATION": "1",
+                       "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"})
     result = run_python(SAVES, env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    messages = received(sock)
+    messages = progress_socket.received()
     # BackupAndRestore saves at steps 2, 4, 6, 8, 10, 12; ModelCheckpoint at 3, 6, 9, 12 (one report per batch
     # where either saves). The start of fit is a setup phase; each epoch ends on a save here, which covers it.
     assert [m["step"] for m in messages if m.get("ph") == "save"] == [2, 3, 4, 6, 8, 9, 10, 12], messages

@@ -9,7 +9,7 @@ shows the step and the agent's hang detection works with no change to the script
 What is covered: ``fit`` of tf_keras models (``tf.keras`` under ``TF_USE_LEGACY_KERAS=1``, which the agent
 sets), including subclasses and repeated calls. What is not: custom training loops (a Python hook cannot see
 steps that run inside a ``tf.function``; call :func:`tfelastic.trainer.report` once per step instead), Keras 3
-(it cannot run MultiWorkerMirroredStrategy anyway: FACTS 1), a ``CallbackList`` passed as ``callbacks`` (it is
+(it cannot run MultiWorkerMirroredStrategy anyway), a ``CallbackList`` passed as ``callbacks`` (it is
 used as given), and interpreters started with ``-I``, ``-E`` or ``-S``, which ignore ``PYTHONPATH`` or
 ``sitecustomize``.
 

@@ -1,0 +1,19 @@
+"""TensorFlow and tf_keras for the trainer library's modules, which import them from here and never directly.
+
+Invariant: ``TF_USE_LEGACY_KERAS=1`` is set (unless the environment says otherwise) before TensorFlow is first
+imported, because TensorFlow picks the Keras behind ``tf.keras`` once, at its import; then
+:func:`~tfelastic.trainer.tfkeras.ensure_legacy_keras` raises :class:`~tfelastic.trainer.tfkeras.KerasVersionError`
+if ``tf.keras`` is Keras 3 anyway. Importing TensorFlow this way imports tf_keras and the protobuf modules below
+too, so re-exporting them costs nothing more.
+"""
+
+from tfelastic.trainer.tfkeras import ensure_legacy_keras
+
+ensure_legacy_keras()
+
+import tensorflow as tf  # noqa: E402
+import tf_keras as keras  # noqa: E402
+from tensorflow.core.protobuf import trackable_object_graph_pb2  # noqa: E402
+from tf_keras.src.distribute.worker_training_state import WorkerTrainingState  # noqa: E402
+
+__all__ = ["WorkerTrainingState", "keras", "tf", "trackable_object_graph_pb2"]
