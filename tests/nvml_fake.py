@@ -5,10 +5,14 @@ exceptions: failures are ``pynvml.NVMLError(code)``, which builds pynvml's own s
 so the collector's except clauses are the ones that meet the real library. Its behaviour follows NVML's documentation
 as far as this fake goes; it says nothing about how a given GPU or driver actually behaves.
 Every call is counted in ``calls``, so tests can tell a cached scrape from one that reached NVML.
+
+Processes on a GPU (:class:`FakeGpuProcess`) are listed until the moment their memory is given back, which may be
+late or never: a killed CUDA process can keep its memory for seconds after it exited, and a GPU in trouble for good.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,11 +39,37 @@ class FakeGpu:
     retired_pages_pending: int = 0  # NVML_FEATURE_DISABLED / NVML_FEATURE_ENABLED
     remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)  # corrected, uncorrected, pending, failure
     errors: dict[str, int] = field(default_factory=dict)  # NVML function -> the NVML_ERROR_* it fails with
+    processes: list[FakeGpuProcess] = field(default_factory=list)  # compute processes (CUDA contexts)
+    graphics_processes: list[FakeGpuProcess] = field(default_factory=list)
 
     def unsupported(self, *functions: str) -> FakeGpu:
         for function in functions:
             self.errors[function] = pynvml.NVML_ERROR_NOT_SUPPORTED
         return self
+
+
+@dataclass
+class FakeGpuProcess:
+    """A process with a context on a GPU. NVML lists it until ``frees_at`` (``time.monotonic()``; the monotonic
+    clock is the machine's, so several processes agree on it): its memory is back then, whether the process
+    ended long before or not. ``math.inf``: never (a GPU that does not give a dead process's memory back)."""
+
+    pid: int
+    used_memory: int | None = 4 * 2**30  # bytes; None: NVML cannot tell (NVML_VALUE_NOT_AVAILABLE)
+    frees_at: float = math.inf
+
+    def listed(self, now: float) -> bool:
+        return now < self.frees_at
+
+
+@dataclass
+class FakeProcessInfo:
+    """What pynvml's nvmlDeviceGet*RunningProcesses_v3 return (nvmlStructToFriendlyObject of nvmlProcessInfo_t)."""
+
+    pid: int
+    usedGpuMemory: int | None
+    gpuInstanceId: int = 0xFFFFFFFF
+    computeInstanceId: int = 0xFFFFFFFF
 
 
 @dataclass(eq=False)  # compared by identity, as pynvml's ctypes handles are
@@ -209,6 +239,19 @@ class FakeNvml:
 
     def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: FakeHandle) -> int:
         return self._device("nvmlDeviceGetCurrentClocksThrottleReasons", handle).clocks_event_reasons
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle: FakeHandle) -> list[FakeProcessInfo]:
+        return self._listed(self._device("nvmlDeviceGetComputeRunningProcesses_v3", handle).processes)
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: FakeHandle) -> list[FakeProcessInfo]:
+        return self._listed(self._device("nvmlDeviceGetComputeRunningProcesses_v2", handle).processes)
+
+    def nvmlDeviceGetGraphicsRunningProcesses_v3(self, handle: FakeHandle) -> list[FakeProcessInfo]:
+        return self._listed(self._device("nvmlDeviceGetGraphicsRunningProcesses_v3", handle).graphics_processes)
+
+    def _listed(self, processes: list[FakeGpuProcess]) -> list[FakeProcessInfo]:
+        now = time.monotonic()
+        return [FakeProcessInfo(p.pid, p.used_memory) for p in processes if p.listed(now)]
 
     def nvmlEventSetCreate(self) -> FakeEventSet:
         self._enter("nvmlEventSetCreate")

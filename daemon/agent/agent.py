@@ -66,7 +66,7 @@ CLOSING_SECONDS = AGENTS_GONE_SECONDS + 5.0
 class Agent:
     def __init__(self, config: AgentConfig, token: str | None = None,
                  clock: Callable[[], float] = time.monotonic, metrics_token: str | None = None,
-                 etcd: EtcdCredentials | None = None) -> None:
+                 etcd: EtcdCredentials | None = None, nvml: Any = None) -> None:
         self.config = config
         self._token, self._metrics_token, self._clock = token, metrics_token, clock
         self.registry = CollectorRegistry()
@@ -79,7 +79,8 @@ class Agent:
                                    failure_stop_grace=config.node.failure_stop_grace,
                                    warm_start=config.node.warm_start, before_stopped=self._before_stopped,
                                    standby_nice=standby.nice)
-        self._node = Node(config, self.registry, agent_environment(config.job.env), lambda: self.runner.live_pid)
+        self._node = Node(config, self.registry, agent_environment(config.job.env), lambda: self.runner.live_pid,
+                          nvml)
         metrics.standby_memory.set_function(self.runner.standby_memory)
         metrics.standby_ready.set_function(lambda: float(self.runner.standby_ready()))
         self._launched: tuple[int, WorkerSpec] | None = None  # the last launch: a standby is built for its like
@@ -277,8 +278,9 @@ class Agent:
         self._spawn(asyncio.to_thread(self._node.gpus.forget_xids))
         self._apply(self.core.worker_stopped(result))
 
-    async def _before_stopped(self) -> None:
+    async def _before_stopped(self, result: StopResult) -> None:
         """The old worker is gone: what it left is what the Join after the stop reports."""
+        self.core.worker_gone(result.pids)
         if self.core.rejoins_after_stop:
             await self._before_join()
 
@@ -287,8 +289,10 @@ class Agent:
 
     async def _before_join(self) -> None:
         """Before a Join that may start a generation: the snapshot steps this node can restore (snapshot_scan.py),
-        and a fixed worker port free of the old trainer."""
+        the GPU memory of the old worker given back, and a fixed worker port free of the old trainer."""
         self.core.node_read(restorable=await self._node.snapshots.restorable())
+        if pids := self.core.gpu_holders:
+            self.core.gpus_released(*await self._node.wait_gpus_released(pids))
         if (port := self.core.port_to_free) is not None:
             await self._node.wait_port_free(port)
 

@@ -133,6 +133,7 @@ class StopResult:
 
     returncode: int | None  # the keeper's, None if no worker had been started
     exited_before_stop: bool  # it had ended by itself before it was signalled
+    pids: tuple[int, ...] = ()  # every process of the worker (WorkerProcess.pids): what may still hold GPU memory
 
 
 class FatalSessionError(Exception):

@@ -1,7 +1,9 @@
 """The node check's way to the coordinator (pure). A check is owed at the first Join of the process and when the
 coordinator asks for one (CheckNode); once it has run, its result goes out in a checked Join, with what kept the
 agent from listening for the coordinator's probe, and it stays owed until the coordinator answers the session
-that carried it (a Join on a session that breaks first is sent again on the next one).
+that carried it (a Join on a session that breaks first is sent again on the next one). A failure found outside
+the check (GPUs that keep a stopped worker's memory) goes out the same way, in the next Join, beside the check's
+own result when one is owed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class NodeCheckLedger:
     def __init__(self) -> None:
         self._owed = True
         self._result: str | None = None  # a check's result the coordinator has not answered yet ("": passed)
+        self._found = ""  # a failure found outside the check, not answered yet
         self._sent_on: int | None = None  # the session whose Join carries it
         self._join: api.Join | None = None  # the checked Join, until the shell says whether it listens
 
@@ -28,7 +31,8 @@ class NodeCheckLedger:
 
     @property
     def has_result(self) -> bool:
-        return self._result is not None
+        """The next Join is a checked one: a check ran, or a failure was found, and no answer came yet."""
+        return self._result is not None or bool(self._found)
 
     def asked(self) -> None:
         self._owed = True
@@ -37,6 +41,11 @@ class NodeCheckLedger:
         self._owed, self._result = False, failure
         if failure:
             log.error("node check failed: %s", failure)
+
+    def found(self, failure: str) -> None:
+        """A failure found outside the check: the node is not fit either (a later one replaces it)."""
+        log.error("node check failed: %s", failure)
+        self._found = failure
 
     def composed(self, join: api.Join, session: int) -> None:
         """A checked Join waits for the probe listener: its answer completes the failure it carries."""
@@ -50,10 +59,11 @@ class NodeCheckLedger:
             return None
         if problem:
             log.error("node check failed: %s", problem)
-        failure = "; ".join(p for p in (self._result or "", problem) if p)
+        failure = "; ".join(p for p in (self._result or "", self._found, problem) if p)
         return dataclasses.replace(join, check_failure=failure)
 
     def answered(self, session: int, message: api.CoordinatorMessage) -> None:
         """Any message but a heartbeat (which may have been on its way before the Join was read) answers it."""
         if self._sent_on == session and not isinstance(message, api.Heartbeat):
             self._result = self._sent_on = None
+            self._found = ""

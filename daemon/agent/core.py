@@ -6,10 +6,11 @@ stopped, a progress report, a tick, a signal, what the shell read of the node) i
 does the I/O and reports back.
 
 The agent obeys the coordinator: it launches a worker on an Assignment, stops it on StopWorkers and joins again
-(the Join confirms that every process of the old worker is gone), and exits on JobFinished. It decides on its own
-only to fence itself (the coordinator silent for ``node_timeout - heartbeat_interval``: one heartbeat before the
-coordinator's lease on it runs out), when to build a standby, and how to leave. A stall of its trainer it only
-reports: the coordinator decides the restart.
+(the Join confirms that every process of the old worker is gone, and that the GPUs gave back their memory: GPUs
+that do not within the shell's bound fail the node check that Join carries), and exits on JobFinished. It
+decides on its own only to fence itself (the coordinator silent for ``node_timeout - heartbeat_interval``: one
+heartbeat before the coordinator's lease on it runs out), when to build a standby, and how to leave. A stall of
+its trainer it only reports: the coordinator decides the restart.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class AgentCore:
         self._checks = NodeCheckLedger()
         self._standby = StandbySchedule(clock, timing.standby_at_launch)
         self._rejoin_session: int | None = None  # the session to send a Join on once the stop is done
+        self._gpu_holders: tuple[int, ...] = ()  # a stopped worker's processes whose GPU memory is not seen back
         self._stopping: tuple[bool, bool] = (False, False)  # the stop under way: (planned, it was running)
 
     @classmethod
@@ -128,6 +130,13 @@ class AgentCore:
         return self.identity.worker_port or None
 
     @property
+    def gpu_holders(self) -> tuple[int, ...]:
+        """The stopped worker's processes that may still hold GPU memory: before a Join that may start a
+        generation the shell waits (bounded) until NVML lists none of them, and reports with :meth:`gpus_released`
+        (a trainer started into memory a killed one still holds fails with out-of-memory)."""
+        return self._gpu_holders
+
+    @property
     def restorable(self) -> tuple[int, ...]:
         """The snapshot steps the next Join reports."""
         return self.trainer.node.restorable
@@ -146,6 +155,18 @@ class AgentCore:
             node.gpus, node.gpu_utilization = gpus
         if restorable is not None:
             node.restorable = restorable
+
+    def gpus_released(self, waited: float | None, held: str) -> None:
+        """The shell's wait for :attr:`gpu_holders` ended: after ``waited`` seconds (None: NVML lists no process
+        here, no GPU or no driver: nothing was waited for), with ``held`` saying what still holds memory ("": all
+        of it is back). Memory still held fails the node check the next Join carries, and is waited for again
+        before the one after."""
+        if waited is not None:
+            self._metrics.gpu_release_wait.observe(waited)
+        if held:
+            self._checks.found(held)
+        else:
+            self._gpu_holders = ()
 
     def node_checked(self, failure: str) -> list[Action]:
         """The node check ended (``failure``: what failed, "" if it passed). It goes out in a Join now, or on
@@ -301,6 +322,11 @@ class AgentCore:
         self.worker.to(WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED)  # RUNNING -> SUCCEEDED|FAILED
         return [self.trainer.exited(code, list(output))]
 
+    def worker_gone(self, pids: tuple[int, ...]) -> None:
+        """Every process of the stopped worker is gone, before the stop is reported done: their GPU memory is
+        awaited before the next Join that may start a generation (:attr:`gpu_holders`)."""
+        self._gpu_holders = tuple(sorted({*self._gpu_holders, *pids}))
+
     def worker_stopped(self, result: StopResult) -> list[Action]:
         """Every process of the worker is gone."""
         planned, was_running = self._stopping
@@ -413,7 +439,7 @@ class AgentCore:
         if self._rejoin_session is not None and self._rejoin_session == self._contact.session and \
                 self._contact.open and self.exit_code is None:
             self._rejoin_session = None
-            return [Send(self._join())]
+            return self._checked_join() if self._checks.has_result else [Send(self._join())]
         return []
 
     def _join(self, *, checked: bool = False) -> api.Join:

@@ -1,6 +1,7 @@
 """This node as the agent's shell reaches it: the host and GPU metrics, the GPU summary that reports carry, the
-node check (off the loop, bounded, one at a time), the listener for the coordinator's probe, and the snapshot
-steps this node can restore. I/O only: the core decides when each is needed.
+node check (off the loop, bounded, one at a time), the listener for the coordinator's probe, the snapshot steps
+this node can restore, and the waits before a Join for what a stopped worker still holds (its port, its GPU
+memory). I/O only: the core decides when each is needed.
 """
 
 from __future__ import annotations
@@ -8,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from typing import Any
 
+import psutil
 from prometheus_client import CollectorRegistry
 from tfelastic.daemon.agent.nodecheck import MATMUL_TIMEOUT_SECONDS, NodeCheck, PortListener
 from tfelastic.daemon.agent.snapshot_scan import SnapshotScan
 from tfelastic.daemon.config import AgentConfig
-from tfelastic.daemon.metrics.gpu import register_gpu_collector, visible_gpus
+from tfelastic.daemon.metrics.gpu import GpuProcess, register_gpu_collector, visible_gpus
 from tfelastic.daemon.metrics.host import register_host_collector
 from tfelastic.daemon.netutil import port_taken
 
@@ -24,15 +27,23 @@ NODE_CHECK_SECONDS = MATMUL_TIMEOUT_SECONDS + 30.0  # the matmul's own bound, an
 # A killed trainer's port is free once all its threads have exited: a few hundred ms for a few GB to unmap, more
 # for a host-memory-heavy model; past this the Join goes out anyway and the trainer's bind error says the rest.
 PORT_FREE_SECONDS = 30.0
+# A killed CUDA process gives its device memory back as the driver tears its context down, after the process is
+# gone: usually well under a second, seconds for a large one. Memory still held after this is a GPU in trouble
+# (the driver cannot reclaim it until the GPU is reset): a failed node check, which sets the node aside.
+GPU_RELEASE_SECONDS = 30.0
+GPU_POLL_SECONDS = 0.05
 
 
 class Node:
+    """``nvml``: the NVML library (pynvml, the default), or a stand-in with its functions."""
+
     def __init__(self, config: AgentConfig, registry: CollectorRegistry, trainer_env: dict[str, str],
-                 live_pid: Callable[[], int | None]) -> None:
+                 live_pid: Callable[[], int | None], nvml: Any = None) -> None:
         backup_dir = config.resolved_backup_dir()
         register_host_collector(registry, live_pid, backup_dir)
         # The trainer's GPUs, not the node's: CUDA_VISIBLE_DEVICES as the trainer will see it.
-        self.gpus = register_gpu_collector(registry, visible=visible_gpus(trainer_env.get("CUDA_VISIBLE_DEVICES")))
+        self.gpus = register_gpu_collector(registry, nvml=nvml,
+                                           visible=visible_gpus(trainer_env.get("CUDA_VISIBLE_DEVICES")))
         self._check = NodeCheck(backup_dir, config.node.id, config.node.check_min_free_mb << 20,
                                 gpu_problems=self.gpus.health_problems, gpu_count=lambda: self.gpus.utilization()[0])
         self.probe = PortListener()
@@ -63,6 +74,51 @@ class Node:
             log.info("the worker port %d was free %.3fs after the old worker stopped", port, waited)
         return True
 
+    async def wait_gpus_released(self, pids: Collection[int],
+                                 timeout: float | None = None) -> tuple[float | None, str]:
+        """Waits until NVML lists none of ``pids`` (a stopped worker's processes) on the trainer's GPUs. Returns
+        how long it waited (None: NVML lists nothing here, no GPU or no driver) and, after ``timeout`` (default
+        :data:`GPU_RELEASE_SECONDS`), what still holds memory ("" once all of it is back)."""
+        timeout = GPU_RELEASE_SECONDS if timeout is None else timeout
+        started = time.monotonic()
+        said = False
+        while True:
+            held = await asyncio.to_thread(self._held_by, set(pids))
+            waited = time.monotonic() - started
+            if held is None:
+                return None, ""
+            if not held:
+                if said:
+                    log.info("the GPUs gave back the stopped worker's memory after %.3fs", waited)
+                return waited, ""
+            if waited > timeout:
+                return waited, f"GPU memory of the stopped worker is still held {waited:.0f}s after it stopped " \
+                               f"({_describe(held)}): reset the GPU, and replace it if this comes back"
+            if not said:
+                log.info("waiting for the GPUs to give back the stopped worker's memory (%s)", _describe(held))
+                said = True
+            await asyncio.sleep(GPU_POLL_SECONDS)
+
+    def _held_by(self, pids: set[int]) -> list[GpuProcess] | None:
+        """What NVML lists of ``pids``, less a pid that runs again (reused by another process since: the
+        stopped worker's processes are all gone or zombies); None if NVML lists nothing here."""
+        listed = self.gpus.processes()
+        if listed is None:
+            return None
+        return [p for p in listed if p.pid in pids and not _running(p.pid)]
+
     async def gpu_summary(self) -> tuple[int, float]:
         """The GPU count and mean utilization, read off the loop: NVML calls may block."""
         return await asyncio.to_thread(self.gpus.utilization)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _describe(held: list[GpuProcess]) -> str:
+    return ", ".join(f"GPU {p.gpu}: pid {p.pid}" + (f" with {p.used_bytes / 2**20:.0f} MiB" if p.used_bytes else "")
+                     for p in held)

@@ -10,7 +10,8 @@ What it checks, each bounded in time:
 * the GPUs, with NVML: no new XID since the last check, no uncorrectable ECC error, no retired pages or
   remapped rows pending (:meth:`GpuCollector.health_problems`);
 * with TensorFlow installed and GPUs present: a small matmul on each visible GPU, in a subprocess
-  (:mod:`tfelastic.daemon.agent.gpu_matmul`), so that a wedged driver costs a timeout, not the agent.
+  (:mod:`tfelastic.daemon.agent.gpu_matmul`), so that a wedged driver costs a timeout, not the agent. Without
+  TensorFlow in the agent's Python nothing is computed on the GPUs, and the check logs so (:meth:`matmul_skipped`).
 
 The coordinator adds the last part from its side: it tries to reach the node's trainer port (server.py).
 """
@@ -33,6 +34,8 @@ log = logging.getLogger("tfelastic.agent")
 
 MIN_FREE_BYTES = 1 << 30  # the default: below 1 GiB free a checkpoint of a mid-sized model does not fit
 MATMUL_TIMEOUT_SECONDS = 120.0  # importing TensorFlow and initializing every GPU takes tens of seconds
+NO_TENSORFLOW = "no GPU matmul: TensorFlow is not installed in the agent's Python, so nothing was computed on the " \
+    "GPUs (only their NVML health was checked)"
 
 
 @dataclass(frozen=True)
@@ -80,10 +83,19 @@ class NodeCheck:
                     f"{self.min_free_bytes / 2**20:.0f} MiB a checkpoint needs"]
         return []
 
+    def matmul_skipped(self) -> str:
+        """Why the check computes nothing on the GPUs it sees ("" when it does, or when it sees none)."""
+        if self.matmul_devices is None and self.gpu_count() > 0 and importlib.util.find_spec("tensorflow") is None:
+            return NO_TENSORFLOW
+        return ""
+
     def matmul_problems(self) -> list[str]:
         devices = self.matmul_devices
         if devices is None:
-            devices = "GPU" if self.gpu_count() > 0 and importlib.util.find_spec("tensorflow") else ""
+            skipped = self.matmul_skipped()
+            if skipped:
+                log.info("node check: %s", skipped)
+            devices = "GPU" if self.gpu_count() > 0 and not skipped else ""
         if not devices:
             return []
         command = [self.python, "-m", "tfelastic.daemon.agent.gpu_matmul", devices]

@@ -37,11 +37,12 @@ class WorkerEvents(Protocol):
 
 
 class WorkerRunner:
-    """``before_stopped``: awaited once a stop's processes are gone and before ``worker_stopped`` (the agent reads
-    what the old worker left on disk for the Join that follows); the stop is under way until it returns."""
+    """``before_stopped``: awaited with the stop's result once its processes are gone and before ``worker_stopped``
+    (the agent reads what the old worker left on disk, and waits for its GPU memory, for the Join that follows);
+    the stop is under way until it returns."""
 
     def __init__(self, events: WorkerEvents, *, stop_grace: float, failure_stop_grace: float,
-                 warm_start: bool = False, before_stopped: Callable[[], Awaitable[None]] | None = None,
+                 warm_start: bool = False, before_stopped: Callable[[StopResult], Awaitable[None]] | None = None,
                  standby_nice: int = 0) -> None:
         self._events = events
         self._before_stopped = before_stopped
@@ -178,11 +179,11 @@ class WorkerRunner:
             started = time.monotonic()
             await worker.stop(grace)
             log.info("worker stopped in %.3fs (%s)", time.monotonic() - started, why)
-            result = StopResult(worker.returncode, worker.exited_before_stop)
+            result = StopResult(worker.returncode, worker.exited_before_stop, worker.pids)
             self._worker = None
         if self._before_stopped is not None:
             try:
-                await self._before_stopped()
+                await self._before_stopped(result)
             except Exception:  # never a stop that does not end: the worker is gone, the core must hear it
                 log.exception("after the worker stopped")
         self._events.worker_stopped(result)

@@ -71,6 +71,10 @@ class AgentMetrics:
         self.steps_redone = Histogram("tfelastic_restore_steps_redone", "Steps a restored trainer trains again: the "
                                       "last step this node's previous worker reported minus the step restored.",
                                       buckets=_STEPS_BUCKETS, registry=registry)
+        self.gpu_release_wait = Histogram(
+            "tfelastic_gpu_release_wait_seconds", "How long the GPUs took to give back the memory of the stopped "
+            "worker's processes, from its stop to the Join that may start the next generation (a wait that ran out "
+            "counts its bound).", buckets=_SECONDS_BUCKETS, registry=registry)
         self._last_step: int | None = None
         self._previous_generation_step: int | None = None
         self._last_examples: int | None = None

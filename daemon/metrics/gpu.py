@@ -53,8 +53,26 @@ SCALARS: tuple[tuple[str, str, tuple[str, ...], tuple[int, ...], float], ...] = 
     ("tfelastic_gpu_sm_clock_hertz", "Current SM clock.", ("nvmlDeviceGetClockInfo",), (pynvml.NVML_CLOCK_SM,), 1e6),
 )
 
+# The processes with a context on a GPU, by kind; the versioned names, because pynvml's unversioned ones raise an
+# exception outside NVMLError when the driver is older than the binding.
+PROCESS_LISTS: tuple[tuple[str, ...], ...] = (
+    ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"),
+    ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2"),
+    ("nvmlDeviceGetMPSComputeRunningProcesses_v3", "nvmlDeviceGetMPSComputeRunningProcesses_v2"),
+)
+
 ECC_TYPES = (("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
              ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED))
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process NVML lists on a GPU: ``pid`` as NVML sees it (the host's pid namespace: inside a container of
+    its own it is not the container's pid), the device memory it holds (None where NVML cannot tell)."""
+
+    gpu: int
+    pid: int
+    used_bytes: int | None
 
 
 @dataclass
@@ -138,6 +156,23 @@ class GpuCollector(Collector):
             self._drain_xid_events()
             for gpu in self._gpus.values():
                 gpu.xids_at_check = gpu.xids or 0
+
+    def processes(self) -> list[GpuProcess] | None:
+        """The processes with a context on the reported GPUs (compute, graphics and MPS), or None where nothing
+        can be listed (no NVML, or a driver that lists no kind of process). Calls NVML: call it off the event
+        loop."""
+        with self._lock:
+            if not self._ensure_nvml(self._clock()):
+                return None
+            found: list[GpuProcess] = []
+            listed = False
+            for gpu in self._gpus.values():
+                for functions in PROCESS_LISTS:
+                    processes = self._value(gpu, functions)
+                    if processes is not None:
+                        listed = True
+                        found.extend(GpuProcess(gpu.index, int(p.pid), p.usedGpuMemory) for p in processes)
+            return found if listed or not self._gpus else None
 
     def _gpu_problems(self, gpu: _Gpu) -> list[str]:
         problems = []

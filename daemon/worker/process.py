@@ -4,6 +4,10 @@
 SIGKILL of every process of the tree, repeated until none is left. It returns only once every process is
 confirmed gone, so the next generation never meets a stale one. A stopped (SIGSTOP) process is deliberately not
 continued: it is a hung worker, and letting it run again would let the old collective make progress.
+
+``pids`` names every process of the worker seen in its life (the keeper, the trainer, what the stop found): a
+killed process may hold its GPU memory for a while after it is gone, and the agent waits for NVML to list none of
+them before the next generation starts (agent/node.py).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class WorkerProcess:
         self.pid = proc.pid  # the keeper: session leader, so also the process group id
         self.exited_before_stop = False  # set by stop(): it had ended by itself before it was signalled
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)  # its last lines of output
+        self._seen = {self.pid}
         self._output = asyncio.create_task(self._forward_output())
 
     @classmethod
@@ -74,11 +79,18 @@ class WorkerProcess:
             await asyncio.wait_for(asyncio.shield(self._output), 1.0)  # flush the last lines of output
         return code
 
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """Every process of this worker seen so far: the keeper, the trainer once :meth:`trainer_pid` found it,
+        and after :meth:`stop` every process it stopped."""
+        return tuple(sorted(self._seen))
+
     def trainer_pid(self) -> int:
         """The trainer itself (the keeper's child), or the keeper while the trainer is not yet forked."""
         with contextlib.suppress(psutil.Error):
             children = psutil.Process(self.pid).children()
             if children:
+                self._seen.add(children[0].pid)
                 return children[0].pid
         return self.pid
 
@@ -95,7 +107,7 @@ class WorkerProcess:
         """SIGTERM the group, wait for the grace period, SIGKILL what is left; return once all are gone."""
         self.exited_before_stop = self.has_exited()
         if self.exited_before_stop:  # its pid may be reused by now: only the group's leftovers are ours
-            await asyncio.to_thread(_kill_until_gone, self.pid, [])
+            self._seen.update(await asyncio.to_thread(_kill_until_gone, self.pid, []))
             await self._proc.wait()
             return
         tree = process_tree(self.pid)
@@ -103,7 +115,8 @@ class WorkerProcess:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._proc.wait()), grace_seconds)
         tree += process_tree(self.pid)  # anything forked during the grace period
-        await asyncio.to_thread(_kill_until_gone, self.pid, tree)
+        self._seen.update(p.pid for p in tree)
+        self._seen.update(await asyncio.to_thread(_kill_until_gone, self.pid, tree))
         await self._proc.wait()
         self._output.cancel()
 
@@ -149,19 +162,22 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def _kill_until_gone(pgid: int, tree: list[psutil.Process]) -> None:
-    """SIGKILL the group and every process of the tree until none is alive. Blocking: run in a thread.
+def _kill_until_gone(pgid: int, tree: list[psutil.Process]) -> set[int]:
+    """SIGKILL the group and every process of the tree until none is alive; returns the group's members it met.
+    Blocking: run in a thread.
 
     A killed process counts as gone once it is a zombie: it runs no code and holds no port, and its reaping
     is up to its parent (or init), which may take a while. psutil.wait_procs would wait for the reaping.
     """
     started = next_report = time.monotonic()
     pause = 0.002
+    met: set[int] = set()
     while True:
         alive = [p for p in tree if _alive(p)]
         members = group_members(pgid)
+        met.update(members)
         if not alive and not members:
-            return
+            return met
         if time.monotonic() >= next_report + 5.0:  # D state (a hung driver or NFS mount) resists SIGKILL
             next_report = time.monotonic()
             log.error("worker processes %s survive SIGKILL for %.0fs (uninterruptible sleep?); the node "

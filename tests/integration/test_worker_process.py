@@ -72,6 +72,23 @@ def test_stop_escalates_to_sigkill_after_the_grace_period(tmp_path: Path) -> Non
     assert returncode == -signal.SIGKILL
 
 
+def test_a_stopped_worker_names_every_process_it_had(tmp_path: Path) -> None:
+    """What may still hold GPU memory after the stop: the keeper, the trainer, and every descendant, the one
+    that escaped into its own session too (the agent waits for NVML to list none of them)."""
+    async def scenario() -> tuple[list[int], int, int, tuple[int, ...], tuple[int, ...]]:
+        worker = await WorkerProcess.start(WorkerSpec(_family(tmp_path), dict(os.environ), None, "[t]", 5.0))
+        pids = await asyncio.to_thread(_pids, tmp_path)
+        trainer = worker.trainer_pid()
+        before = worker.pids
+        await worker.stop(5.0)
+        return pids, worker.pid, trainer, before, worker.pids
+
+    (trainer, child, escaped), keeper, found, before, after = asyncio.run(scenario())
+    assert found == trainer
+    assert before == tuple(sorted((keeper, trainer)))
+    assert set(after) == {keeper, trainer, child, escaped}
+
+
 def test_exit_status_and_signal_pass_through_the_keeper(tmp_path: Path) -> None:
     async def run(command: list[str]) -> int:
         worker = await WorkerProcess.start(WorkerSpec(command, dict(os.environ), None, "[t]", 5.0))

@@ -63,6 +63,10 @@ class Harness:
         """Read through a call, so that mypy does not narrow it between two inputs."""
         return self.core.worker.state
 
+    def gpu_holders(self) -> tuple[int, ...]:
+        """Read through a call, so that mypy does not narrow it between two inputs."""
+        return self.core.gpu_holders
+
     def metric(self, name: str, **labels: str) -> float | None:
         return self.registry.get_sample_value(name, labels)
 
@@ -836,3 +840,91 @@ def test_a_stop_order_sends_the_progress_the_coordinator_has_not_seen_first() ->
     assert report.progress is not None and report.progress.step == 17
     kinds = [type(a) for a in actions]
     assert kinds.index(Send) < kinds.index(Stop)  # before the trainer is stopped
+
+
+# ------------------------------------------------------------------------------------------------ GPU release
+
+HELD = "GPU memory of the stopped worker is still held 30s after it stopped (GPU 0: pid 4002 with 4096 MiB)"
+
+
+def stopped_after_failure(h: Harness, pids: tuple[int, ...] = (4001, 4002)) -> None:
+    """Generation 1's trainer failed, the coordinator ordered the stop, and its processes are gone (the stop is
+    not reported done yet)."""
+    h.running()
+    h.core.worker_exited(1, -signal.SIGKILL)
+    h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    h.core.worker_gone(pids)
+
+
+def test_the_join_after_a_stop_waits_for_the_gpus_to_give_the_memory_back_and_the_wait_is_measured() -> None:
+    h = Harness()
+    assert h.gpu_holders() == ()
+    stopped_after_failure(h)
+    assert h.core.rejoins_after_stop
+    assert h.gpu_holders() == (4001, 4002)  # the shell waits for these before the Join
+    h.core.gpus_released(1.5, "")
+    assert h.gpu_holders() == ()
+    [join] = joins(h.core.worker_stopped(StopResult(-signal.SIGKILL, True, (4001, 4002))))
+    assert not join.checked
+    assert h.metric("tfelastic_gpu_release_wait_seconds_count") == 1.0
+    assert h.metric("tfelastic_gpu_release_wait_seconds_sum") == 1.5
+
+
+def test_without_nvml_nothing_is_awaited_or_measured() -> None:
+    h = Harness()
+    stopped_after_failure(h)
+    h.core.gpus_released(None, "")  # no GPU, or no driver, on this node
+    assert h.gpu_holders() == ()
+    assert h.metric("tfelastic_gpu_release_wait_seconds_count") == 0.0
+
+
+def test_memory_never_given_back_fails_the_node_check_of_the_join_after_the_stop(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The coordinator sets a node whose check failed aside (the quarantine): no generation starts into that
+    memory. It is awaited again before the next Join, the one after the quarantine's re-check."""
+    h = Harness()
+    stopped_after_failure(h)
+    h.core.gpus_released(30.0, HELD)
+    assert h.core.worker_stopped(StopResult(-signal.SIGKILL, True)) == [ListenForProbe(5555)]
+    [join] = joins(h.core.probe_listening(""))
+    assert (join.checked, join.check_failure) == (True, HELD)
+    assert f"node check failed: {HELD}" in caplog.text
+    assert h.metric("tfelastic_gpu_release_wait_seconds_sum") == 30.0
+    assert h.gpu_holders() == (4001, 4002)
+    h.core.received(api.Waiting(1, 2, 2, "quarantined for 600s: ..."))  # answered
+    assert h.core.received(api.CheckNode("the quarantine's cooldown is over")) == [
+        RunNodeCheck("the quarantine's cooldown is over")]
+    h.core.gpus_released(0.2, "")  # the shell waited again after the check: given back by now
+    assert h.core.node_checked("") == [ListenForProbe(5555)]
+    [join] = joins(h.core.probe_listening(""))
+    assert (join.checked, join.check_failure) == (True, "")
+    assert h.gpu_holders() == ()
+
+
+def test_a_release_failure_goes_out_beside_the_checks_own_result() -> None:
+    h = Harness()
+    stopped_after_failure(h)
+    h.core.gpus_released(0.1, "")
+    h.core.worker_stopped(StopResult(-signal.SIGKILL, True))
+    h.core.received(api.Waiting(1, 2, 2, "quarantined for 600s: ..."))
+    h.core.received(api.CheckNode("readmitted by an operator"))
+    h.core.worker_gone((4001,))  # (as if a process had been found only now)
+    h.core.gpus_released(30.0, HELD)
+    h.core.node_checked("backup dir /backup is not writable: Read-only file system")
+    [join] = joins(h.core.probe_listening(""))
+    assert join.check_failure == f"backup dir /backup is not writable: Read-only file system; {HELD}"
+
+
+def test_after_a_fence_the_next_session_joins_with_the_release_failure() -> None:
+    h = Harness()
+    h.core.node_checked("")
+    h.running()
+    h.core.received(api.Waiting(1, 2, 2, "..."))  # the first checked Join answered
+    assert stops(h.core.session_ended("UNAVAILABLE: connection reset")) != []  # fenced
+    h.core.worker_gone((4001,))
+    assert h.core.worker_stopped(StopResult(-signal.SIGTERM, False, (4001,))) == []
+    assert h.core.scans_snapshots_before_session and h.gpu_holders() == (4001,)
+    h.core.gpus_released(30.0, HELD)
+    assert h.core.session_opened() == [ListenForProbe(5555)]
+    [join] = joins(h.core.probe_listening(""))
+    assert (join.checked, join.check_failure) == (True, HELD)

@@ -21,13 +21,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from tfelastic.daemon.metrics.gpu import (
     INIT_RETRY_SECONDS,
     MAX_EVENTS_PER_REFRESH,
+    PROCESS_LISTS,
     THROTTLE_REASONS,
     GpuCollector,
+    GpuProcess,
     register_gpu_collector,
 )
 
 from tests.fakes import FakeClock
-from tests.nvml_fake import FakeGpu, FakeNvml
+from tests.nvml_fake import FakeGpu, FakeGpuProcess, FakeNvml
 
 GIB = 2**30
 DOC = Path(__file__).resolve().parents[2] / "docs" / "gpu-metrics.md"
@@ -306,6 +308,42 @@ def test_an_xid_storm_is_drained_over_several_refreshes() -> None:
     assert registry.get_sample_value("tfelastic_gpu_xid_errors_total", labels(nvml, 0)) == MAX_EVENTS_PER_REFRESH
     clock.now += 5
     assert registry.get_sample_value("tfelastic_gpu_xid_errors_total", labels(nvml, 0)) == MAX_EVENTS_PER_REFRESH + 10
+
+
+# Processes on the GPUs (the GPU release check, agent/node.py)
+
+
+def test_processes_of_every_kind_are_listed_with_their_gpu_and_memory() -> None:
+    nvml = FakeNvml([FakeGpu(processes=[FakeGpuProcess(101, 3 * GIB)]),
+                     FakeGpu(processes=[FakeGpuProcess(102, None)], graphics_processes=[FakeGpuProcess(103, GIB)])])
+    collector = GpuCollector(nvml=nvml, clock=FakeClock())
+    assert collector.processes() == [GpuProcess(0, 101, 3 * GIB), GpuProcess(1, 102, None), GpuProcess(1, 103, GIB)]
+    assert nvml.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 2
+
+
+def test_a_process_is_listed_until_its_memory_is_given_back() -> None:
+    nvml = FakeNvml([FakeGpu(processes=[FakeGpuProcess(101, frees_at=0.0), FakeGpuProcess(102)])])
+    assert GpuCollector(nvml=nvml, clock=FakeClock()).processes() == [GpuProcess(0, 102, 4 * GIB)]
+
+
+def test_an_old_driver_lists_processes_through_the_older_call() -> None:
+    nvml = FakeNvml([FakeGpu(processes=[FakeGpuProcess(101)])])
+    nvml.missing.add("nvmlDeviceGetComputeRunningProcesses_v3")
+    assert GpuCollector(nvml=nvml, clock=FakeClock()).processes() == [GpuProcess(0, 101, 4 * GIB)]
+    assert nvml.calls["nvmlDeviceGetComputeRunningProcesses_v2"] == 1
+
+
+def test_the_process_lists_are_functions_of_pynvml() -> None:
+    assert [name for names in PROCESS_LISTS for name in names if not hasattr(pynvml, name)] == []
+
+
+def test_processes_are_none_where_nothing_can_be_listed() -> None:
+    assert GpuCollector(nvml=FakeNvml(1, init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND),
+                        clock=FakeClock()).processes() is None
+    gpu = FakeGpu(processes=[FakeGpuProcess(101)]).unsupported("nvmlDeviceGetComputeRunningProcesses_v3",
+                                                                "nvmlDeviceGetGraphicsRunningProcesses_v3")
+    assert GpuCollector(nvml=FakeNvml([gpu]), clock=FakeClock()).processes() is None
+    assert GpuCollector(nvml=FakeNvml(0), clock=FakeClock()).processes() == []  # no GPU: nothing is held
 
 
 # The real library, and promtool

@@ -4,14 +4,16 @@ The matmul subprocess runs with real TensorFlow in tests/integration/test_node_c
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pynvml  # type: ignore[import-untyped]
 import pytest
-from tfelastic.daemon.agent.nodecheck import NodeCheck, PortListener
+from tfelastic.daemon.agent.nodecheck import NO_TENSORFLOW, NodeCheck, PortListener
 from tfelastic.daemon.metrics.gpu import GpuCollector
 from tfelastic.daemon.netutil import free_port
 
@@ -135,3 +137,16 @@ def test_a_worker_port_held_by_another_process_fails_the_check() -> None:
         problem = PortListener().open(port)
     assert problem.startswith(f"cannot listen on the worker port {port}: Address already in use")
     assert problem.endswith("free it, or choose another --worker-port)")
+
+
+def test_gpus_without_tensorflow_pass_on_their_nvml_health_and_the_check_says_nothing_ran_on_them(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """As on a GPU machine whose agent's Python has no TensorFlow (a None in sys.modules makes it unimportable)."""
+    collector = GpuCollector(nvml=FakeNvml(1), cache_seconds=0.0)
+    check = NodeCheck("", "n1", gpu_problems=collector.health_problems, gpu_count=lambda: 1)
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    assert check.matmul_skipped() == NO_TENSORFLOW
+    with caplog.at_level(logging.INFO, "tfelastic.agent"):
+        assert check.run() == ""
+    assert f"node check: {NO_TENSORFLOW}" in caplog.text
+    assert NodeCheck("", "n1", gpu_count=lambda: 0).matmul_skipped() == ""  # no GPU: nothing to say
