@@ -44,6 +44,7 @@ from tfelastic.daemon.options import (
 from tfelastic.daemon.secret_file import read_token
 from tfelastic.daemon.slurm import SlurmStep
 from tfelastic.daemon.sources import environment_values, gather
+from tfelastic.daemon.version import describe
 
 _UNSET: Any = object()  # the default of every option flag: not given (the configuration's default applies)
 
@@ -76,6 +77,7 @@ def _add_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tfelastic", description="Fault-tolerant, elastic TensorFlow training daemon.")
+    parser.add_argument("--version", action="version", version=describe())
     sub = parser.add_subparsers(dest="command_name", required=True, parser_class=_Parser)
 
     agent = sub.add_parser("agent", help="run the node daemon from a TOML job file")

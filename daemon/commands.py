@@ -22,6 +22,7 @@ from tfelastic.daemon.etcd.client import EtcdCredentials
 from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.exit_guard import exit_within
+from tfelastic.daemon.metrics.build import register_build_info
 from tfelastic.daemon.netutil import host_port
 from tfelastic.daemon.preflight import (
     check_agent,
@@ -39,6 +40,7 @@ from tfelastic.daemon.rendezvous.api import JobState
 from tfelastic.daemon.sdnotify import Notifier, journal_handler, run_notifying
 from tfelastic.daemon.serving import CoordinatorSetup
 from tfelastic.daemon.slurm import SlurmStep
+from tfelastic.daemon.version import describe
 
 # After an agent's own wind-down: asyncio's teardown (cancelled tasks, its thread pool) and the interpreter's.
 EXIT_TEARDOWN_SECONDS = 10.0
@@ -89,6 +91,7 @@ def run_agent(config: AgentConfig, slurm: SlurmStep | None = None) -> int:
     check_agent(config)
     notifier = Notifier()  # first: the trainer must not inherit $NOTIFY_SOCKET
     setup_logging(config.node.log_level, f"{config.job.name}/{config.node.id}")  # journald: job and node
+    logging.getLogger("tfelastic").info("%s: agent of job %s on node %s", describe(), config.job.name, config.node.id)
     config = local_tier_or_off(config)  # it warns: after the logging is set up
     _open_files()
     _warn_if_clear_text(listen, config.rendezvous.tls)
@@ -126,7 +129,9 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     _open_files()
     _warn_if_clear_text(listen, rdzv.tls)
     _warn_if_etcd_is_open(rdzv)
+    logging.getLogger("tfelastic").info("%s: coordinator of job %s", describe(), config.job)
     registry = CollectorRegistry()
+    register_build_info(registry, "coordinator")
     server = None
     if metrics.port is not None:
         server = serve_metrics(registry, metrics.address, metrics.port, scrape_token)

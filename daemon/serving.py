@@ -16,6 +16,7 @@ from tfelastic.daemon.metrics.cluster import register_cluster_collector
 from tfelastic.daemon.rendezvous.api import CoordinatorInfo, RendezvousSettings
 from tfelastic.daemon.rendezvous.durable import JobStore, Takeover
 from tfelastic.daemon.rendezvous.host import CoordinatorHost, create_server
+from tfelastic.daemon.version import PROTOCOL, VERSION
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ async def start_coordinator(setup: CoordinatorSetup, address: str, registry: Col
     it closes. Raises BindError when it cannot listen there (see :func:`create_server`)."""
     host = await create_server(address, setup.settings, token=setup.token, tls=setup.tls,
                                heartbeat_interval=setup.heartbeat_interval, store=store, takeover=takeover,
-                               info=CoordinatorInfo(setup.name, address, time.time()))
+                               info=CoordinatorInfo(setup.name, address, time.time(), VERSION, PROTOCOL))
     if registry is not None:
         collector = register_cluster_collector(registry, lambda: host.published)
         host.on_close(lambda: registry.unregister(collector))

@@ -37,7 +37,8 @@ def status_to_json(snap: ClusterSnapshot, now: float | None = None, wall: float 
         "steps_lost": snap.steps_lost,
         "coordinator": None if snap.coordinator is None else {
             "node": snap.coordinator.node, "address": snap.coordinator.address,
-            "since": round(snap.coordinator.since, 3)},
+            "since": round(snap.coordinator.since, 3), "version": snap.coordinator.version or None,
+            "protocol": snap.coordinator.protocol or None},
         "quarantines_by_kind": dict(snap.quarantines_by_kind),
         "goodput": goodput_json(snap.goodput),
     }
@@ -86,6 +87,7 @@ def _node_json(node: NodeSnapshot, now: float, wall: float) -> dict[str, Any]:
         "last_checkpoint_age_seconds": round(max(0.0, now - checkpoint_at), 3) if checkpoint_at is not None else None,
         "gpus": node.gpus,
         "gpu_utilization": round(node.gpu_utilization, 3) if node.gpus else None,
+        "version": node.version or None,
         "quarantine": None if node.quarantined_until is None else {
             "kind": node.quarantine_kind, "reason": node.quarantine_reason,
             "seconds_left": round(max(0.0, node.quarantined_until - now), 3),
@@ -100,7 +102,9 @@ def render_table(doc: dict[str, Any]) -> str:
         f"generation {doc['generation']}, world size {doc['world_size']} "
         f"(min {doc['min_nodes']}, max {doc['max_nodes']})",
         f"restarts: {doc['restarts_total']} ({restarts}); budget {doc['max_restarts']} failures per window",
-        *([f"coordinator: {c['node']} at {c['address']}"] if (c := doc.get("coordinator")) else []),
+        *([f"coordinator: {c['node']} at {c['address']}" + (f" (tfelastic {c['version']})" if c.get("version")
+                                                               else "")] if (c := doc.get("coordinator")) else []),
+        *_versions_line(doc),
         *([goodput_line(g)] if (g := doc.get("goodput")) and g["ratio"] is not None else []),
         *(f"WARNING: {warning}" for warning in doc.get("warnings", ())),
         *(_quarantine_line(n) for n in doc["nodes"] if n.get("quarantine")),
@@ -117,6 +121,16 @@ def render_table(doc: dict[str, Any]) -> str:
     lines += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
               for row in rows]
     return "\n".join(lines)
+
+
+def _versions_line(doc: dict[str, Any]) -> list[str]:
+    """A line only while the nodes run different versions (an upgrade under way)."""
+    by_version: dict[str, list[str]] = {}
+    for node in doc["nodes"]:
+        by_version.setdefault(node.get("version") or "older", []).append(node["node_id"])
+    if len(by_version) < 2:
+        return []
+    return ["versions: " + "; ".join(f"{v} on {', '.join(nodes)}" for v, nodes in sorted(by_version.items()))]
 
 
 def goodput_line(goodput: dict[str, Any]) -> str:

@@ -41,6 +41,7 @@ from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.etcd.client import EtcdCredentials
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
+from tfelastic.daemon.metrics.build import register_build_info
 from tfelastic.daemon.metrics.http import MetricsServer, serve_metrics
 from tfelastic.daemon.netutil import host_port, route_address
 from tfelastic.daemon.rendezvous import api
@@ -73,6 +74,7 @@ class Agent:
         host = config.node.advertise_address or route_address(config.rendezvous.route_host)
         self._placement = placement_for(config, host, token, etcd, self.registry)
         metrics = AgentMetrics(self.registry, config.job.name, config.node.id)
+        register_build_info(self.registry, "agent")
         standby = StandbyPolicy.of_this_node()
         self.core = AgentCore.of(config, host, self._placement.failover, metrics, clock, standby.at_launch)
         self.runner = WorkerRunner(self, stop_grace=config.node.stop_grace,

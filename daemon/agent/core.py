@@ -49,6 +49,7 @@ from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.netutil import free_port
 from tfelastic.daemon.rendezvous import api
+from tfelastic.daemon.version import PROTOCOL, VERSION
 from tfelastic.daemon.worker.states import WorkerState, WorkerStateMachine
 from tfelastic.trainer.progress import ProgressMessage
 
@@ -450,11 +451,13 @@ class AgentCore:
         if self._failover and a is not None and self.worker.state.has_live_worker:
             # Its worker runs on: a coordinator that took the job over keeps it, on the port it has.
             port = next(m.worker_port for m in a.members if m.node_id == ident.node_id)
-            node = api.NodeInfo(ident.node_id, ident.host, port, ident.incarnation, a.generation, a.rank)
+            node = api.NodeInfo(ident.node_id, ident.host, port, ident.incarnation, a.generation, a.rank,
+                                version=VERSION, protocol=PROTOCOL)
             return api.Join(node, ident.spec, a.restart_count, attached_generation=a.generation)
         port = ident.worker_port or self._pick_port(ident.host)
         node = api.NodeInfo(ident.node_id, ident.host, port, ident.incarnation, a.generation if a else 0,
-                            a.rank if a else -1, self.trainer.node.restorable, a.world_size if a else 0)
+                            a.rank if a else -1, self.trainer.node.restorable, a.world_size if a else 0, VERSION,
+                            PROTOCOL)
         return api.Join(node, ident.spec, a.restart_count if a else 0, checked=checked)
 
     def _stall_limit(self) -> float:

@@ -104,6 +104,8 @@ class NodeInfo:
     # Steps of complete snapshots the node can restore (trainer/snapshots.py), newest first, as of this Join.
     restorable_steps: tuple[int, ...] = ()
     last_world_size: int = 0  # how many members last_generation had
+    version: str = ""  # the agent's tfelastic version ("": older than the field)
+    protocol: int = 0  # the protocol it speaks (0: older than the field, which is protocol 1)
 
 
 @dataclass(frozen=True)
@@ -266,6 +268,7 @@ class NodeSnapshot:
     quarantine_reason: str = ""  # why it is quarantined (state QUARANTINED)
     quarantined_until: float | None = None  # on the coordinator's clock; None: not quarantined
     quarantine_kind: str = ""  # "worker_failures" or "node_check"
+    version: str = ""  # its agent's tfelastic version
 
 
 @dataclass(frozen=True)
@@ -275,6 +278,8 @@ class CoordinatorInfo:
     node: str
     address: str
     since: float  # wall clock
+    version: str = ""
+    protocol: int = 0
 
 
 @dataclass(frozen=True)
@@ -345,6 +350,10 @@ class RendezvousError(Exception):
 
 class SpecMismatchError(RendezvousError):
     pass
+
+
+class ProtocolVersionError(RendezvousError):
+    """An agent whose protocol the coordinator does not speak."""
 
 
 class DuplicateNodeError(RendezvousError):

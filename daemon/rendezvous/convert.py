@@ -57,7 +57,7 @@ def agent_message_to_proto(message: api.AgentMessage, now: float) -> pb.AgentMes
         last_generation=node.last_generation, restart_count=message.restart_count, incarnation=node.incarnation,
         last_rank=node.last_rank, attached_generation=message.attached_generation, checked=message.checked,
         check_failure=message.check_failure, restorable_steps=node.restorable_steps,
-        last_world_size=node.last_world_size))
+        last_world_size=node.last_world_size, version=node.version, protocol=node.protocol))
 
 
 def agent_message_from_proto(message: pb.AgentMessage, now: float) -> api.AgentMessage:
@@ -76,7 +76,8 @@ def agent_message_from_proto(message: pb.AgentMessage, now: float) -> api.AgentM
 
 def join_from_proto(join: pb.Join) -> api.Join:
     node = api.NodeInfo(join.node_id, join.host, join.worker_port, join.incarnation, join.last_generation,
-                        join.last_rank, tuple(join.restorable_steps), join.last_world_size)
+                        join.last_rank, tuple(join.restorable_steps), join.last_world_size, join.version,
+                        join.protocol)
     return api.Join(node, spec_from_proto(join.spec), join.restart_count, join.attached_generation, join.checked,
                     join.check_failure)
 
@@ -203,7 +204,8 @@ def status_to_proto(snap: api.ClusterSnapshot, now: float) -> pb.ClusterStatus:
                              state=n.state.value, worker_pid=n.worker_pid, gpus=n.gpus,
                              gpu_utilization=n.gpu_utilization, quarantine_reason=n.quarantine_reason,
                              quarantine_seconds_left=0.0 if n.quarantined_until is None else
-                             max(0.0, n.quarantined_until - now), quarantine_kind=n.quarantine_kind)
+                             max(0.0, n.quarantined_until - now), quarantine_kind=n.quarantine_kind,
+                             version=n.version)
         if n.progress is not None:
             node.progress.CopyFrom(progress_to_proto(n.progress, now))
             node.has_progress = True
@@ -214,7 +216,8 @@ def status_to_proto(snap: api.ClusterSnapshot, now: float) -> pb.ClusterStatus:
         restarts_total=snap.restarts_total, max_restarts=snap.max_restarts, nodes=nodes,
         warnings=snap.warnings, steps_redone=snap.steps_redone, steps_lost=snap.steps_lost,
         coordinator=None if snap.coordinator is None else pb.CoordinatorInfo(
-            node=snap.coordinator.node, address=snap.coordinator.address, since=snap.coordinator.since),
+            node=snap.coordinator.node, address=snap.coordinator.address, since=snap.coordinator.since,
+            version=snap.coordinator.version, protocol=snap.coordinator.protocol),
         restarts_by_reason=[pb.RestartCount(reason=r, count=c)
                             for r, c in sorted(snap.restarts_by_reason.items())],
         quarantines=[pb.QuarantineCount(kind=k, count=c) for k, c in sorted(snap.quarantines_by_kind.items())],
@@ -257,7 +260,7 @@ def status_from_proto(status: pb.ClusterStatus, now: float) -> api.ClusterSnapsh
         n.node_id, n.rank, n.host, n.worker_port, _node_state(n), n.worker_pid,
         progress_from_proto(n.progress, now) if n.has_progress else None, n.gpus, n.gpu_utilization,
         n.quarantine_reason, now + n.quarantine_seconds_left if n.state == api.NodeState.QUARANTINED.value else None,
-        n.quarantine_kind,
+        n.quarantine_kind, n.version,
     ) for n in status.nodes)
     return api.ClusterSnapshot(
         job=status.job, state=JOB_STATE_NAMES.get(status.state), reason=status.reason, generation=status.generation,
@@ -265,7 +268,8 @@ def status_from_proto(status: pb.ClusterStatus, now: float) -> api.ClusterSnapsh
         max_restarts=status.max_restarts, restarts_total=status.restarts_total,
         restarts_by_reason={r.reason: r.count for r in status.restarts_by_reason}, nodes=nodes,
         warnings=tuple(status.warnings), steps_redone=status.steps_redone, steps_lost=status.steps_lost,
-        coordinator=api.CoordinatorInfo(status.coordinator.node, status.coordinator.address, status.coordinator.since)
+        coordinator=api.CoordinatorInfo(status.coordinator.node, status.coordinator.address, status.coordinator.since,
+                                        status.coordinator.version, status.coordinator.protocol)
         if status.HasField("coordinator") else None,
         quarantines_by_kind={q.kind: q.count for q in status.quarantines},
         goodput=goodput_from_proto(status.goodput) if status.HasField("goodput") else None)

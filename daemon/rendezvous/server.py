@@ -38,6 +38,7 @@ MAX_PROBES = 32  # at once, for the whole coordinator: each may resolve a name o
 
 _ERROR_CODES: dict[type[api.RendezvousError], grpc.StatusCode] = {
     api.SpecMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
+    api.ProtocolVersionError: grpc.StatusCode.FAILED_PRECONDITION,
     api.DuplicateNodeError: grpc.StatusCode.ALREADY_EXISTS,
     api.JobClosedError: grpc.StatusCode.ABORTED,
     api.ProtocolError: grpc.StatusCode.INVALID_ARGUMENT,

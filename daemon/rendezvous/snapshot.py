@@ -48,4 +48,4 @@ def _node(rv: Rendezvous, node_id: str) -> NodeSnapshot:
     return NodeSnapshot(
         node_id, rank, node.info.host, node.info.worker_port, node.state, node.worker_pid if rank >= 0 else 0,
         node.progress, node.gpus, node.gpu_utilization, held.reason if held else "",
-        held.until if held else None, held.kind if held else "")
+        held.until if held else None, held.kind if held else "", node.info.version)

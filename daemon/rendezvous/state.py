@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
+from tfelastic.daemon import version
 from tfelastic.daemon.rendezvous.api import (
     Assignment,
     CheckNode,
@@ -44,6 +45,7 @@ from tfelastic.daemon.rendezvous.api import (
     OperatorRefusedError,
     Order,
     ProtocolError,
+    ProtocolVersionError,
     RendezvousSettings,
     RestartReason,
     Send,
@@ -120,6 +122,12 @@ class Rendezvous:
         etcd said its generation was current): a coordinator that took the job over keeps it running.
         ``checked``: the agent ran its node check for this Join; ``check_failure``: what failed (quarantined).
         """
+        if not version.speaks(info.protocol):
+            raise ProtocolVersionError(
+                f"refused: node {info.node_id!r} runs tfelastic {info.version or '(older than 0.2.0)'} (protocol "
+                f"{version.protocol_of(info.protocol)}); this coordinator runs {version.describe()}, which speaks "
+                f"protocols {version.OLDEST_PROTOCOL}-{version.PROTOCOL}: upgrade every node to one release "
+                "(docs/operations.md, Upgrades)")
         if self.state.is_terminal:
             if rejoin:  # a member that confirmed its stop after the verdict: tell it again
                 return [Send(info.node_id, Finished(self.state, self.reason))]

@@ -60,7 +60,7 @@ class JobSpec(_message.Message):
     def __init__(self, job: _Optional[str] = ..., command_digest: _Optional[bytes] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., stall_timeout_seconds: _Optional[float] = ..., backup_dir: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., node_timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("node_id", "spec", "host", "worker_port", "last_generation", "restart_count", "incarnation", "last_rank", "attached_generation", "checked", "check_failure", "restorable_steps", "last_world_size")
+    __slots__ = ("node_id", "spec", "host", "worker_port", "last_generation", "restart_count", "incarnation", "last_rank", "attached_generation", "checked", "check_failure", "restorable_steps", "last_world_size", "version", "protocol")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,8 @@ class Join(_message.Message):
     CHECK_FAILURE_FIELD_NUMBER: _ClassVar[int]
     RESTORABLE_STEPS_FIELD_NUMBER: _ClassVar[int]
     LAST_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     spec: JobSpec
     host: str
@@ -87,7 +89,9 @@ class Join(_message.Message):
     check_failure: str
     restorable_steps: _containers.RepeatedScalarFieldContainer[int]
     last_world_size: int
-    def __init__(self, node_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., last_generation: _Optional[int] = ..., restart_count: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_rank: _Optional[int] = ..., attached_generation: _Optional[int] = ..., checked: bool = ..., check_failure: _Optional[str] = ..., restorable_steps: _Optional[_Iterable[int]] = ..., last_world_size: _Optional[int] = ...) -> None: ...
+    version: str
+    protocol: int
+    def __init__(self, node_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., last_generation: _Optional[int] = ..., restart_count: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_rank: _Optional[int] = ..., attached_generation: _Optional[int] = ..., checked: bool = ..., check_failure: _Optional[str] = ..., restorable_steps: _Optional[_Iterable[int]] = ..., last_world_size: _Optional[int] = ..., version: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ()
@@ -250,7 +254,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "rank", "host", "worker_port", "state", "worker_pid", "progress", "has_progress", "gpus", "gpu_utilization", "quarantine_reason", "quarantine_seconds_left", "quarantine_kind")
+    __slots__ = ("node_id", "rank", "host", "worker_port", "state", "worker_pid", "progress", "has_progress", "gpus", "gpu_utilization", "quarantine_reason", "quarantine_seconds_left", "quarantine_kind", "version")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +268,7 @@ class NodeStatus(_message.Message):
     QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
     QUARANTINE_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
     QUARANTINE_KIND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     rank: int
     host: str
@@ -277,7 +282,8 @@ class NodeStatus(_message.Message):
     quarantine_reason: str
     quarantine_seconds_left: float
     quarantine_kind: str
-    def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., state: _Optional[str] = ..., worker_pid: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., has_progress: bool = ..., gpus: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., quarantine_reason: _Optional[str] = ..., quarantine_seconds_left: _Optional[float] = ..., quarantine_kind: _Optional[str] = ...) -> None: ...
+    version: str
+    def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., state: _Optional[str] = ..., worker_pid: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., has_progress: bool = ..., gpus: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., quarantine_reason: _Optional[str] = ..., quarantine_seconds_left: _Optional[float] = ..., quarantine_kind: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class RestartCount(_message.Message):
     __slots__ = ("reason", "count")
@@ -378,14 +384,18 @@ class QuarantineCount(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class CoordinatorInfo(_message.Message):
-    __slots__ = ("node", "address", "since")
+    __slots__ = ("node", "address", "since", "version", "protocol")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     node: str
     address: str
     since: float
-    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., since: _Optional[float] = ...) -> None: ...
+    version: str
+    protocol: int
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., since: _Optional[float] = ..., version: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("node_id", "reason", "force")

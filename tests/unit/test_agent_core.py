@@ -28,6 +28,7 @@ from tfelastic.daemon.agent.core import AgentCore
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
+from tfelastic.daemon.version import PROTOCOL, VERSION
 from tfelastic.daemon.worker.stall import WARMUP_GAPS, StallLimits
 from tfelastic.daemon.worker.states import WorkerState
 from tfelastic.trainer.progress import Phase, ProgressMessage
@@ -103,7 +104,8 @@ def test_a_session_opens_with_a_join_that_describes_the_node() -> None:
     h = Harness()
     [join] = joins(h.core.session_opened())
     assert join.spec == SPEC
-    assert join.node == api.NodeInfo("n1", "10.0.0.1", 5555, "incarnation-1", last_generation=0, last_rank=-1)
+    assert join.node == api.NodeInfo("n1", "10.0.0.1", 5555, "incarnation-1", last_generation=0, last_rank=-1,
+                                     version=VERSION, protocol=PROTOCOL)
     assert h.worker_state() is WorkerState.WAITING
 
 
@@ -600,7 +602,8 @@ def test_the_first_join_carries_the_node_check_and_listens_for_the_coordinators_
     assert not h.core.check_owed
     assert h.core.session_opened() == [ListenForProbe(5555)]
     assert h.core.probe_listening("") == [Send(api.Join(
-        api.NodeInfo("n1", "10.0.0.1", 5555, "incarnation-1"), SPEC, checked=True))]
+        api.NodeInfo("n1", "10.0.0.1", 5555, "incarnation-1", version=VERSION, protocol=PROTOCOL), SPEC,
+        checked=True))]
     assert h.core.probe_listening("") == []  # that Join went out
     h.core.received(api.Heartbeat())  # on its way before the coordinator read the Join: not an answer
     h.core.received(api.Waiting(1, 1, 2, "waiting for the round to close"))  # answered

@@ -17,7 +17,7 @@ TOP_KEYS = ["schema_version", "job", "state", "reason", "generation", "world_siz
             "coordinator", "quarantines_by_kind", "goodput"]
 NODE_KEYS = ["node_id", "rank", "address", "state", "worker_pid", "step", "loss", "last_checkpoint_step",
              "progress_age_seconds", "steps_per_second", "last_checkpoint_age_seconds", "gpus", "gpu_utilization",
-             "quarantine"]
+             "version", "quarantine"]
 WALL = 1795000000.0
 
 
@@ -71,20 +71,21 @@ def test_status_to_json_has_exactly_the_documented_keys_and_values() -> None:
             {"node_id": "node-a", "rank": 0, "address": "10.0.0.1:2222", "state": "running", "worker_pid": 4242,
              "step": 120, "loss": 0.25, "last_checkpoint_step": 100, "progress_age_seconds": 1.235,
              "steps_per_second": 12.5, "last_checkpoint_age_seconds": 30.25, "gpus": 8, "gpu_utilization": 0.875,
-             "quarantine": None},
+             "version": None, "quarantine": None},
             {"node_id": "node-b", "rank": 1, "address": "10.0.0.2:2223", "state": "running", "worker_pid": 4343,
              "step": 119, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": 0.5,
              "steps_per_second": 0.0, "last_checkpoint_age_seconds": None, "gpus": 0, "gpu_utilization": None,
-             "quarantine": None},
+             "version": None, "quarantine": None},
             {"node_id": "spare", "rank": None, "address": "10.0.0.3:0", "state": "waiting", "worker_pid": None,
              "step": None, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": None,
              "steps_per_second": None, "last_checkpoint_age_seconds": None, "gpus": 0, "gpu_utilization": None,
-             "quarantine": None},
+             "version": None, "quarantine": None},
         ],
         "warnings": [],
         "steps_redone": 0,
         "steps_lost": 0,
-        "coordinator": {"node": "gpu-01", "address": "10.0.0.1:29400", "since": 1795000000.25},
+        "coordinator": {"node": "gpu-01", "address": "10.0.0.1:29400", "since": 1795000000.25, "version": None,
+                        "protocol": None},
         "quarantines_by_kind": {},
         "goodput": None,  # the proto has no ledger: an older coordinator's status
     }
@@ -257,3 +258,15 @@ def test_the_report_has_a_line_per_generation_then_the_totals() -> None:
         ["2", *formed[1], "node-a,node-b", "450", "30", "20.0s", "0s", "(running)"]]
     assert lines[6] == "goodput 90.0% of 16m40s; badput: startup 4.0%, redone 3.0%, detection 1.5%"
     assert lines[7].split() == ["training", "15m00s", "90.0%"]
+
+
+def test_nodes_of_different_versions_get_a_line_an_upgrade_is_under_way() -> None:
+    nodes = [pb.NodeStatus(node_id=n, rank=r, host="h", worker_port=1, state="running", version=v)
+             for n, r, v in (("a", 0, "0.2.0"), ("b", 1, "0.2.0"), ("c", 2, "0.3.0"))]
+    doc = to_json(cluster_status(nodes=nodes, coordinator=pb.CoordinatorInfo(
+        node="a", address="h:1", since=WALL, version="0.2.0", protocol=1)))
+    assert [n["version"] for n in doc["nodes"]] == ["0.2.0", "0.2.0", "0.3.0"]
+    assert doc["coordinator"]["version"] == "0.2.0" and doc["coordinator"]["protocol"] == 1
+    lines = render_table(doc).splitlines()
+    assert "coordinator: a at h:1 (tfelastic 0.2.0)" in lines
+    assert "versions: 0.2.0 on a, b; 0.3.0 on c" in lines
