@@ -168,7 +168,7 @@ async def _serve_elected(config: AgentConfig, target: EtcdTarget, credentials: E
     """Campaigns until the job ends (it then exits 0 or 1 as the job did) or SIGTERM (0)."""
     from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient
     from tfelastic.daemon.etcd.coordinator import Candidate, ElectedCoordinator
-    from tfelastic.daemon.etcd.election import Election
+    from tfelastic.daemon.etcd.election import BadJobState, Election
     from tfelastic.daemon.etcd.metrics import EtcdMetrics
 
     rdzv = config.rendezvous
@@ -191,6 +191,9 @@ async def _serve_elected(config: AgentConfig, target: EtcdTarget, credentials: E
     try:
         await candidate.run(stop)
         recorded = await election.recorded_state() if candidate.finished.is_set() else None
+    except BadJobState as e:
+        logging.getLogger("tfelastic.coordinator").error("%s", e)
+        return ExitCode.CONFIG
     finally:
         await client.close()
     return ExitCode.FAILED if recorded is not None and recorded.state is JobState.FAILED else ExitCode.SUCCEEDED

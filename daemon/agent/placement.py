@@ -22,7 +22,7 @@ from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdCredentials, EtcdError
 from tfelastic.daemon.etcd.coordinator import Candidate, ElectedCoordinator
-from tfelastic.daemon.etcd.election import Election, LeaderInfo
+from tfelastic.daemon.etcd.election import BadJobState, Election, LeaderInfo
 from tfelastic.daemon.etcd.metrics import EtcdMetrics
 from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.exit_codes import ExitCode
@@ -99,6 +99,7 @@ class EtcdPlacement:
         self._lost: LeaderInfo | None = None  # the coordinator whose session we lost: its key lingers a TTL
         self._tried: LeaderInfo | None = None  # the coordinator of the last session attempt
         self.changed = asyncio.Event()  # the leader changed: try it at once
+        self._refusal: BadJobState | None = None  # the job's state in etcd cannot be continued: exit 78
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -132,11 +133,21 @@ class EtcdPlacement:
         self._leader_since = time.monotonic() if self.leader else None
         self._last_known = self.leader
         self._tasks = [asyncio.create_task(self._candidate.run(self._stop)), asyncio.create_task(self._follow())]
-        for task in self._tasks:
-            task.add_done_callback(_log_if_failed)
+        self._tasks[0].add_done_callback(self._candidate_ended)
+        self._tasks[1].add_done_callback(_log_if_failed)
+
+    def _candidate_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and isinstance(task.exception(), BadJobState):
+            self._refusal = task.exception()  # type: ignore[assignment]
+            self.changed.set()
+        else:
+            _log_if_failed(task)
 
     async def coordinator(self) -> Endpoint | None:
-        """The coordinator to try now; a session that breaks after attaching to it makes it the lost one."""
+        """The coordinator to try now; a session that breaks after attaching to it makes it the lost one.
+        Raises FatalSessionError (exit 78) once this node found a job state in etcd that it cannot continue."""
+        if self._refusal is not None:
+            raise FatalSessionError(str(self._refusal), ExitCode.CONFIG)
         self._tried = self.leader
         return self.named()
 

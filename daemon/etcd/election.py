@@ -31,6 +31,7 @@ from tfelastic.daemon.aio import within
 from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdError, EtcdUnavailable, KeyValue
 from tfelastic.daemon.etcd.metrics import EtcdMetrics
 from tfelastic.daemon.etcd.rpc import rpc_pb2
+from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.rendezvous.durable import Deposed, DurableState, StoreUnavailable
 
 log = logging.getLogger("tfelastic.etcd")
@@ -53,6 +54,21 @@ class LeaderInfo:
             return cls(str(doc["node"]), str(doc["address"]), float(doc["since"]), str(doc.get("kind", "agent")))
         except (ValueError, KeyError, TypeError):
             return None
+
+
+class BadJobState(EtcdError):
+    """The job's state in etcd is not one this version of tfelastic wrote (a wrong type, a value out of range):
+    no coordinator can continue the job from it, and none may overwrite it unasked. Retrying will not help."""
+
+    def __init__(self, key: str, target: EtcdTarget, problem: str) -> None:
+        scheme = "https" if target.tls else "http"
+        endpoints = ",".join(f"{scheme}://{endpoint}" for endpoint in target.endpoints)
+        etcdctl = f"ETCDCTL_API=3 etcdctl --endpoints {endpoints}"
+        super().__init__(
+            f"the job's state in etcd, key {key}, is not one this tfelastic wrote ({problem}): no coordinator can "
+            f"continue the job from it. Inspect it with '{etcdctl} get {key}' (add --cacert/--cert/--key or --user "
+            f"as for the agents); to start the job over, which forgets its generation, restart budget, "
+            f"quarantines and drained nodes, delete it with '{etcdctl} del {key}' and start the agents again")
 
 
 class JobKeys:
@@ -152,13 +168,14 @@ class Election:
         return LeaderInfo.from_json(kv.value) if kv is not None else None
 
     async def recorded_state(self) -> DurableState | None:
+        """Raises BadJobState for a state this version did not write."""
         kv = await self.client.get(self.keys.state)
         if kv is None:
             return None
         try:
             return DurableState.from_json(kv.value)
         except ValueError as e:
-            raise EtcdError(f"the job's state in etcd ({self.keys.state!r}) cannot be read: {e}") from None
+            raise BadJobState(self.keys.state.decode(), self.client.target, str(e)) from None
 
     async def head_nodes(self) -> int:
         return len(await self.client.get_prefix(self.keys.coordinators))

@@ -196,7 +196,7 @@ class Rendezvous:
         self._chief_succeeded = recorded.chief_succeeded
         self.drained = set(recorded.drained)
         self.restarts.take_over(recorded, wall_offset)
-        self.quarantine.take_over(recorded.quarantined, wall_offset)
+        self.quarantine.take_over(recorded.quarantined, wall_offset, now)
         self.state = JobState.WAITING if recorded.state is JobState.RESTARTING else recorded.state
         if self.state is JobState.RUNNING:
             for m in recorded.members:
