@@ -166,19 +166,24 @@ async def _serve_alone(config: AgentConfig, listen: Endpoint, token: str | None,
 async def _serve_elected(config: AgentConfig, target: EtcdTarget, credentials: EtcdCredentials, listen: Endpoint,
                          token: str | None, registry: CollectorRegistry) -> int:
     """Campaigns until the job ends (it then exits 0 or 1 as the job did) or SIGTERM (0)."""
-    from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient
+    from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdUnavailable
     from tfelastic.daemon.etcd.coordinator import Candidate, ElectedCoordinator
     from tfelastic.daemon.etcd.election import BadJobState, Election
     from tfelastic.daemon.etcd.metrics import EtcdMetrics
+    from tfelastic.daemon.etcd.reach import EtcdTlsError, first_contact
 
     rdzv = config.rendezvous
     metrics = EtcdMetrics(registry)
     client = EtcdClient(target, credentials, metrics)
     election = Election(client, config.job.name, rdzv.lease_ttl, metrics)
-    try:
-        await election.leader()  # wrong credentials: exit 78 now, not after join_timeout
+    try:  # wrong credentials or TLS settings: exit 78 now, not after join_timeout
+        await first_contact(client, election.leader, rdzv.join_timeout)
     except EtcdAuthError as e:
         raise ConfigError(f"--etcd-password-file: {e}") from None
+    except EtcdTlsError as e:
+        raise ConfigError(str(e)) from None
+    except EtcdUnavailable as e:
+        raise OperatorError(str(e)) from None
     candidate = ElectedCoordinator(election, Candidate(config.node.id, listen, True, config.rendezvous_settings(),
                                                        rdzv.heartbeat_interval, config.node.failure_stop_grace, token,
                                                        rdzv.tls), registry, metrics)
@@ -204,9 +209,11 @@ def find_coordinator(config: AgentConfig) -> Endpoint:
     etcd rendezvous)."""
     from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdError
     from tfelastic.daemon.etcd.election import Election
+    from tfelastic.daemon.etcd.reach import tls_problem
 
     target = config.rendezvous.etcd
     assert target is not None
+    check_etcd_files(config)
 
     async def read() -> Endpoint:
         client = EtcdClient(target, etcd_credentials(config))
@@ -216,6 +223,9 @@ def find_coordinator(config: AgentConfig) -> Endpoint:
         except EtcdAuthError as e:
             raise ConfigError(f"--etcd-password-file: {e}") from None
         except EtcdError as e:
+            problem = tls_problem(str(e), target, client.credentials)
+            if problem is not None:
+                raise ConfigError(f"TLS with etcd at {target} fails: {problem}") from None
             raise OperatorError(f"etcd at {target} does not answer: {e}") from None
         finally:
             await client.close()

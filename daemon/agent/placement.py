@@ -20,14 +20,14 @@ from tfelastic.daemon.agent.hosting import EmbeddedCoordinator
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.errors import ConfigError
-from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdCredentials, EtcdError
+from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdCredentials, EtcdError, EtcdUnavailable
 from tfelastic.daemon.etcd.coordinator import Candidate, ElectedCoordinator
 from tfelastic.daemon.etcd.election import BadJobState, Election, LeaderInfo
 from tfelastic.daemon.etcd.metrics import EtcdMetrics
+from tfelastic.daemon.etcd.reach import EtcdTlsError, first_contact
 from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.rendezvous.api import JobState
-from tfelastic.daemon.rendezvous.handshake import TLS_GIVE_UP_SECONDS, handshake_problem
 from tfelastic.daemon.rendezvous.host import CoordinatorHost
 
 log = logging.getLogger("tfelastic.agent")
@@ -108,28 +108,18 @@ class EtcdPlacement:
         return self._candidate.host
 
     async def start(self) -> None:
-        """Reaches etcd first: wrong credentials or a certificate it refuses end the agent (exit 78) before
-        anything starts; an etcd that does not answer is retried for join_timeout (then exit 1)."""
-        started = time.monotonic()
-        while True:
-            try:
-                self.leader = await self.election.leader()
-                break
-            except EtcdAuthError as e:
-                raise FatalSessionError(f"--etcd-password-file: {e}; check the user and password (USER:PASSWORD "
-                                        "in the file) and the user's role on /tfelastic/", ExitCode.CONFIG) from None
-            except EtcdError as e:
-                waited = time.monotonic() - started
-                tls = handshake_problem(str(e), self._target.tls)
-                if tls is not None and waited > min(TLS_GIVE_UP_SECONDS, self._config.rendezvous.join_timeout):
-                    raise FatalSessionError(f"--etcd-ca/--etcd-cert: TLS with etcd fails: {tls}",
-                                            ExitCode.CONFIG) from None
-                if waited > self._config.rendezvous.join_timeout:
-                    raise FatalSessionError(f"etcd at {self._target} stayed unreachable for "
-                                            f"join_timeout={self._config.rendezvous.join_timeout:g}s: {e}",
-                                            ExitCode.FAILED) from None
-                log.warning("etcd at %s does not answer yet (%s); retrying", self._target, e)
-                await asyncio.sleep(RETRY_SECONDS)
+        """Reaches etcd first: wrong credentials or TLS settings that cannot work end the agent (exit 78) before
+        anything starts, in seconds (etcd/reach.py); an etcd that does not answer is retried for join_timeout (then
+        exit 1)."""
+        try:
+            self.leader = await first_contact(self.client, self.election.leader, self._config.rendezvous.join_timeout)
+        except EtcdAuthError as e:
+            raise FatalSessionError(f"--etcd-password-file: {e}; check the user and password (USER:PASSWORD "
+                                    "in the file) and the user's role on /tfelastic/", ExitCode.CONFIG) from None
+        except EtcdTlsError as e:
+            raise FatalSessionError(str(e), ExitCode.CONFIG) from None
+        except EtcdUnavailable as e:
+            raise FatalSessionError(str(e), ExitCode.FAILED) from None
         self._leader_since = time.monotonic() if self.leader else None
         self._last_known = self.leader
         self._tasks = [asyncio.create_task(self._candidate.run(self._stop)), asyncio.create_task(self._follow())]
