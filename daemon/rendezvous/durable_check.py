@@ -20,7 +20,7 @@ from tfelastic.daemon.rendezvous.api import STALL_LEARNED, JobSpec, JobState, Me
 from tfelastic.daemon.rendezvous.quarantine import QUARANTINE_KINDS
 
 VERSION = 1  # of the state's format
-MAX_TEXT_CHARS = 1 << 20  # a reason or a warning: etcd's whole value is 1.5 MiB at most by default
+MAX_TEXT_CHARS = 64 << 10  # a reason or a warning: an agent's 4 KiB detail in the coordinator's words, or a list
 MAX_WALL_CLOCK = 1e11  # a wall-clock reading in seconds (the year 5138): failure times, quarantine ends
 MAX_STEPS_TOTAL = (1 << 63) - 1  # steps_redone, steps_lost: sums of steps, in int64 fields on the wire
 MAX_WARNINGS = 64  # a coordinator keeps the last 5
