@@ -290,5 +290,8 @@ def describe_rpc_error(command: str, endpoint: Endpoint, error: grpc.RpcError, *
         problem = handshake_problem(error.details() or "", tls)
         hint = f" (TLS: {problem})" if problem else ""
         return f"tfelastic {command}: no cluster reachable at {endpoint}: {code.name}: {error.details()}{hint}"
-    hint = " (pass the job's --token-file)" if code is grpc.StatusCode.UNAUTHENTICATED else ""
-    return f"tfelastic {command}: {code.name}: {error.details()}{hint}"
+    details = error.details() or ""
+    # tfelastic's coordinator names the option itself; another server's refusal may not.
+    named = "--token-file" in details
+    hint = " (pass the job's --token-file)" if code is grpc.StatusCode.UNAUTHENTICATED and not named else ""
+    return f"tfelastic {command}: {code.name}: {details}{hint}"
