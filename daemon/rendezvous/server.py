@@ -119,8 +119,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         for task in (self._ticker, self._persisting):
             if task is not None:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                # Raised again here, a task's error stopped the shutdown before the gRPC server's, whose finalizer
+                # then ran after the event loop had closed. The persistence task's was logged when it ended.
+                outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+                if task is self._ticker and isinstance(outcome, Exception):
+                    log.error("the coordinator's timers had stopped: %r", outcome)
 
     @property
     def connected(self) -> int:
