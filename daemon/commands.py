@@ -168,16 +168,22 @@ async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, regis
 async def _serve_elected(config: CoordinatorConfig, setup: CoordinatorSetup, target: EtcdTarget,
                          credentials: EtcdCredentials, registry: CollectorRegistry) -> int:
     """Campaigns until the job ends (it then exits 0 or 1 as the job did) or SIGTERM (0)."""
-    from tfelastic.daemon.etcd.client import EtcdAuthError
+    from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdUnavailable
     from tfelastic.daemon.etcd.coordinator import Candidate, candidate_for
+    from tfelastic.daemon.etcd.election import BadJobState
+    from tfelastic.daemon.etcd.reach import EtcdTlsError, first_contact
 
     candidate = candidate_for(config.job, Candidate(setup, config.listen, head_node=True), target=target,
                               credentials=credentials, lease_ttl=config.rendezvous.lease_ttl, registry=registry)
     election = candidate.election
-    try:
-        await election.leader()  # wrong credentials: exit 78 now, not after join_timeout
+    try:  # wrong credentials or TLS settings: exit 78 now, not after join_timeout
+        await first_contact(election.client, election.leader, config.rendezvous.join_timeout)
     except EtcdAuthError as e:
         raise ConfigError(f"--etcd-password-file: {e}") from None
+    except EtcdTlsError as e:
+        raise ConfigError(str(e)) from None
+    except EtcdUnavailable as e:
+        raise OperatorError(str(e)) from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -187,6 +193,9 @@ async def _serve_elected(config: CoordinatorConfig, setup: CoordinatorSetup, tar
     try:
         await candidate.run(stop)
         recorded = await election.recorded_state() if candidate.finished.is_set() else None
+    except BadJobState as e:
+        logging.getLogger("tfelastic.coordinator").error("%s", e)
+        return ExitCode.CONFIG
     finally:
         await election.client.close()
     return ExitCode.FAILED if recorded is not None and recorded.state is JobState.FAILED else ExitCode.SUCCEEDED
@@ -197,9 +206,11 @@ def find_coordinator(config: OperatorConfig) -> Endpoint:
     etcd rendezvous)."""
     from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdError
     from tfelastic.daemon.etcd.election import Election
+    from tfelastic.daemon.etcd.reach import tls_problem
 
     target = config.rendezvous.etcd
     assert target is not None
+    check_etcd_files(config.rendezvous)
 
     async def read() -> Endpoint:
         client = EtcdClient(target, etcd_credentials(config.rendezvous))
@@ -209,6 +220,9 @@ def find_coordinator(config: OperatorConfig) -> Endpoint:
         except EtcdAuthError as e:
             raise ConfigError(f"--etcd-password-file: {e}") from None
         except EtcdError as e:
+            problem = tls_problem(str(e), target, client.credentials)
+            if problem is not None:
+                raise ConfigError(f"TLS with etcd at {target} fails: {problem}") from None
             raise OperatorError(f"etcd at {target} does not answer: {e}") from None
         finally:
             await client.close()
@@ -273,5 +287,8 @@ def describe_rpc_error(command: str, endpoint: Endpoint, error: grpc.RpcError, *
         problem = handshake_problem(error.details() or "", tls)
         hint = f" (TLS: {problem})" if problem else ""
         return f"tfelastic {command}: no cluster reachable at {endpoint}: {code.name}: {error.details()}{hint}"
-    hint = " (pass the job's --token-file)" if code is grpc.StatusCode.UNAUTHENTICATED else ""
-    return f"tfelastic {command}: {code.name}: {error.details()}{hint}"
+    details = error.details() or ""
+    # tfelastic's coordinator names the option itself; another server's refusal may not.
+    named = "--token-file" in details
+    hint = " (pass the job's --token-file)" if code is grpc.StatusCode.UNAUTHENTICATED and not named else ""
+    return f"tfelastic {command}: {code.name}: {details}{hint}"

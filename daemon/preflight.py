@@ -12,6 +12,7 @@ import logging
 import os
 import resource
 import shutil
+import ssl
 import tempfile
 
 from tfelastic.daemon.config import AgentConfig, MetricsConfig, RendezvousConfig
@@ -81,7 +82,38 @@ def etcd_credentials(rdzv: RendezvousConfig) -> EtcdCredentials | None:
 
 
 def check_etcd_files(rdzv: RendezvousConfig) -> None:
+    """The TLS files for etcd can be read and are what they claim: otherwise gRPC fails only at the first
+    connection, with "Failed to create security handshaker" and no word of which file."""
     _check_readable(("--etcd-ca", rdzv.etcd_ca), ("--etcd-cert", rdzv.etcd_cert), ("--etcd-key", rdzv.etcd_key))
+    if rdzv.etcd_ca:
+        _check_certificates("--etcd-ca", rdzv.etcd_ca)
+    if rdzv.etcd_cert:
+        _check_certificates("--etcd-cert", rdzv.etcd_cert)
+        _check_key_pair(("--etcd-cert", rdzv.etcd_cert), ("--etcd-key", rdzv.etcd_key))
+
+
+def _check_certificates(option: str, path: str) -> None:
+    """``path`` holds PEM certificates that OpenSSL can read."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+    except ssl.SSLError as e:
+        raise ConfigError(f"{option}: {path!r} holds no PEM certificate, or one that cannot be read (OpenSSL: "
+                          f"{e.reason or e.strerror or e}); give a PEM file ('-----BEGIN CERTIFICATE-----')") \
+            from None
+    except OSError as e:
+        raise ConfigError(f"{option}: cannot read {path!r}: {e.strerror or e}") from None
+
+
+def _check_key_pair(cert: tuple[str, str], key: tuple[str, str]) -> None:
+    """``key`` is the unencrypted PEM private key of ``cert``, as gRPC needs it."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_cert_chain(cert[1], key[1], password=lambda: b"")  # an encrypted key fails, never prompts
+    except ssl.SSLError as e:
+        raise ConfigError(f"{key[0]}: {key[1]!r} is not the private key of {cert[0]} {cert[1]!r}, or not an "
+                          f"unencrypted PEM key (OpenSSL: {e.reason or e.strerror or e})") from None
+    except OSError as e:
+        raise ConfigError(f"{key[0]}: cannot read {key[1]!r}: {e.strerror or e}") from None
 
 
 def metrics_token(metrics: MetricsConfig) -> str | None:

@@ -25,7 +25,11 @@ from enum import Enum
 SOCKET_ENV = "TFELASTIC_PROGRESS_SOCKET"
 GENERATION_ENV = "TFELASTIC_GENERATION"
 MAX_DATAGRAM = 512
-MAX_INT = 1 << 62
+# Every number a report carries is bounded here, before it reaches a metric or the coordinator's state
+# (docs/instrumentation.md, "What a report may carry"): exact in a float64 metric, an int64 field and JSON.
+MAX_STEP = 1 << 53  # steps, checkpoint steps, restored steps, examples, generations
+MAX_PID = (1 << 31) - 1  # pid_t
+MAX_STALL_SECONDS = 86400.0  # a save that held training up for more than a day is not a measurement
 
 
 class Phase(str, Enum):
@@ -84,14 +88,14 @@ def decode(data: bytes) -> ProgressMessage:
     if not isinstance(raw, dict):
         raise ValueError("progress datagram is not a JSON object")
 
-    def integer(key: str, required: bool = False) -> int | None:
+    def integer(key: str, required: bool = False, high: int = MAX_STEP) -> int | None:
         value = raw.get(key)
         if value is None and not required:
             return None
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"progress field {key!r} must be an integer, got {value!r}")
-        if not -MAX_INT <= value <= MAX_INT:
-            raise ValueError(f"progress field {key!r} is out of range: {value}")
+        if not 0 <= value <= high:
+            raise ValueError(f"progress field {key!r} is out of range 0..{high}: {value}")
         return value
 
     phase = raw.get("ph", Phase.TRAIN.value)
@@ -100,15 +104,19 @@ def decode(data: bytes) -> ProgressMessage:
     loss = raw.get("loss")
     if loss is not None and (not isinstance(loss, (int, float)) or isinstance(loss, bool)):
         raise ValueError(f"progress field 'loss' must be a number, got {loss!r}")
+    if loss is not None and not math.isfinite(loss):  # 1e400 parses as infinity
+        raise ValueError(f"progress field 'loss' must be a finite number, got {loss!r}")
     stall = raw.get("st")
-    if stall is not None and (not isinstance(stall, (int, float)) or isinstance(stall, bool) or stall < 0):
-        raise ValueError(f"progress field 'st' must be a non-negative number, got {stall!r}")
+    if stall is not None and (not isinstance(stall, (int, float)) or isinstance(stall, bool) or
+                              not 0 <= stall <= MAX_STALL_SECONDS):  # NaN and inf fail too
+        raise ValueError(f"progress field 'st' must be a number of seconds in 0..{MAX_STALL_SECONDS:g}, got "
+                         f"{stall!r}")
     tier = raw.get("rt")
     if tier is not None and tier not in RESTORE_TIERS:
         raise ValueError(f"progress field 'rt' must be one of {', '.join(sorted(RESTORE_TIERS))}, got {tier!r}")
     return ProgressMessage(
         generation=integer("g", True) or 0,
-        pid=integer("pid", True) or 0,
+        pid=integer("pid", True, MAX_PID) or 0,
         step=integer("step", True) or 0,
         examples=integer("examples"),
         loss=float(loss) if loss is not None else None,

@@ -20,13 +20,13 @@ from tfelastic.daemon.agent.hosting import EmbeddedCoordinator
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.errors import ConfigError
-from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdCredentials, EtcdError
+from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdCredentials, EtcdError, EtcdUnavailable
 from tfelastic.daemon.etcd.coordinator import Candidate, candidate_for
-from tfelastic.daemon.etcd.election import LeaderInfo
+from tfelastic.daemon.etcd.election import BadJobState, LeaderInfo
+from tfelastic.daemon.etcd.reach import EtcdTlsError, first_contact
 from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.rendezvous.api import JobState
-from tfelastic.daemon.rendezvous.handshake import TLS_GIVE_UP_SECONDS, handshake_problem
 from tfelastic.daemon.rendezvous.host import CoordinatorHost
 from tfelastic.daemon.serving import CoordinatorSetup
 
@@ -117,6 +117,7 @@ class EtcdPlacement:
         self._lost: LeaderInfo | None = None  # the coordinator whose session we lost: its key lingers a TTL
         self._tried: LeaderInfo | None = None  # the coordinator of the last session attempt
         self.changed = asyncio.Event()  # the leader changed: try it at once
+        self._refusal: BadJobState | None = None  # the job's state in etcd cannot be continued: exit 78
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -129,36 +130,36 @@ class EtcdPlacement:
         out for port 0 (netutil.free_port)."""
 
     async def start(self) -> None:
-        """Reaches etcd first: wrong credentials or a certificate it refuses end the agent (exit 78) before
-        anything starts; an etcd that does not answer is retried for join_timeout (then exit 1)."""
-        started = time.monotonic()
-        while True:
-            try:
-                self.leader = await self.election.leader()
-                break
-            except EtcdAuthError as e:
-                raise FatalSessionError(f"--etcd-password-file: {e}; check the user and password (USER:PASSWORD "
-                                        "in the file) and the user's role on /tfelastic/", ExitCode.CONFIG) from None
-            except EtcdError as e:
-                waited = time.monotonic() - started
-                tls = handshake_problem(str(e), self._target.tls)
-                if tls is not None and waited > min(TLS_GIVE_UP_SECONDS, self._config.rendezvous.join_timeout):
-                    raise FatalSessionError(f"--etcd-ca/--etcd-cert: TLS with etcd fails: {tls}",
-                                            ExitCode.CONFIG) from None
-                if waited > self._config.rendezvous.join_timeout:
-                    raise FatalSessionError(f"etcd at {self._target} stayed unreachable for "
-                                            f"join_timeout={self._config.rendezvous.join_timeout:g}s: {e}",
-                                            ExitCode.FAILED) from None
-                log.warning("etcd at %s does not answer yet (%s); retrying", self._target, e)
-                await asyncio.sleep(RETRY_SECONDS)
+        """Reaches etcd first: wrong credentials or TLS settings that cannot work end the agent (exit 78) before
+        anything starts, in seconds (etcd/reach.py); an etcd that does not answer is retried for join_timeout (then
+        exit 1)."""
+        try:
+            self.leader = await first_contact(self.client, self.election.leader, self._config.rendezvous.join_timeout)
+        except EtcdAuthError as e:
+            raise FatalSessionError(f"--etcd-password-file: {e}; check the user and password (USER:PASSWORD "
+                                    "in the file) and the user's role on /tfelastic/", ExitCode.CONFIG) from None
+        except EtcdTlsError as e:
+            raise FatalSessionError(str(e), ExitCode.CONFIG) from None
+        except EtcdUnavailable as e:
+            raise FatalSessionError(str(e), ExitCode.FAILED) from None
         self._leader_since = time.monotonic() if self.leader else None
         self._last_known = self.leader
         self._tasks = [asyncio.create_task(self._candidate.run(self._stop)), asyncio.create_task(self._follow())]
-        for task in self._tasks:
-            task.add_done_callback(_log_if_failed)
+        self._tasks[0].add_done_callback(self._candidate_ended)
+        self._tasks[1].add_done_callback(_log_if_failed)
+
+    def _candidate_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and isinstance(task.exception(), BadJobState):
+            self._refusal = task.exception()  # type: ignore[assignment]
+            self.changed.set()
+        else:
+            _log_if_failed(task)
 
     async def coordinator(self) -> Endpoint | None:
-        """The coordinator to try now; a session that breaks after attaching to it makes it the lost one."""
+        """The coordinator to try now; a session that breaks after attaching to it makes it the lost one.
+        Raises FatalSessionError (exit 78) once this node found a job state in etcd that it cannot continue."""
+        if self._refusal is not None:
+            raise FatalSessionError(str(self._refusal), ExitCode.CONFIG)
         self._tried = self.leader
         return self.named()
 

@@ -75,6 +75,10 @@ class EtcdClient:
         self._current = 0  # the member that answered last
         self._token: str | None = None
 
+    @property
+    def credentials(self) -> EtcdCredentials:
+        return self._credentials
+
     # ------------------------------------------------------------------------------------------ key/value
 
     async def get(self, key: bytes, *, serializable: bool = False) -> KeyValue | None:

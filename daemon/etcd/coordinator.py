@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from tfelastic.daemon.aio import first_of
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.etcd.client import EtcdClient, EtcdCredentials, EtcdError
-from tfelastic.daemon.etcd.election import Election, LeaderInfo, Leadership
+from tfelastic.daemon.etcd.election import BadJobState, Election, LeaderInfo, Leadership
 from tfelastic.daemon.etcd.metrics import EtcdMetrics
 from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.netutil import free_port, host_port
@@ -57,15 +57,20 @@ class ElectedCoordinator:
         self.finished = asyncio.Event()  # a job this process coordinated has ended
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Campaigns and serves, term after term, until ``stop`` (or the end of a job it served)."""
+        """Campaigns and serves, term after term, until ``stop`` (or the end of a job it served). Raises
+        BadJobState when the job's state in etcd is not one it can continue (after giving the lead up)."""
         registration = asyncio.create_task(self._register()) if self._candidate.head_node else None
         try:
             while not stop.is_set() and not self.finished.is_set():
                 leadership = await _first(self._campaign(), stop)
                 if leadership is None:
                     return
-                with contextlib.suppress(EtcdError):
+                try:
                     await self._serve(leadership, stop)
+                except BadJobState:
+                    raise
+                except EtcdError:
+                    pass
         finally:
             if registration is not None:
                 registration.cancel()
@@ -90,6 +95,9 @@ class ElectedCoordinator:
             takeover = await self._takeover(recorded) if recorded is not None else None
             self.host = await start_coordinator(c.setup, self._term_address, self._registry, store=leadership,
                                                 takeover=takeover)
+        except BadJobState:
+            await leadership.resign()  # each candidate reads the same state, and ends the same way
+            raise
         except (BindError, EtcdError) as e:
             log.warning("cannot serve the job after winning the election (%s): giving the lead up", e)
             await leadership.resign()

@@ -23,17 +23,24 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
 from tfelastic.daemon.aio import within
+from tfelastic.daemon.endpoint import Endpoint
+from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdClient, EtcdError, EtcdUnavailable, KeyValue
 from tfelastic.daemon.etcd.metrics import EtcdMetrics
 from tfelastic.daemon.etcd.rpc import rpc_pb2
+from tfelastic.daemon.etcd.url import EtcdTarget
+from tfelastic.daemon.rendezvous import bounds
 from tfelastic.daemon.rendezvous.durable import Deposed, DurableState, StoreUnavailable
 
 log = logging.getLogger("tfelastic.etcd")
+WRITE_ACCESS = ("Whoever can write to /tfelastic/ in etcd can stop this job or collect its token: turn etcd's "
+                "authentication on, with a role per job (docs/operations.md)")
 
 
 @dataclass(frozen=True)
@@ -48,11 +55,56 @@ class LeaderInfo:
 
     @classmethod
     def from_json(cls, data: bytes) -> LeaderInfo | None:
+        """None for anything a tfelastic coordinator does not write: the node a node id, the address HOST:PORT,
+        the time a finite number, the kind one of two. Text from etcd is bounded like text from the network."""
         try:
             doc = json.loads(data)
-            return cls(str(doc["node"]), str(doc["address"]), float(doc["since"]), str(doc.get("kind", "agent")))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, RecursionError):
             return None
+        if not isinstance(doc, dict):
+            return None
+        node, address, since, kind = doc.get("node"), doc.get("address"), doc.get("since"), doc.get("kind", "agent")
+        if not isinstance(node, str) or bounds.node_id_problem(node) is not None or kind not in KINDS:
+            return None
+        if not isinstance(address, str) or len(address) > MAX_ADDRESS_CHARS or not _is_host_port(address):
+            return None
+        if isinstance(since, bool) or not isinstance(since, (int, float)) or not math.isfinite(since):
+            return None
+        return cls(node, address, float(since), kind)
+
+
+KINDS = ("agent", "coordinator")
+MAX_ADDRESS_CHARS = bounds.MAX_HOST_CHARS + 8  # [HOST]:PORT
+MAX_SHOWN_CHARS = 200  # of a value from etcd, in a log line
+
+
+def _is_host_port(address: str) -> bool:
+    try:
+        Endpoint.parse(address, "the coordinator's address in etcd")
+    except ConfigError:
+        return False
+    return True
+
+
+def shown(data: bytes) -> str:
+    """Bytes from etcd, made printable and short for a log line."""
+    return bounds.printable(data.decode(errors="replace"), MAX_SHOWN_CHARS) + ("..." if len(data) > MAX_SHOWN_CHARS
+                                                                                else "")
+
+
+class BadJobState(EtcdError):
+    """The job's state in etcd is not one this version of tfelastic wrote (a wrong type, a value out of range):
+    no coordinator can continue the job from it, and none may overwrite it unasked. Retrying will not help."""
+
+    def __init__(self, key: str, target: EtcdTarget, problem: str) -> None:
+        scheme = "https" if target.tls else "http"
+        endpoints = ",".join(f"{scheme}://{endpoint}" for endpoint in target.endpoints)
+        etcdctl = f"ETCDCTL_API=3 etcdctl --endpoints {endpoints}"
+        super().__init__(
+            f"the job's state in etcd, key {key}, is not one this tfelastic wrote ({problem}): no coordinator can "
+            f"continue the job from it. Inspect it with '{etcdctl} get {key}' (add --cacert/--cert/--key or --user "
+            f"as for the agents); to start the job over, which forgets its generation, restart budget, "
+            f"quarantines and drained nodes, delete it with '{etcdctl} del {key}' and start the agents again")
 
 
 class JobKeys:
@@ -136,6 +188,7 @@ class Election:
     def __init__(self, client: EtcdClient, job: str, ttl: int, metrics: EtcdMetrics | None = None) -> None:
         self.client, self.keys, self.ttl, self._metrics = client, JobKeys(job), ttl, metrics
         self._previous: tuple[LeaderInfo, int] | None = None  # the last leader whose key we saw go, and its token
+        self._reported: set[tuple[bytes, int]] = set()  # keys no tfelastic wrote, by revision, already logged
 
     async def lost_lease(self) -> LeaderInfo | None:
         """The leader before this one, if its key went with its lease (it died, or etcd lost sight of it) rather
@@ -152,16 +205,25 @@ class Election:
         return LeaderInfo.from_json(kv.value) if kv is not None else None
 
     async def recorded_state(self) -> DurableState | None:
+        """Raises BadJobState for a state this version did not write."""
         kv = await self.client.get(self.keys.state)
         if kv is None:
             return None
         try:
             return DurableState.from_json(kv.value)
         except ValueError as e:
-            raise EtcdError(f"the job's state in etcd ({self.keys.state!r}) cannot be read: {e}") from None
+            raise BadJobState(self.keys.state.decode(), self.client.target, str(e)) from None
 
     async def head_nodes(self) -> int:
-        return len(await self.client.get_prefix(self.keys.coordinators))
+        """The standalone coordinators registered. A registration without a lease is none of tfelastic's (it goes
+        with its coordinator's lease) and would keep agents from leading for good: reported, not counted."""
+        registered = await self.client.get_prefix(self.keys.coordinators)
+        for kv in registered:
+            if kv.lease == 0 and self._first_report(kv):
+                log.error("the head-node registration %s in etcd has no lease, so no tfelastic coordinator wrote it "
+                          "as it is: agents do not wait for it. Delete it with 'etcdctl del %s'. %s", shown(kv.key),
+                          shown(kv.key), WRITE_ACCESS)
+        return sum(1 for kv in registered if kv.lease != 0)
 
     async def campaign(self, info: LeaderInfo, may_lead: Callable[[], Awaitable[bool]],
                        lease: Callable[[], int | None] = lambda: None) -> Leadership:
@@ -171,8 +233,12 @@ class Election:
         while True:
             try:
                 current = await self.client.get(self.keys.leader)
+                if current is not None and current.lease == 0:
+                    await self._remove_leaseless(current)
+                    continue
                 if current is not None:
                     self._remember(current)
+                    self._report_foreign(current)
                 elif await may_lead():
                     leadership = await self._try_to_lead(info, lease())
                     if leadership is not None:
@@ -228,6 +294,32 @@ class Election:
         leader = LeaderInfo.from_json(kv.value)
         if leader is not None:
             self._previous = (leader, int(kv.create_revision))
+
+    def _report_foreign(self, kv: KeyValue) -> None:
+        """A leader key with a lease that no tfelastic wrote: said once, since it blocks the election."""
+        if LeaderInfo.from_json(kv.value) is None and self._first_report(kv):
+            log.error("the leader key %s in etcd holds %r, not one a tfelastic coordinator writes: no agent can "
+                      "reach a coordinator, and no candidate leads until its lease %x ends. Delete it with "
+                      "'etcdctl del %s'. %s", shown(kv.key), shown(kv.value), kv.lease, shown(kv.key), WRITE_ACCESS)
+
+    async def _remove_leaseless(self, kv: KeyValue) -> None:
+        """A leader key without a lease is none of tfelastic's (a leader's key goes with its lease) and would
+        never go: deleted, if it is still the one seen, so that the candidates can campaign."""
+        compare = rpc_pb2.Compare(key=kv.key, target=rpc_pb2.Compare.MOD, result=rpc_pb2.Compare.EQUAL,
+                                  mod_revision=kv.mod_revision)
+        delete = rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=kv.key))
+        if (await self.client.txn([compare], [delete])).succeeded:
+            log.error("the leader key %s in etcd has no lease, so no tfelastic coordinator wrote it as it is (it "
+                      "held %r): deleted it, so that the election goes on. %s", shown(kv.key), shown(kv.value),
+                      WRITE_ACCESS)
+
+    def _first_report(self, kv: KeyValue) -> bool:
+        """Whether this version of a key (by its revision) was not reported yet: a key is reported once."""
+        seen = (bytes(kv.key), int(kv.mod_revision))
+        if seen in self._reported:
+            return False
+        self._reported.add(seen)
+        return True
 
     async def _deleted(self, start: int) -> None:
         async for response in self.client.watch(self.keys.leader, start_revision=start):

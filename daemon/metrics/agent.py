@@ -15,6 +15,11 @@ _SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0
 # A fast-tier snapshot holds training up for milliseconds; a synchronous save of a large model for seconds.
 _STALL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _STEPS_BUCKETS = (0, 1, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
+# The step and example counters grow by what a trainer did between two reports of a generation, at most this
+# much per report (71 minutes at a million steps a second): a larger jump is a step counter that leapt (a bug, a
+# restore inside the generation), not training, and counting goes on from it. Without the cap a few reports of a
+# huge step would push a counter past 2^53, where float64 can no longer add 1 to it.
+MAX_COUNTED_JUMP = 1 << 32
 
 
 class AgentMetrics:
@@ -95,12 +100,10 @@ class AgentMetrics:
     def progress(self, message: ProgressMessage, wall_time: float) -> None:
         """Counters grow by what the trainer did since its previous report of the same generation."""
         self._fast_tier(message)
-        if self._last_step is not None and message.step > self._last_step:
-            self.steps.inc(message.step - self._last_step)
+        _count(self.steps, self._last_step, message.step)
         self._last_step = message.step
         if message.examples is not None:
-            if self._last_examples is not None and message.examples > self._last_examples:
-                self.examples.inc(message.examples - self._last_examples)
+            _count(self.examples, self._last_examples, message.examples)
             self._last_examples = message.examples
         self.step.set(message.step)
         self.progress_time.set(wall_time)
@@ -119,3 +122,8 @@ class AgentMetrics:
     def checkpoint(self, step: int, wall_time: float) -> None:
         self.checkpoint_step.set(step)
         self.checkpoint_time.set(wall_time)
+
+
+def _count(counter: Counter, last: int | None, now: int) -> None:
+    if last is not None and 0 < now - last <= MAX_COUNTED_JUMP:
+        counter.inc(now - last)

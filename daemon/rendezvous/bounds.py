@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tfelastic.daemon.rendezvous import api, convert
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
+from tfelastic.trainer import progress
 
 # The largest legitimate request is a Join: ids and names of at most 128 characters, a host of 255, a backup_dir
 # of 4096, a 32-byte digest and 64 steps, about 5.3 KiB with the field tags (limits.MAX_REQUEST_BYTES leaves 10x
@@ -32,7 +33,7 @@ MAX_DETAIL_CHARS = 4096  # WorkerReport.detail
 MAX_REASON_CHARS = 1024  # Leave.reason
 MAX_GPUS = 4096
 MAX_RESTORABLE_STEPS = 64  # a Join's restorable_steps (agents send at most trainer.snapshots.MAX_REPORTED)
-MAX_STEP = 1 << 53  # a training step, exact in every field it reaches
+MAX_STEP = progress.MAX_STEP  # a training step (or examples), exact in every field and metric it reaches
 DIGEST_BYTES = 32  # SHA-256 of the trainer command
 
 NODE_ID_RULE = f"1-{MAX_NAME_CHARS} letters, digits, '.', '_', ':', '@' or '-', starting with a letter or digit"
@@ -132,8 +133,9 @@ def validate_join(join: pb.Join) -> None:
 
 def check_message(message: pb.AgentMessage) -> None:
     """Refuses (ProtocolError, naming each field) a message that no agent sends: out-of-range numbers,
-    non-finite clock readings, oversized text. Values that come from the trainer (step, loss, examples) pass as
-    they are: a diverged loss is NaN, and that is news, not an attack."""
+    non-finite clock readings, oversized text. The trainer's steps and examples are bounded as the agent bounds
+    them (trainer/progress.py), so that none reaches the job's state or a metric beyond 2^53; its loss passes as
+    it is: a diverged loss is NaN, and that is news, not an attack."""
     kind = message.WhichOneof("kind")
     if kind == "join":
         validate_join(message.join)
@@ -170,4 +172,8 @@ def _report_problems(report: pb.WorkerReport) -> list[str]:
     for name in ("save_seconds", "other_seconds"):
         if not 0.0 <= getattr(p, name) <= MAX_SECONDS:
             problems.append(f"progress.{name} {getattr(p, name)} is not in 0..{MAX_SECONDS:g}")
+    for name, low in (("step", 0), ("examples", 0), ("checkpoint_step", -1)):
+        value = getattr(p, name)
+        if not low <= value <= MAX_STEP:
+            problems.append(f"progress.{name} {value} is out of range {low}..{MAX_STEP}")
     return problems

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tfelastic.daemon.rendezvous.api import JobSpec, JobState, Member
-
-VERSION = 1
+from tfelastic.daemon.rendezvous.durable_check import VERSION, state_fields
 
 
 @dataclass(frozen=True)
@@ -50,36 +48,13 @@ class DurableState:
 
     @classmethod
     def from_json(cls, data: bytes) -> DurableState:
-        """Raises ValueError for anything that is not a state this version wrote."""
+        """Raises ValueError for anything that is not a state this version wrote: BadField (durable_check.py),
+        naming the first field whose type or range is wrong, when it is JSON."""
         try:
-            return cls._parse(data)
-        except (KeyError, TypeError, AttributeError, OverflowError) as e:
-            raise ValueError(f"malformed: {type(e).__name__}: {e}") from None
-
-    @classmethod
-    def _parse(cls, data: bytes) -> DurableState:
-        doc = json.loads(data)
-        if not isinstance(doc, dict) or doc.pop("version", None) != VERSION:
-            raise ValueError("not a tfelastic job state of version 1 (a newer tfelastic wrote it?)")
-        spec = doc.pop("spec")
-        if spec is not None:
-            spec = JobSpec(**{**spec, "command_digest": bytes.fromhex(spec["command_digest"])})
-        members = tuple(Member(**m) for m in doc.pop("members"))
-        quarantined = {str(node): _quarantine_entry(entry) for node, entry in doc.pop("quarantined", {}).items()}
-        state = JobState(doc.pop("state"))
-        rest: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()}
-        return cls(spec=spec, state=state, members=members, quarantined=quarantined, **rest)
-
-
-def _quarantine_entry(entry: dict[str, Any]) -> dict[str, Any]:
-    """One quarantined node as etcd holds it, with its types checked (KeyError, TypeError: malformed)."""
-    kind, until, count = str(entry["kind"]), float(entry["until"]), int(entry["quarantines"])
-    checking = entry.get("checking", False)  # not in the first records written
-    if kind not in ("worker_failures", "node_check"):
-        raise TypeError(f"unknown quarantine kind {kind[:32]!r}")
-    if not math.isfinite(until) or count < 0 or not isinstance(checking, bool):
-        raise TypeError(f"a quarantine until {until}, counted {count}, checking {checking!r}")
-    return {"kind": kind, "reason": str(entry["reason"]), "until": until, "checking": checking, "quarantines": count}
+            doc = json.loads(data)
+        except (ValueError, RecursionError) as e:  # RecursionError: nested arrays too deep for the parser
+            raise ValueError(f"not JSON: {type(e).__name__}: {str(e)[:200]}") from None
+        return cls(**state_fields(doc))
 
 
 @dataclass(frozen=True)

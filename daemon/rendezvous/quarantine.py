@@ -156,8 +156,11 @@ class QuarantineBook:
                                     "checking": q.checking, "quarantines": self.times_quarantined(n)}
                                 for n, q in self.held.items()}}
 
-    def take_over(self, recorded: dict[str, dict[str, Any]], wall_offset: float) -> None:
+    def take_over(self, recorded: dict[str, dict[str, Any]], wall_offset: float, now: float) -> None:
+        """No quarantine ends later than the longest cooldown from ``now``: one recorded further ahead (another
+        machine's clock, a hand-edited state) would hold its node for that long."""
+        latest = now + self._settings.quarantine_cooldown_max_seconds
         for node_id, entry in recorded.items():
-            self.held[node_id] = Quarantined(entry["kind"], entry["reason"], entry["until"] - wall_offset,
+            self.held[node_id] = Quarantined(entry["kind"], entry["reason"], min(entry["until"] - wall_offset, latest),
                                              entry["checking"])
             self._records[node_id] = _Record(quarantines=int(entry["quarantines"]))

@@ -103,7 +103,10 @@ class RestartBook:
     def take_over(self, recorded: DurableState, wall_offset: float) -> None:
         self.total = recorded.restarts_total
         self.by_reason = Counter(recorded.restarts_by_reason)
-        self._failures = deque(t - wall_offset for t in recorded.failures)
+        # A failure cannot lie in the future: one that seems to (another machine's clock ahead, a hand-edited
+        # state) counts from now, instead of holding a slot of the budget until its time comes.
+        now = self._clock()
+        self._failures = deque(sorted(min(t - wall_offset, now) for t in recorded.failures))
         self.failed_in_a_row = recorded.failed_in_a_row
         r = self.resumes
         r.reached_step, r.checkpoint_step = recorded.reached_step, recorded.checkpoint_step

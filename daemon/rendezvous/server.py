@@ -120,8 +120,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         for task in (self._ticker, self._persisting):
             if task is not None:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                # Raised again here, a task's error stopped the shutdown before the gRPC server's, whose finalizer
+                # then ran after the event loop had closed. The persistence task's was logged when it ended.
+                outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+                if task is self._ticker and isinstance(outcome, Exception):
+                    log.error("the coordinator's timers had stopped: %r", outcome)
 
     @property
     def connected(self) -> int:
@@ -173,11 +176,16 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def RestartJob(self, request: pb.RestartJobRequest,
                          context: grpc.aio.ServicerContext[Any, Any]) -> pb.OperatorReply:
         reason = printable(request.reason, 200) or "requested by an operator"
-        await self._operator(context, lambda: self.rendezvous.restart_job(reason))
-        log.info("operator restarts the job (%s)", reason)
-        return pb.OperatorReply(detail=f"restarting job {self.rendezvous.spec.job if self.rendezvous.spec else ''}"
-                                       f" from generation {self.rendezvous.generation}: every trainer checkpoints "
-                                       "and stops, and the same nodes re-form")
+        told: list[str] = []
+
+        def restart() -> list[api.Send]:
+            sends, said = self.rendezvous.restart_job(reason)
+            told.append(said)
+            return sends
+
+        await self._operator(context, restart)
+        log.info("operator restarts the job (%s): %s", reason, told[0])
+        return pb.OperatorReply(detail=told[0])
 
     async def Readmit(self, request: pb.ReadmitRequest,
                       context: grpc.aio.ServicerContext[Any, Any]) -> pb.OperatorReply:

@@ -69,6 +69,7 @@ log = logging.getLogger("tfelastic.coordinator")
 
 Clock = Callable[[], float]
 NEWER_SNAPSHOTS_LOGGED = 10  # members named one by one when their newer snapshots are not restored
+RESTART_ABSORB_SECONDS = 10.0  # an operator's restart this soon after another is absorbed into it
 
 
 def common_restore_step(reported: Iterable[Iterable[int]]) -> int | None:
@@ -105,6 +106,7 @@ class Rendezvous:
         self.quarantine = QuarantineBook(settings)
         self.goodput = GoodputLedger(clock)
         self.wall_offset = 0.0  # wall clock minus this clock, for times shown to people (the host sets it)
+        self._operator_restart: tuple[float, int, str] | None = None  # when, from which generation, why
 
     @property
     def restarts_total(self) -> int:
@@ -211,7 +213,7 @@ class Rendezvous:
         self._chief_succeeded = recorded.chief_succeeded
         self.drained = set(recorded.drained)
         self.restarts.take_over(recorded, wall_offset)
-        self.quarantine.take_over(recorded.quarantined, wall_offset)
+        self.quarantine.take_over(recorded.quarantined, wall_offset, now)
         if recorded.goodput is not None:
             self.goodput.take_over(recorded.goodput, wall_offset)
         self.state = JobState.WAITING if recorded.state is JobState.RESTARTING else recorded.state
@@ -353,14 +355,42 @@ class Rendezvous:
         self.drained.add(node_id)
         return [Send(node_id, DrainNode(reason))]
 
-    def restart_job(self, reason: str) -> list[Send]:
+    def restart_job(self, reason: str) -> tuple[list[Send], str]:
         """An operator's restart: every member stops its trainer gracefully and the same nodes re-form.
-        Planned, so it does not spend the restart budget."""
+        Planned, so it does not spend the restart budget. Returns the orders and what to tell the operator.
+
+        A restart asked for while an operator's restart is under way, or within RESTART_ABSORB_SECONDS of one, is
+        absorbed into it: two terminals, or a command retried after a timeout, restart the job once."""
+        now = self._clock()
+        absorbed = self._absorbed_restart(now)
+        if absorbed is not None:
+            return [], absorbed
         if self.state is not JobState.RUNNING:
             raise OperatorRefusedError(
                 f"job {self._job_name()!r} is {self.state.value}"
                 + (f" ({self.reason})" if self.reason else "") + ": only a running job can be restarted")
-        return self._restart(RestartReason.OPERATOR_RESTART, reason)
+        generation = self.generation
+        sends = self._restart(RestartReason.OPERATOR_RESTART, reason)
+        if self.state.is_terminal:  # the chief had completed training: nothing restarts
+            return sends, f"job {self._job_name()} ended instead: {self.reason}"
+        self._operator_restart = (now, generation, reason)
+        return sends, (f"restarting job {self._job_name()} from generation {generation}: every trainer checkpoints "
+                       "and stops, and the same nodes re-form")
+
+    def _absorbed_restart(self, now: float) -> str | None:
+        """What to tell an operator whose restart joins the last one; None when it does not."""
+        if self._operator_restart is None or self.state.is_terminal:
+            return None
+        asked_at, generation, reason = self._operator_restart
+        under_way = self.generation == generation and self.state is not JobState.RUNNING
+        if not under_way and now - asked_at >= RESTART_ABSORB_SECONDS:
+            return None
+        since = (f"absorbed into the restart of job {self._job_name()} from generation {generation} that an operator "
+                 f"asked for {now - asked_at:.1f}s ago ({reason})")
+        if under_way:
+            return f"{since}, still under way: no second restart"
+        return (f"{since}; generation {self.generation} runs now: no second restart (ask again after "
+                f"{RESTART_ABSORB_SECONDS:g}s for another)")
 
     def tick(self) -> list[Send]:
         """Fire due timers: node leases, the last call, the scale-up settle delay, the join timeout."""

@@ -97,7 +97,8 @@ def test_one_candidate_wins_and_a_deposed_leaders_writes_are_refused(etcd: EtcdC
         first, second = etcd.client(), etcd.client()
         try:
             old = await Election(first, "fencing", 2).campaign(LeaderInfo("a", "127.0.0.1:1", 0.0), yes)
-            state = DurableState(spec=None, state=JobState.RUNNING, reason="", generation=1, members=())
+            # Waiting: a running job always has a spec (a state without one is refused on read, durable_check.py).
+            state = DurableState(spec=None, state=JobState.WAITING, reason="", generation=1, members=())
             await old.save(state)
             await first.revoke(old.lease)  # as if its lease had expired during a partition
             new = await Election(second, "fencing", 2).campaign(LeaderInfo("b", "127.0.0.1:2", 0.0), yes)

@@ -4,11 +4,14 @@ writer), and how long a new coordinator waits for the node of a leader that lost
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from grpc.aio import AioRpcError, Metadata
 from tfelastic.daemon.etcd.client import EtcdCredentials, is_transient
 from tfelastic.daemon.etcd.coordinator import departed_leader_grace
+from tfelastic.daemon.etcd.election import LeaderInfo
 from tfelastic.daemon.rendezvous.durable import DurableState
 
 
@@ -54,3 +57,26 @@ def test_a_malformed_job_state_in_etcd_is_a_value_error(data: bytes) -> None:
     """Anything but a state this version wrote is refused the same way (the caller turns it into an EtcdError)."""
     with pytest.raises(ValueError):
         DurableState.from_json(data)
+
+
+@pytest.mark.parametrize("value", [
+    {"node": "n" * 1_400_000, "address": "127.0.0.1:1", "since": 0.0},  # once made 1.4 MB log lines
+    {"node": "a\nb", "address": "127.0.0.1:1", "since": 0.0},
+    {"node": 5, "address": "127.0.0.1:1", "since": 0.0},
+    {"node": "a", "address": "127.0.0.1", "since": 0.0},  # no port
+    {"node": "a", "address": "h" * 300 + ":1", "since": 0.0},
+    {"node": "a", "address": "127.0.0.1:1", "since": "now"},
+    {"node": "a", "address": "127.0.0.1:1", "since": True},
+    {"node": "a", "address": "127.0.0.1:1", "since": 0.0, "kind": "wizard"},
+    {"address": "127.0.0.1:1", "since": 0.0},
+    ["a", "127.0.0.1:1"],
+])
+def test_a_leader_key_no_coordinator_writes_names_no_leader(value: object) -> None:
+    assert LeaderInfo.from_json(json.dumps(value).encode()) is None
+
+
+def test_a_leader_key_a_coordinator_writes_names_it() -> None:
+    for info in (LeaderInfo("gpu-07", "10.0.0.7:41233", 1795627793.09), LeaderInfo("head-1", "[::1]:29400", 0.0,
+                                                                                    "coordinator")):
+        assert LeaderInfo.from_json(info.to_json()) == info
+    assert LeaderInfo.from_json(b'{"node": "a", "address": "h:1", "since": 1e400}') is None  # infinity

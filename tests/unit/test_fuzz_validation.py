@@ -63,6 +63,7 @@ def test_an_accepted_report_is_bounded(report: pb.WorkerReport) -> None:
     assert finite_in(p.age_seconds, 0, 1e9)
     assert p.checkpoint_age_seconds == -1.0 or finite_in(p.checkpoint_age_seconds, 0, 1e9)
     assert math.isfinite(p.steps_per_second)
+    assert 0 <= p.step <= 2**53 and 0 <= p.examples <= 2**53 and -1 <= p.checkpoint_step <= 2**53
 
 
 @FUZZ

@@ -129,7 +129,7 @@ def report(**fields: Any) -> pb.AgentMessage:
     pb.AgentMessage(),  # no kind: the servicer refuses it as unexpected, the bounds have nothing to say
     report(generation=3, status=pb.WORKER_STATUS_FAILED, exit_code=-9, pid=1234, detail="x" * 4096, gpus=8,
            gpu_utilization=1.0, has_progress=True,
-           progress={"step": -5, "loss": float("nan"), "has_loss": True, "examples": 2**62, "age_seconds": 0.25,
+           progress={"step": 2**53, "loss": float("nan"), "has_loss": True, "examples": 2**53, "age_seconds": 0.25,
                      "checkpoint_step": -1, "steps_per_second": -3.0, "checkpoint_age_seconds": -1.0}),
     report(progress={"loss": float("inf"), "checkpoint_age_seconds": 1e9, "age_seconds": 1e9}),
     pb.AgentMessage(leave=pb.Leave(reason="r" * 1024)),
@@ -149,9 +149,14 @@ def test_what_an_agent_sends_passes(message: pb.AgentMessage) -> None:
     (report(progress={"age_seconds": float("inf")}), "WorkerReport: progress.age_seconds inf"),
     (report(progress={"checkpoint_age_seconds": -0.5}), "WorkerReport: progress.checkpoint_age_seconds -0.5"),
     (report(progress={"steps_per_second": float("nan")}), "WorkerReport: progress.steps_per_second nan"),
+    (report(progress={"step": 2**62}), "WorkerReport: progress.step 4611686018427387904 is out of range"),
+    (report(progress={"step": -5}), "WorkerReport: progress.step -5 is out of range"),
+    (report(progress={"examples": 2**53 + 1}), "WorkerReport: progress.examples 9007199254740993"),
+    (report(progress={"checkpoint_step": -2}), "WorkerReport: progress.checkpoint_step -2"),
     (pb.AgentMessage(leave=pb.Leave(reason="r" * 1025)), "Leave: reason has 1025 characters"),
 ], ids=["generation", "pid", "detail", "gpus", "gpu-nan", "gpu-above-1", "age-negative", "age-inf",
-        "checkpoint-age", "steps-per-second-nan", "leave-reason"])
+        "checkpoint-age", "steps-per-second-nan", "step-huge", "step-negative", "examples", "checkpoint-step",
+        "leave-reason"])
 def test_out_of_bounds_fields_are_refused_naming_them(message: pb.AgentMessage, named: str) -> None:
     with pytest.raises(ProtocolError, match=r"^invalid " + named.replace("(", r"\(").replace(".", r"\.")):
         check_message(message)

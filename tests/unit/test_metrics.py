@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
-from tfelastic.daemon.metrics.agent import AgentMetrics
+from tfelastic.daemon.metrics.agent import MAX_COUNTED_JUMP, AgentMetrics
 from tfelastic.daemon.metrics.cluster import register_cluster_collector
 from tfelastic.daemon.metrics.host import register_host_collector
 from tfelastic.daemon.metrics.http import MAX_CONNECTIONS_PER_ADDRESS, serve_metrics
@@ -48,6 +48,20 @@ def test_step_counters_grow_by_the_progress_made_within_a_generation() -> None:
     metrics.progress(ProgressMessage(3, 1, step=100), wall_time=1002.0)
     metrics.progress(ProgressMessage(3, 1, step=105), wall_time=1003.0)
     assert value("tfelastic_training_steps_total") == 15
+
+
+def test_a_step_that_leaps_is_not_counted_as_training() -> None:
+    """Two reports of a huge step once added 2^62 each to the counter, past where float64 can add 1 to it: a
+    leap beyond MAX_COUNTED_JUMP counts nothing, and counting goes on from it."""
+    registry, metrics = agent_metrics()
+    metrics.new_generation(1, rank=0, world_size=1)
+    for step, examples in ((0, 0), (10, 640), (2**53, 2**53), (2**53 + 5, 2**53 + 320), (0, 0), (2**40, 2**40),
+                           (2**40 + 5, 2**40 + 320)):
+        metrics.progress(ProgressMessage(1, 1, step=step, examples=examples), wall_time=1.0)
+    assert registry.get_sample_value("tfelastic_training_steps_total") == 20
+    assert registry.get_sample_value("tfelastic_training_examples_total") == 1280
+    metrics.progress(ProgressMessage(1, 1, step=2**40 + 5 + MAX_COUNTED_JUMP), wall_time=1.0)  # the cap itself counts
+    assert registry.get_sample_value("tfelastic_training_steps_total") == 20 + MAX_COUNTED_JUMP
 
 
 def test_fast_tier_save_stalls_restores_by_tier_and_steps_redone() -> None:

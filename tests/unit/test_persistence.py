@@ -4,6 +4,7 @@ etcd's three answers: written, unavailable (no quorum), refused (another leader)
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Sequence
 
 import pytest
@@ -233,5 +234,29 @@ def test_a_coordinator_that_handed_the_job_over_decides_nothing_more() -> None:
                   for _ in range(session.outbox.qsize())]
         assert not any(isinstance(item, pb.CoordinatorMessage) and item.HasField("assignment") for item in queued)
         await servicer.stop()
+
+    asyncio.run(scenario())
+
+
+class BrokenStore(InMemoryStore):
+    """A store whose write fails with what no store should raise: a bug, not an etcd answer."""
+
+    async def save(self, state: DurableState) -> None:
+        raise ValueError("Value out of range: 1208925819614629174706177")
+
+
+def test_a_write_that_fails_with_a_bug_deposes_the_coordinator_and_its_server_still_closes() -> None:
+    """The failed write ended the persistence task; closing the coordinator re-raised its error, so its gRPC
+    server was never stopped (a `RuntimeError: Event loop is closed` traceback at exit, when the server's
+    finalizer ran after the loop) and the candidate that served it died with it, never to campaign again."""
+    async def scenario() -> None:
+        host = await create_server("127.0.0.1:0", SETTINGS, store=BrokenStore())
+        persistence = host._servicer.persistence
+        assert persistence is not None
+        persistence.dispatch([])  # a change of state: the write fails
+        await asyncio.wait_for(persistence.deposed.wait(), 10)
+        await host.close()  # does not raise the write's error
+        with pytest.raises(OSError):  # the gRPC server is stopped: nothing listens on its port any more
+            socket.create_connection(("127.0.0.1", host.port), timeout=2).close()
 
     asyncio.run(scenario())

@@ -370,7 +370,8 @@ def test_listener_close_removes_its_directory_without_start(tmp_path: Path) -> N
 
 
 def test_decode_rejects_out_of_range_integers_and_nan() -> None:
-    with pytest.raises(ValueError, match=r"^progress field 'step' is out of range: 4611686018427387905$"):
+    with pytest.raises(ValueError, match=r"^progress field 'step' is out of range 0\.\.9007199254740992: "
+                                         r"4611686018427387905$"):
         decode(b'{"g":1,"pid":2,"step":4611686018427387905}')
     with pytest.raises(ValueError, match="NaN, which is not a number"):
         decode(b'{"g":1,"pid":2,"step":3,"loss":NaN}')
@@ -394,3 +395,34 @@ def test_done_flag_round_trips_and_numpy_like_values_are_made_plain(tmp_path: Pa
         assert reporter.report(Scalar(), examples=Scalar(), loss=Scalar(), done=True)  # type: ignore[arg-type]
         message = decode(server.recv(MAX_DATAGRAM))
     assert (message.step, message.examples, message.loss, message.done) == (7, 7, 0.5, True)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("step", -1), ("step", 2**53 + 1), ("step", 2**62),  # 2^62 once added 4.6e18 to the steps counter
+    ("ckpt", -1), ("ckpt", 2**53 + 1), ("examples", -5), ("examples", 2**53 + 1), ("g", 2**53 + 1),
+    ("pid", -1), ("pid", 2**31),
+])
+def test_decode_bounds_every_integer(field: str, value: int) -> None:
+    payload: dict[str, object] = {"g": 1, "pid": 2, "step": 3, field: value}
+    with pytest.raises(ValueError, match=rf"^progress field '{field}' is out of range 0\.\.\d+: {value}$"):
+        decode(json.dumps(payload).encode())
+
+
+def test_decode_bounds_the_restored_step() -> None:
+    with pytest.raises(ValueError, match="'rs' is out of range"):
+        decode(b'{"g":1,"pid":2,"step":3,"rt":"local","rs":9007199254740993}')
+
+
+@pytest.mark.parametrize("data", [
+    b'{"g":1,"pid":2,"step":3,"ckpt":3,"st":1e400}',  # parses as infinity: the stall histogram's sum stayed +Inf
+    b'{"g":1,"pid":2,"step":3,"ckpt":3,"st":86400.5}',
+    b'{"g":1,"pid":2,"step":3,"loss":1e400}',
+    b'{"g":1,"pid":2,"step":3,"loss":-1e400}',
+])
+def test_decode_refuses_numbers_that_parse_as_infinity_or_are_beyond_their_bound(data: bytes) -> None:
+    with pytest.raises(ValueError, match=r"'(st|loss)' must be a (finite number|number of seconds in 0\.\.86400)"):
+        decode(data)
+
+
+def test_a_stall_of_a_whole_day_is_still_a_measurement() -> None:
+    assert decode(b'{"g":1,"pid":2,"step":3,"ckpt":3,"st":86400}').stall == 86400.0
