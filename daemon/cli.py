@@ -242,11 +242,11 @@ def _dispatch(args: argparse.Namespace, slurm: SlurmStep | None) -> int:
         from tfelastic.daemon.report import run_report
 
         return run_report(*_operator_config(args), as_json=args.json)
-    endpoint, token, tls = _operator_target(args)
     if name == "status":
         if args.watch is not None and not args.watch > 0:
             raise ConfigError(f"--watch: {args.watch} seconds must be more than 0")
-        return commands.run_status(endpoint, token, tls, as_json=args.json, watch=args.watch)
+        return commands.run_status(*_operator_config(args), as_json=args.json, watch=args.watch)
+    endpoint, token, tls = _operator_target(args)
     from tfelastic.daemon.rendezvous.client import drain_node, readmit_node, restart_job
 
     if name == "drain":

@@ -238,23 +238,47 @@ class OperatorError(Exception):
     """An operator command cannot reach its job: exit 1 with the message."""
 
 
-def run_status(endpoint: Endpoint, token: str | None, tls: TlsConfig, *, as_json: bool, watch: float | None) -> int:
-    from tfelastic.daemon.rendezvous.client import fetch_status
-    from tfelastic.daemon.status import render_table, status_to_json
+def run_status(config: OperatorConfig, token: str | None, *, as_json: bool, watch: float | None) -> int:
+    """One status, or with ``watch`` one every so many seconds until interrupted. A status that cannot be read is
+    an error message (with ``--json``, a JSON object with ``error``); while watching, the coordinator is looked
+    for again at each refresh, so that a watch rides through its failover."""
+    from tfelastic.daemon.status import render_table
 
-    check_tls_files(tls)
+    check_tls_files(config.rendezvous.tls)
+    unreachable_since: float | None = None
     while True:
-        try:
-            doc = status_to_json(asyncio.run(fetch_status(endpoint, token, tls)), time.monotonic())
-        except grpc.RpcError as e:
-            print(describe_rpc_error("status", endpoint, e, tls=tls.enabled), file=sys.stderr)
+        doc, error = _status_or_error(config, token)
+        if error is not None:
+            unreachable_since = unreachable_since or time.monotonic()
+            if watch is not None:
+                error += f" (for {time.monotonic() - unreachable_since:.0f}s; retrying every {watch:g}s)"
+            doc = {"error": error, "job": config.job, "rendezvous": str(config.rendezvous.endpoint)}
+        else:
+            unreachable_since = None
+        text = json.dumps(doc, indent=2) if as_json else f"tfelastic status: {error}" if error else render_table(doc)
+        if error is not None and watch is None and not as_json:
+            print(text, file=sys.stderr)
             return ExitCode.FAILED
-        text = json.dumps(doc, indent=2) if as_json else render_table(doc)
         if not _print(f"\033[2J\033[H{text}" if watch is not None else text):
             return ExitCode.SUCCEEDED  # whoever read it has had enough (`| head`, `| true`)
         if watch is None:
-            return ExitCode.SUCCEEDED
+            return ExitCode.FAILED if error else ExitCode.SUCCEEDED
         time.sleep(watch)
+
+
+def _status_or_error(config: OperatorConfig, token: str | None) -> tuple[dict[str, Any], str | None]:
+    from tfelastic.daemon.rendezvous.client import fetch_status
+    from tfelastic.daemon.status import status_to_json
+
+    rdzv = config.rendezvous
+    try:
+        endpoint = rdzv.endpoint if isinstance(rdzv.endpoint, Endpoint) else find_coordinator(config)
+    except OperatorError as e:
+        return {}, str(e)
+    try:
+        return status_to_json(asyncio.run(fetch_status(endpoint, token, rdzv.tls)), time.monotonic()), None
+    except grpc.RpcError as e:
+        return {}, describe_rpc_error("status", endpoint, e, tls=rdzv.tls.enabled).removeprefix("tfelastic status: ")
 
 
 def _print(text: str) -> bool:
@@ -282,12 +306,17 @@ def run_operator(name: str, endpoint: Endpoint, tls: TlsConfig, call: Callable[[
 def describe_rpc_error(command: str, endpoint: Endpoint, error: grpc.RpcError, *, tls: bool = False) -> str:
     from tfelastic.daemon.rendezvous.handshake import handshake_problem
 
-    code = error.code()
+    code, details = error.code(), error.details() or ""
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        problem = handshake_problem(error.details() or "", tls)
-        hint = f" (TLS: {problem})" if problem else ""
-        return f"tfelastic {command}: no cluster reachable at {endpoint}: {code.name}: {error.details()}{hint}"
-    details = error.details() or ""
+        problem = handshake_problem(details, tls)
+        grpc_said = f" [{code.name}: {details[:300]}]"
+        if problem:
+            return f"tfelastic {command}: cannot talk to the coordinator at {endpoint}: TLS: {problem}{grpc_said}"
+        if "refused" in details.lower():
+            return (f"tfelastic {command}: nothing listens at {endpoint}: no tfelastic coordinator runs there (is the "
+                    f"job running, and is {endpoint} its rendezvous address?){grpc_said}")
+        return (f"tfelastic {command}: no answer from {endpoint} (a host that is down, a firewall, or a "
+                f"coordinator too busy to answer){grpc_said}")
     # tfelastic's coordinator names the option itself; another server's refusal may not.
     named = "--token-file" in details
     hint = " (pass the job's --token-file)" if code is grpc.StatusCode.UNAUTHENTICATED and not named else ""

@@ -3,6 +3,7 @@ clear line on stderr that names the option, never a Python traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -210,8 +211,20 @@ def test_status_with_nothing_listening_exits_1(tmp_path: Path) -> None:
     assert result.returncode == 1, result
     assert "Traceback" not in result.stderr, result.stderr
     assert result.stdout == ""
-    assert result.stderr.startswith(f"tfelastic status: no cluster reachable at 127.0.0.1:{port}: UNAVAILABLE: "), (
-        result.stderr)
+    assert result.stderr.startswith(f"tfelastic status: nothing listens at 127.0.0.1:{port}: no tfelastic "
+                                    "coordinator runs there"), result.stderr
+    assert "UNAVAILABLE" in result.stderr, result.stderr  # gRPC's own words stay, for whoever digs further
+
+
+def test_status_json_with_nothing_listening_prints_an_error_object(tmp_path: Path) -> None:
+    """A script that reads `status --json` always gets a JSON object: here one whose "error" says what is wrong."""
+    port = free_port()
+    result = tfelastic("status", "--json", "--rendezvous", f"127.0.0.1:{port}", "--job", "j7", cwd=tmp_path)
+    assert result.returncode == 1, result
+    document = json.loads(result.stdout)
+    assert document["error"].startswith(f"nothing listens at 127.0.0.1:{port}"), document
+    assert document["job"] == "j7" and document["rendezvous"] == f"127.0.0.1:{port}", document
+    assert "Traceback" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize(("args", "start"), [

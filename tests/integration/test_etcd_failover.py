@@ -3,6 +3,7 @@ real agents with the counter trainer, a standalone head-node coordinator where a
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -33,6 +34,13 @@ def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
 
 def starts(cluster: Cluster) -> list[dict[str, Any]]:
     return [e for e in cluster.events() if e["event"] == "start"]
+
+
+def watched_coordinators(output: Path) -> list[str | None]:
+    """The coordinator node of every screen that `status --json --watch` drew (None on a screen with an error)."""
+    screens = [screen for screen in output.read_text().split("\033[2J\033[H") if screen.strip()]
+    documents = [json.loads(screen) for screen in screens[:-1]]  # the last one may be half written
+    return [(doc.get("coordinator") or {}).get("node") for doc in documents]
 
 
 def head_node(cluster: Cluster, etcd: EtcdCluster, name: str = "head-1") -> subprocess.Popen[bytes]:
@@ -73,6 +81,11 @@ def test_the_head_node_coordinator_dies_and_training_goes_on_without_a_restart(
         cluster.start("a")
         cluster.start("b")
         before = cluster.wait_running(1, 2, step=10)
+        watch_output = cluster.tmp / "status-watch.out"
+        with watch_output.open("wb") as out:
+            watch = subprocess.Popen([sys.executable, "-m", "tfelastic.daemon", "status", "--json", "--watch", "0.3",
+                                      "--rendezvous", etcd.url], stdout=out, stderr=subprocess.STDOUT)
+        wait_for(lambda: "head-1" in watch_output.read_text(), 30, "the watch to show the head node")
         coordinator.kill()
         coordinator.wait(10)
         after = cluster.wait_status(
@@ -80,6 +93,11 @@ def test_the_head_node_coordinator_dies_and_training_goes_on_without_a_restart(
             and d["state"] == "running" and min(n["step"] or 0 for n in members(d)) > max(
                 n["step"] for n in members(before)), 30, "an agent to take the job over, training on")
         assert (after["generation"], after["restarts_total"]) == (1, 0), after
+        wait_for(lambda: watched_coordinators(watch_output)[-1:] == [after["coordinator"]["node"]], 30,
+                 "the watch to follow the coordinator to its new node")
+        watch.kill()
+        watch.wait(10)
+        assert watched_coordinators(watch_output)[0] == "head-1", watch_output.read_text()[-2000:]
         assert cluster.wait_all(60) == [0, 0], cluster.logs()
         assert [e["generation"] for e in starts(cluster)] == [1, 1], starts(cluster)  # no worker restarted
         assert "fencing" not in cluster.logs()

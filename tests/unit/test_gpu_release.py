@@ -113,11 +113,10 @@ def test_a_gpu_that_cannot_list_its_processes_is_not_awaited(tmp_path: Path) -> 
 def test_graphics_contexts_count_too_and_only_the_trainers_gpus_are_looked_at(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    nvml = FakeNvml([FakeGpu(processes=[FakeGpuProcess(DEAD)]),  # GPU 0: another agent's trainer's
-                     FakeGpu(graphics_processes=[FakeGpuProcess(ALSO_DEAD, None,
-                                                                frees_at=time.monotonic() + 0.3)])])
+    nvml = FakeNvml([FakeGpu(processes=[FakeGpuProcess(DEAD)]), FakeGpu()])  # GPU 0: another agent's trainer's
     agent = make_agent(tmp_path, nvml)
     stopped(agent, DEAD, ALSO_DEAD)
-    started = time.monotonic()
+    started = time.monotonic()  # after the agent is built: a loaded machine builds it slowly
+    nvml.gpus[1].graphics_processes = [FakeGpuProcess(ALSO_DEAD, None, frees_at=started + 0.3)]
     asyncio.run(agent._before_join())
     assert 0.25 <= time.monotonic() - started < 5 and agent.core.gpu_holders == ()
