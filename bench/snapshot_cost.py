@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # before TensorFlow loads (FACTS 1)
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # before TensorFlow loads (docs/facts.md, fact 1)
 
 import numpy as np
 import tensorflow as tf

@@ -43,7 +43,7 @@ from tfelastic.daemon.options import (
 )
 from tfelastic.daemon.secret_file import read_token
 from tfelastic.daemon.slurm import SlurmStep
-from tfelastic.daemon.sources import environment_values, gather
+from tfelastic.daemon.sources import LISTEN_ENV, environment_values, gather
 from tfelastic.daemon.version import describe
 
 _UNSET: Any = object()  # the default of every option flag: not given (the configuration's default applies)
@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("trainer", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
 
     coord = sub.add_parser("coordinator", help="run a standalone coordinator (e.g. on a head node)")
-    coord.add_argument("--listen", metavar="HOST:PORT", help="where it serves the job (default: the job file's "
-                       "rendezvous endpoint; required with an etcd rendezvous)")
+    coord.add_argument("--listen", metavar="HOST:PORT", help="where it serves the job (default: $TFELASTIC_LISTEN, "
+                       "else the job file's rendezvous endpoint; required with an etcd rendezvous)")
     _add_config(coord)
     _add_options(coord, flags_of(COORDINATOR))
 
@@ -186,10 +186,12 @@ def config_from_coordinator_args(args: argparse.Namespace,
     one coordinator on ``--listen`` (by default the job file's rendezvous endpoint)."""
     given = gather(_given(args, flags_of(COORDINATOR)), flags_of(COORDINATOR), environ, args.config)
     endpoint = given.get("rendezvous")
-    if args.listen is None and not isinstance(endpoint, Endpoint):
-        raise ConfigError("--listen: required" + (" with an etcd rendezvous: where this candidate serves the job"
-                                                   if endpoint is not None else "; give HOST:PORT, e.g. 0.0.0.0:29400"))
-    listen = Endpoint.parse(args.listen, "--listen", allow_port_zero=True) if args.listen else endpoint
+    listen_text, listen_source = (args.listen, "--listen") if args.listen else (environ.get(LISTEN_ENV), LISTEN_ENV)
+    if not listen_text and not isinstance(endpoint, Endpoint):
+        raise ConfigError("--listen: required" + (" with an etcd rendezvous: where this candidate serves the job "
+                                                   f"(or ${LISTEN_ENV})" if endpoint is not None
+                                                   else "; give HOST:PORT, e.g. 0.0.0.0:29400"))
+    listen = Endpoint.parse(listen_text, listen_source, allow_port_zero=True) if listen_text else endpoint
     assert isinstance(listen, Endpoint)
     if not isinstance(given.setdefault("rendezvous", listen), EtcdTarget) and given["rendezvous"] != listen:
         raise ConfigError("--rendezvous: a standalone coordinator takes only an etcd URL there (etcd://HOST:PORT,...); "

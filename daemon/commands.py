@@ -119,6 +119,7 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     from tfelastic.daemon.metrics.http import serve_metrics
 
     rdzv, metrics, listen = config.rendezvous, config.metrics, config.listen
+    notifier = Notifier()  # under systemd (tfelastic-coordinator@.service): READY=1 once it serves
     token = token_for(listen, rdzv.token_file)
     etcd = etcd_credentials(rdzv)
     scrape_token = metrics_token(metrics)
@@ -140,15 +141,17 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     setup = CoordinatorSetup.of(config.name, rdzv, config.failure_stop_grace, token)
     try:
         if rdzv.etcd is not None:
-            return asyncio.run(_serve_elected(config, setup, rdzv.etcd, etcd or EtcdCredentials(), registry))
-        return asyncio.run(_serve_alone(config, setup, registry, lingers=server is not None))
+            return asyncio.run(_serve_elected(config, setup, rdzv.etcd, etcd or EtcdCredentials(), registry,
+                                              notifier))
+        return asyncio.run(_serve_alone(config, setup, registry, notifier, lingers=server is not None))
     finally:
+        notifier.close()
         if server is not None:
             server.close()
 
 
 async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, registry: CollectorRegistry,
-                       lingers: bool) -> int:
+                       notifier: Notifier, *, lingers: bool) -> int:
     from tfelastic.daemon.rendezvous.bind import BindError
     from tfelastic.daemon.serving import start_coordinator
 
@@ -156,8 +159,11 @@ async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, regis
         host = await start_coordinator(setup, str(config.listen), registry)
     except BindError as e:
         raise ConfigError(f"--listen: {e}") from None
-    logging.getLogger("tfelastic.coordinator").info("listening on %s", host_port(config.listen.host, host.port))
+    listening = f"listening on {host_port(config.listen.host, host.port)}"
+    logging.getLogger("tfelastic.coordinator").info("%s", listening)
+    notifier.ready(f"job {config.job}: {listening}")
     failed = await host.wait_finished() is JobState.FAILED
+    notifier.stopping(f"job {config.job} {'failed' if failed else 'succeeded'}")
     if lingers and failed:  # let Prometheus scrape the verdict
         await host.wait_agents_gone()
         await asyncio.sleep(config.metrics.linger)
@@ -166,7 +172,7 @@ async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, regis
 
 
 async def _serve_elected(config: CoordinatorConfig, setup: CoordinatorSetup, target: EtcdTarget,
-                         credentials: EtcdCredentials, registry: CollectorRegistry) -> int:
+                         credentials: EtcdCredentials, registry: CollectorRegistry, notifier: Notifier) -> int:
     """Campaigns until the job ends (it then exits 0 or 1 as the job did) or SIGTERM (0)."""
     from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdUnavailable
     from tfelastic.daemon.etcd.coordinator import Candidate, candidate_for
@@ -190,6 +196,7 @@ async def _serve_elected(config: CoordinatorConfig, setup: CoordinatorSetup, tar
         loop.add_signal_handler(sig, stop.set)
     logging.getLogger("tfelastic.coordinator").info("a candidate for job %s's coordinator on %s (etcd %s)",
                                                     config.job, config.listen, target)
+    notifier.ready(f"job {config.job}: a candidate for its coordinator on {config.listen}")
     try:
         await candidate.run(stop)
         recorded = await election.recorded_state() if candidate.finished.is_set() else None

@@ -17,6 +17,7 @@ from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.options import OPTIONS, NodeRange, Rendezvous, Switch, parse_rendezvous
 
 CONFIG_ENV = "TFELASTIC_CONFIG"
+LISTEN_ENV = "TFELASTIC_LISTEN"  # a standalone coordinator's --listen, which is no job setting
 PREFIX = "TFELASTIC_"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -28,7 +29,7 @@ def env_name(option: str) -> str:
 
 def config_variables() -> frozenset[str]:
     """Every variable a setting can come from (the agent keeps them from its trainer's environment)."""
-    return frozenset({CONFIG_ENV, *(env_name(name) for name in OPTIONS)})
+    return frozenset({CONFIG_ENV, LISTEN_ENV, *(env_name(name) for name in OPTIONS)})
 
 
 def environment_values(environ: Mapping[str, str], names: Iterable[str]) -> dict[str, Any]:

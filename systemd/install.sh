@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the tfelastic@.service template, the tfelastic system user and an example job file.
+# Installs the tfelastic@.service and tfelastic-coordinator@.service templates, the tfelastic system user and an
+# example job file.
 #
 #   systemd/install.sh [--prefix DIR] [--destdir DIR] [--uid N] [--no-user]
 #
@@ -24,7 +25,7 @@ while (($#)); do
     --destdir) destdir=$2; shift 2 ;;
     --uid) uid=$2; shift 2 ;;
     --no-user) make_user=0; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -42,11 +43,13 @@ fi
 units=$destdir/etc/systemd/system
 conf=$destdir/etc/tfelastic
 install -d -m 0755 "$units"
-sed "s|^ExecStart=/opt/tfelastic/bin/tfelastic |ExecStart=$prefix/bin/tfelastic |" "$here/tfelastic@.service" \
-  > "$units/.tfelastic@.service.new"
-chmod 0644 "$units/.tfelastic@.service.new"
-mv "$units/.tfelastic@.service.new" "$units/tfelastic@.service"  # the unit is ours: always replaced
-echo "installed $units/tfelastic@.service (ExecStart=$prefix/bin/tfelastic)"
+for unit in tfelastic@.service tfelastic-coordinator@.service; do
+  sed "s|^ExecStart=/opt/tfelastic/bin/tfelastic |ExecStart=$prefix/bin/tfelastic |" "$here/$unit" \
+    > "$units/.$unit.new"
+  chmod 0644 "$units/.$unit.new"
+  mv "$units/.$unit.new" "$units/$unit"  # the units are ours: always replaced
+  echo "installed $units/$unit (ExecStart=$prefix/bin/tfelastic)"
+done
 
 # Configs may hold paths to secrets: readable by root and the agent's group only.
 if [[ ! -d $conf ]]; then
@@ -72,5 +75,6 @@ fi
 cat <<EOF
 next: write /etc/tfelastic/JOB.toml (see $conf/example.toml), a token readable by tfelastic only
 (chown tfelastic: /etc/tfelastic/token && chmod 600 /etc/tfelastic/token), a drop-in with
-ReadWritePaths= for the backup_dir, then: systemctl enable --now tfelastic@JOB   (docs/operations.md)
+ReadWritePaths= for the backup_dir, then: systemctl enable --now tfelastic@JOB   (docs/operations.md);
+on a head node without training: systemctl enable --now tfelastic-coordinator@JOB
 EOF

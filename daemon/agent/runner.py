@@ -234,7 +234,7 @@ def trainer_env(base: Mapping[str, str], assignment: Assignment, *, job: str, no
     snapshot tier, None when it is off, and the assignment's restore step), tf_keras unless the job says
     otherwise, and the automatic instrumentation."""
     env = dict(base)
-    env.setdefault("TF_USE_LEGACY_KERAS", "1")  # Keras 3 cannot run model.fit under MWMS (FACTS 1)
+    env.setdefault("TF_USE_LEGACY_KERAS", "1")  # Keras 3 cannot run model.fit under MWMS (docs/facts.md, fact 1)
     env.setdefault("PYTHONUNBUFFERED", "1")  # a print reaches the log as it happens, and is not lost to a kill
     for name in (LOCAL_CHECKPOINT_DIR_ENV, RESTORE_STEP_ENV, *config_variables()):
         env.pop(name, None)  # only the agent's own values: never one inherited from its environment

@@ -10,7 +10,7 @@ Round rules:
   again after a restart (recovery does not wait for a last call); or ``last_call_seconds`` after
   ``min_nodes`` joined.
 * A round never closes while an old member has not confirmed that its workers are gone: a stale worker must
-  never meet the next generation (FACTS 4).
+  never meet the next generation (docs/facts.md, fact 4).
 * Ranks: the old members that survive keep their relative order, so a surviving chief stays chief; new nodes
   follow in the order they joined.
 * Below ``min_nodes`` the round waits, for at most ``join_timeout_seconds``.

@@ -70,7 +70,7 @@ def test_a_lease_keeps_its_key_only_while_it_is_kept_alive(etcd: EtcdCluster) ->
         client = etcd.client()
         try:
             lease, ttl = await client.grant(1)
-            assert ttl >= 1  # etcd may raise it to its minimum (FACTS 16)
+            assert ttl >= 1  # etcd may raise it to its minimum (docs/facts.md, fact 16)
             await client.put(b"/t/leased", b"x", lease=lease)
             for _ in range(4):
                 await asyncio.sleep(ttl / 2)

@@ -51,7 +51,7 @@ def test_killed_worker_restarts_the_set_from_the_checkpoint(make_cluster: Cluste
 
 def test_wedged_worker_is_caught_as_a_stall(make_cluster: ClusterFactory) -> None:
     """A trainer alive but stuck: TensorFlow's heartbeat thread runs on, so only hang detection can catch it.
-    (A SIGSTOPped one raced TensorFlow's own 10 s heartbeat timeout, which sometimes won: FACTS 3.)"""
+    (A SIGSTOPped one raced TensorFlow's own 10 s heartbeat timeout, which sometimes won: docs/facts.md, fact 3.)"""
     cluster = make_cluster([*TRAINER, "--wedge-at-step", "40"], extra_args=ARGS)
     cluster.start("a")
     cluster.start("b")

@@ -28,7 +28,7 @@ Unlike MWMS ranks, counters do not wait for each other. Faults hit the chief (ra
 cannot finish the job alone: a chief's exit 0 completes a job (see rendezvous/state.py).
 
 At start it records in its event every live process of the same job from an older generation ("stale"): the
-agents promise there is none (FACTS 4).
+agents promise there is none (docs/facts.md, fact 4).
 """
 
 import json

@@ -11,7 +11,8 @@ nothing of tfelastic: progress reports can only come from the agent's automatic 
 Test knobs, ordinary environment variables: UNMODIFIED_EPOCHS (default 6), UNMODIFIED_STEPS (steps per epoch,
 default 10), UNMODIFIED_STEP_SECONDS (time the input pipeline takes per batch, default 0), UNMODIFIED_HANG_AT and
 UNMODIFIED_HANG_MARKER: the input pipeline of the first worker to produce batch number HANG_AT sleeps forever
-while its process stays alive (a stuck pipeline, which TensorFlow does not notice: FACTS 3), once per marker file.
+while its process stays alive (a stuck pipeline, which TensorFlow does not notice: docs/facts.md, fact 3), once
+per marker file.
 """
 
 import json

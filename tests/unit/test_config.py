@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -611,3 +612,26 @@ def test_a_coordinator_listening_on_its_metrics_port_is_refused() -> None:
     args = build_parser().parse_args(["coordinator", "--listen", "127.0.0.1:29400", "--metrics-port", "29400"])
     with pytest.raises(ConfigError, match=r"^--metrics-port: port 29400 is also --listen's"):
         config_from_coordinator_args(args)
+
+
+# ------------------------------------------------------------------------------------------------ the reference
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_every_option_is_in_the_configuration_reference(name: str) -> None:
+    """docs/configuration.md is the one reference of the options: a new flag without a row there is a doc gap."""
+    option, text = OPTIONS[name], DOCS.read_text()
+    if option.flag:
+        assert f"`{option.flag}`" in text or f"`{option.flag} " in text or f"{option.flag}`" in text, option.flag
+    _, key = option.field
+    assert f"`{option.key}`" in text or f"`{option.key} " in text or f".{key}`" in text, option.key
+
+
+def test_the_example_job_file_is_valid_and_the_same_file_serves_every_node() -> None:
+    """systemd/example.toml is copied unchanged to every node: each node takes its host name as its id."""
+    from tfelastic.daemon.cli import config_from_file
+
+    config = config_from_file(str(DOCS.parents[1] / "systemd" / "example.toml"), environ={})
+    assert config.node.id == socket.gethostname()
+    assert config.job.stall_timeout == STALL_AUTO  # the default: learned, not a number copied from an example

@@ -103,6 +103,17 @@ def test_a_standalone_coordinator_listens_on_the_job_files_endpoint(job_file: st
         config_from_coordinator_args(parse("coordinator"), environ={"TFELASTIC_RENDEZVOUS": "etcd://h:2379"})
 
 
+def test_a_head_node_candidate_on_etcd_takes_its_listen_address_from_the_environment() -> None:
+    """tfelastic-coordinator@.service passes the job file alone: a drop-in's TFELASTIC_LISTEN says where to serve."""
+    environ = {"TFELASTIC_RENDEZVOUS": "etcd://h:2379", "TFELASTIC_LISTEN": "10.0.0.9:29400"}
+    config = config_from_coordinator_args(parse("coordinator"), environ=environ)
+    assert config.listen == Endpoint("10.0.0.9", 29400) and isinstance(config.rendezvous.endpoint, EtcdTarget)
+    flag = config_from_coordinator_args(parse("coordinator", "--listen", "10.0.0.8:1"), environ=environ)
+    assert flag.listen == Endpoint("10.0.0.8", 1)  # the flag first, as everywhere
+    with pytest.raises(ConfigError, match=r"^TFELASTIC_LISTEN: "):
+        config_from_coordinator_args(parse("coordinator"), environ={**environ, "TFELASTIC_LISTEN": "nowhere"})
+
+
 @pytest.mark.parametrize(("variable", "value", "message"), [
     ("TFELASTIC_STOP_GRACE", "soon", "TFELASTIC_STOP_GRACE: 'soon' is not a number"),
     ("TFELASTIC_WORKER_PORT", "80.5", "TFELASTIC_WORKER_PORT: '80.5' is not a whole number"),
