@@ -85,6 +85,8 @@ def _orphaned(grace: float) -> None:
 
 
 def main(argv: list[str]) -> int:
+    # A stop may come before the trainer exists: hold SIGTERM until the fork, then hand it on (below).
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
     grace = float(os.environ.pop(GRACE_ENV, "10"))
     agent = int(os.environ.pop(AGENT_PID_ENV, "0")) or os.getppid()  # the agent says who it is: we may be late
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -92,8 +94,6 @@ def main(argv: list[str]) -> int:
     _prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
     if os.getppid() != agent:  # the agent died before the death signal was armed
         _orphaned(grace)
-    # The agent signals the whole process group on stop; the trainer handles SIGTERM, the keeper waits.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     keeper = os.getpid()
     trainer = os.fork()
     if trainer == 0:
@@ -102,11 +102,19 @@ def main(argv: list[str]) -> int:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the keeper itself was SIGKILLed: take the trainer along
         if os.getppid() != keeper:  # it died before the death signal was armed
             os._exit(128 + signal.SIGKILL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])  # a stop that reached us already ends us
         try:
             os.execvp(argv[0], argv)
         except OSError as e:
             print(f"tfelastic: cannot start trainer {argv[0]!r}: {e}", file=sys.stderr, flush=True)
             os._exit(127)
+    # The agent signals the whole process group on stop; the trainer handles SIGTERM, the keeper waits. A stop
+    # that came while the trainer did not exist yet is the trainer's (it would otherwise train on until the
+    # agent's SIGKILL, stop_grace later); ignoring SIGTERM discards the one held here.
+    if signal.SIGTERM in signal.sigpending():
+        os.kill(trainer, signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
     # Descriptors passed for the trainer (a warm standby's pipes) are the trainer's alone: a keeper holding
     # them would keep a pipe open after the trainer died, and a write to it would not fail.
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))

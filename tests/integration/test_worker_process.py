@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tfelastic.daemon.worker import keeper as keeper_module
 from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec, group_members
 
 from tests.cluster import alive, processes_of, wait_for
@@ -138,3 +139,28 @@ def test_worker_never_outlives_an_agent_that_dies_while_the_keeper_starts(tmp_pa
     pids = tmp_path / "pids"
     if pids.exists() and pids.read_text().strip():  # the trainer got as far as starting its family
         assert not any(alive(int(p)) for p in pids.read_text().split())
+
+
+def test_a_stop_that_comes_before_the_trainer_exists_still_reaches_it(tmp_path: Path) -> None:
+    """The agent's SIGTERM to the worker's group can land while the keeper has not forked the trainer yet (a
+    re-form right after a launch). The trainer must still get it, not train on until the SIGKILL after the grace
+    period. The keeper is run as the agent starts it, except that its fork first signals its own group."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(keeper_module.__file__).parent)!r})
+        import keeper
+        fork = os.fork
+        def stopped_then_fork():
+            os.killpg(0, signal.SIGTERM)  # the agent's stop: the keeper exists, the trainer does not yet
+            return fork()
+        os.fork = stopped_then_fork
+        sys.exit(keeper.main(["sleep", "300"]))
+    """)
+    worker = subprocess.Popen([sys.executable, "-I", "-S", "-c", script], start_new_session=True,
+                              env={**os.environ, "TFELASTIC_KEEPER_GRACE": "1"})
+    try:
+        assert worker.wait(60) == -signal.SIGTERM  # the trainer (sleep) died of it, and the keeper said so
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()

@@ -3,6 +3,9 @@ not speak, naming both sides."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from tfelastic.daemon.cli import main
 from tfelastic.daemon.rendezvous.api import NodeInfo, ProtocolVersionError
@@ -24,6 +27,13 @@ def test_the_package_metadata_has_the_same_version() -> None:
     from importlib.metadata import version
 
     assert version("tfelastic") == VERSION
+
+
+def test_the_changelog_begins_with_this_version_and_its_protocol() -> None:
+    """A release is not done until the CHANGELOG says what is in it, and which releases it can be mixed with."""
+    changelog = Path(__file__).resolve().parents[2] / "docs" / "CHANGELOG.md"
+    releases = re.findall(r"^## (\S+) \(protocol (\d+)\)", changelog.read_text(), re.MULTILINE)
+    assert releases and releases[0] == (VERSION, str(PROTOCOL)), releases[:3]
 
 
 def test_a_coordinator_refuses_a_protocol_it_does_not_speak_and_names_both() -> None:
