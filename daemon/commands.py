@@ -156,7 +156,7 @@ async def _serve_alone(config: AgentConfig, listen: Endpoint, token: str | None,
     logging.getLogger("tfelastic.coordinator").info("listening on %s", host_port(listen.host, host.port))
     host.register_metrics(registry)
     failed = await host.wait_finished() is JobState.FAILED
-    if lingers and failed:  # let Prometheus scrape the verdict
+    if lingers:  # let Prometheus scrape the verdict: the alerts tell a finished job from a dead daemon by it
         await host.wait_agents_gone()
         await asyncio.sleep(config.metrics.linger)
     await host.close()

@@ -1,7 +1,7 @@
 """A real Prometheus scrapes a running local cluster: every dashboard query returns data (with the coordinator
 hosted by an agent, and with an etcd rendezvous, where the coordinator is whichever agent leads and every agent
-is scraped alike), and a fault fires the right alert in /api/v1/alerts, and no TfelasticDaemonDown for the
-failed job's agents."""
+is scraped alike), a fault fires the right alert in /api/v1/alerts, and a job's end, success or failure, raises
+no TfelasticDaemonDown."""
 
 from __future__ import annotations
 
@@ -146,3 +146,29 @@ def test_a_killed_worker_fires_the_job_failed_alert(make_cluster: ClusterFactory
     finally:
         prometheus.stop()
 
+
+def test_a_job_that_succeeds_raises_no_alert(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    """The hosting agent keeps /metrics up for --metrics-linger after the verdict, the other agent exits at once;
+    Prometheus records the verdict, and neither target's exit is a TfelasticDaemonDown. Scrapes every 5 s, far
+    apart against the moment between the verdict and the hosting agent's exit, as in production (15 s)."""
+    cluster = make_cluster([sys.executable, COUNTER], nodes="2", extra_args=["--metrics-linger", "12"],
+                           env={"COUNTER_STEPS": "500", "COUNTER_STEP_SECONDS": "0.05"})
+    agents = [cluster.start_host("a"), cluster.start("b")]
+    addresses = [a.metrics_address() for a in agents]
+    prometheus = Prometheus(tmp_path / "prom", {"tfelastic-agents": addresses,
+                                                "tfelastic-coordinator": addresses[:1]},
+                            rule_files=[MONITORING / "alerts.yml"], interval="5s")
+    try:
+        wait_for(lambda: prometheus.query('tfelastic_cluster_job_state{state="running"} == 1'), 30,
+                 "Prometheus to see the running job")
+        assert cluster.wait_all(90) == [0, 0], cluster.logs()
+        wait_for(lambda: _all_down(prometheus, 3), 30, "Prometheus to see every target down", interval=1)
+        finished = wait_for(lambda: len(prometheus.query("tfelastic:target_finished")) == 3, 20,
+                            "every target to be known as finished", interval=1)
+        assert finished
+        wait_for(lambda: not prometheus.query(DAEMON_DOWN), 20, "no TfelasticDaemonDown, pending or firing")
+        assert _all_down(prometheus, 3)  # still down: quiet because the job finished, not because they came back
+        assert not [a for a in prometheus.firing() if a["labels"]["alertname"] in ("TfelasticDaemonDown",
+                                                                                   "TfelasticJobFailed")]
+    finally:
+        prometheus.stop()
