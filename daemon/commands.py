@@ -164,7 +164,7 @@ async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, regis
     notifier.ready(f"job {config.job}: {listening}")
     failed = await host.wait_finished() is JobState.FAILED
     notifier.stopping(f"job {config.job} {'failed' if failed else 'succeeded'}")
-    if lingers and failed:  # let Prometheus scrape the verdict
+    if lingers:  # let Prometheus scrape the verdict: the alerts tell a finished job from a dead daemon by it
         await host.wait_agents_gone()
         await asyncio.sleep(config.metrics.linger)
     await host.close()

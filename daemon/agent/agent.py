@@ -301,19 +301,24 @@ class Agent:
     # ----------------------------------------------------------------------------------- around the job
 
     async def _wind_down(self, code: int) -> None:
-        """A drained node that hosts the coordinator keeps serving it; after a failure /metrics stays up for
-        ``metrics_linger`` so that Prometheus records the verdict; then the hosted coordinator stops (an etcd
+        """A drained node that hosts the coordinator keeps serving it; after a failure, and on the coordinator's
+        node after any verdict, /metrics stays up for ``metrics_linger`` so that Prometheus records the verdict
+        (the alerts tell a finished job from a dead daemon by it); then the hosted coordinator stops (an etcd
         leader hands the job over), for at most ``node_timeout`` + :data:`CLOSING_SECONDS`: past that, the exit
         goes on."""
         leaving = self.core.leaving
-        if leaving is not None and leaving.drained and self._placement.host is not None:
+        host = self._placement.host
+        if leaving is not None and leaving.drained and host is not None:
             self.hooks.status("drained: hosting the coordinator until the job ends")
             await self._placement.serve_after_drain(self._signalled)
         linger = self.config.metrics.linger
-        if self.core.exit_code is ExitCode.FAILED and self._metrics_server is not None and linger:
-            if self._placement.host is not None:
-                await self._placement.host.wait_agents_gone()
-            log.info("job failed: keeping /metrics up for %gs", linger)
+        verdict = host.verdict if host is not None else None
+        if (self.core.exit_code is ExitCode.FAILED or verdict is not None) and self._metrics_server is not None \
+                and linger:
+            if host is not None:
+                await host.wait_agents_gone()
+            log.info("job %s: keeping /metrics up for %gs", "failed" if self.core.exit_code is ExitCode.FAILED
+                     else "succeeded", linger)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._leaving.wait(), linger)
         bound = self.config.rendezvous.node_timeout + CLOSING_SECONDS

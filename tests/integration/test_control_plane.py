@@ -236,7 +236,7 @@ def test_trainer_output_goes_to_the_agent_log_prefixed_with_the_rank(make_cluste
 def test_standalone_coordinator_and_agents_from_job_files(make_cluster: ClusterFactory, tmp_path: Path) -> None:
     cluster = make_cluster(TRAINER, nodes="2", env={"COUNTER_STEPS": "20"})
     coordinator = subprocess.Popen([sys.executable, "-m", "tfelastic.daemon", "coordinator", "--listen",
-                                    str(cluster.endpoint), "--metrics-port", "0"],
+                                    str(cluster.endpoint), "--metrics-port", "0", "--metrics-linger", "0"],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_for(cluster.status, 20, "the standalone coordinator")

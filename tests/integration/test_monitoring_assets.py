@@ -9,6 +9,7 @@ PromQL and evaluated by promtool against the series of a small cluster, where ea
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -20,9 +21,11 @@ from typing import Any
 
 import pytest
 from tfelastic.daemon.metrics.gpu import THROTTLE_REASONS
-from tfelastic.daemon.rendezvous.api import JobState, NodeState, RestartReason
+from tfelastic.daemon.rendezvous.api import GoodputView, JobState, NodeState, RestartReason
+from tfelastic.daemon.rendezvous.goodput import CATEGORIES
 from tfelastic.daemon.rendezvous.quarantine import QUARANTINE_KINDS
 from tfelastic.daemon.worker.states import WorkerState
+from tfelastic.trainer.progress import RESTORE_TIERS
 
 pytestmark = [
     pytest.mark.integration,
@@ -40,7 +43,8 @@ CONFIGS = ("prometheus-static.yml", "prometheus-file-sd.yml")
 TOKEN_FILE = "tfelastic-metrics-token"  # what both configs name in authorization.credentials_file
 
 _HISTOGRAMS = ("tfelastic_rendezvous_duration_seconds", "tfelastic_failure_detection_seconds",
-               "tfelastic_recovery_seconds")
+               "tfelastic_recovery_seconds", "tfelastic_checkpoint_save_stall_seconds",
+               "tfelastic_restore_steps_redone", "tfelastic_gpu_release_wait_seconds")
 # Every metric the daemon exports (daemon/metrics/), histograms by their series; `up` is Prometheus's own.
 KNOWN_METRICS = frozenset({
     # agent
@@ -48,16 +52,19 @@ KNOWN_METRICS = frozenset({
     "tfelastic_training_examples_total", "tfelastic_training_loss",
     "tfelastic_training_last_progress_timestamp_seconds", "tfelastic_checkpoint_step",
     "tfelastic_checkpoint_timestamp_seconds", "tfelastic_generation", "tfelastic_world_size", "tfelastic_rank",
-    "tfelastic_worker_state", "tfelastic_restarts_total",
+    "tfelastic_worker_state", "tfelastic_restarts_total", "tfelastic_worker_graceful_stops_total",
+    "tfelastic_stall_limit_seconds", "tfelastic_worker_launches_total", "tfelastic_standby_memory_bytes",
+    "tfelastic_standby_ready", "tfelastic_checkpoint_restores_total",
     *(f"{h}_{suffix}" for h in _HISTOGRAMS for suffix in ("bucket", "sum", "count")),
     "tfelastic_worker_processes", "tfelastic_worker_cpu_seconds_total", "tfelastic_worker_resident_memory_bytes",
     "tfelastic_worker_open_fds", "tfelastic_host_memory_total_bytes", "tfelastic_host_memory_available_bytes",
-    "tfelastic_backup_dir_free_bytes",
+    "tfelastic_backup_dir_free_bytes", "tfelastic_build_info",
     # coordinator
     "tfelastic_cluster_info", "tfelastic_cluster_generation", "tfelastic_cluster_members",
     "tfelastic_cluster_desired_nodes", "tfelastic_cluster_nodes", "tfelastic_cluster_job_state",
     "tfelastic_cluster_restarts_total", "tfelastic_cluster_max_restarts", "tfelastic_cluster_node_quarantined",
-    "tfelastic_cluster_quarantines_total",
+    "tfelastic_cluster_quarantines_total", "tfelastic_cluster_steps_redone_total", "tfelastic_cluster_steps_lost_total",
+    "tfelastic_job_seconds_total",
     # etcd (daemon/etcd/metrics.py)
     "tfelastic_coordinator_leader_changes_total", "tfelastic_coordinator_elections_won_total",
     "tfelastic_coordinator_leading", "tfelastic_etcd_request_errors_total",
@@ -84,6 +91,12 @@ METRIC_LABELS: dict[str, tuple[str, ...]] = {
     **{m: _GPU for m in KNOWN_METRICS if m.startswith("tfelastic_gpu_") and m != "tfelastic_gpu_nvml_up"},
     "tfelastic_gpu_ecc_errors_total": (*_GPU, "type"), "tfelastic_gpu_throttle_reason": (*_GPU, "reason"),
     "tfelastic_gpu_info": (*_GPU, "driver_version"),
+    "tfelastic_worker_graceful_stops_total": ("outcome",), "tfelastic_worker_launches_total": ("start",),
+    "tfelastic_checkpoint_restores_total": ("tier",), "tfelastic_etcd_request_errors_total": ("method", "code"),
+    "tfelastic_etcd_request_duration_seconds_bucket": ("method", "le"),
+    "tfelastic_etcd_request_duration_seconds_sum": ("method",),
+    "tfelastic_etcd_request_duration_seconds_count": ("method",),
+    "tfelastic_build_info": ("version", "protocol", "python", "role"), "tfelastic_job_seconds_total": ("category",),
 }
 LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ("tfelastic_worker_state", "state"): frozenset(s.value for s in WorkerState),
@@ -96,6 +109,11 @@ LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ("tfelastic_cluster_quarantines_total", "kind"): frozenset(QUARANTINE_KINDS),
     ("tfelastic_gpu_ecc_errors_total", "type"): frozenset({"corrected", "uncorrected"}),
     ("tfelastic_gpu_throttle_reason", "reason"): frozenset(reason for reason, _ in THROTTLE_REASONS),
+    ("tfelastic_worker_graceful_stops_total", "outcome"): frozenset({"checkpointed", "exited", "killed"}),
+    ("tfelastic_worker_launches_total", "start"): frozenset({"warm", "cold"}),
+    ("tfelastic_checkpoint_restores_total", "tier"): frozenset(RESTORE_TIERS),
+    ("tfelastic_job_seconds_total", "category"): frozenset(CATEGORIES),
+    ("tfelastic_build_info", "role"): frozenset({"agent", "coordinator"}),
 }
 SELECTOR = re.compile(r"(tfelastic_[a-z_]+)\{([^}]*)\}")
 MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
@@ -148,7 +166,8 @@ def read_rules(text: str) -> list[Rule]:
     lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if re.match(r"^ +- alert: \w+$", line)]
     assert starts, "no `- alert:` lines in alerts.yml"
-    assert not any(re.match(r"^ +- record:", line) for line in lines), "alerts.yml should hold alerts only"
+    records = [i for i, line in enumerate(lines) if re.match(r"^ +- record:", line)]
+    assert all(i < starts[0] for i in records), "recording rules go before the alerts (an alert runs to the next one)"
     rules = []
     for n, start in enumerate(starts):
         end = starts[n + 1] if n + 1 < len(starts) else len(lines)
@@ -393,6 +412,7 @@ def cluster_series() -> list[tuple[str, str]]:
     targets = [("gpu-01", "tfelastic-agents"), ("gpu-01", "tfelastic-coordinator"), ("gpu-02", "tfelastic-agents")]
     for node, job in targets:
         base = {"instance": f"{node}:9464", "job": job}
+        leads = 1 if node == "gpu-01" else 0  # the agent that hosts the coordinator won its election
         add("up", base, const(1))
         add("tfelastic_agent_info", {**base, "tfelastic_job": "mnist", "node": node}, const(1))
         for name, values in (
@@ -407,8 +427,20 @@ def cluster_series() -> list[tuple[str, str]]:
                 ("tfelastic_host_memory_total_bytes", const(5e11)),
                 ("tfelastic_host_memory_available_bytes", const(3e11)),
                 ("tfelastic_backup_dir_free_bytes", const(2e12)),
-                ("tfelastic_gpu_nvml_up", const(1)), ("tfelastic_gpus", const(2))):
+                ("tfelastic_gpu_nvml_up", const(1)), ("tfelastic_gpus", const(2)),
+                ("tfelastic_stall_limit_seconds", const(20)), ("tfelastic_standby_memory_bytes", const(5e8)),
+                ("tfelastic_standby_ready", const(1)), ("tfelastic_coordinator_leading", const(leads)),
+                ("tfelastic_coordinator_elections_won_total", const(leads))):
             add(name, base, values)
+        add("tfelastic_worker_launches_total", {**base, "start": "cold"}, grows(1))
+        add("tfelastic_worker_launches_total", {**base, "start": "warm"}, grows(2))
+        add("tfelastic_worker_graceful_stops_total", {**base, "outcome": "checkpointed"}, grows(1))
+        add("tfelastic_checkpoint_restores_total", {**base, "tier": "local"}, grows(1))
+        add("tfelastic_etcd_request_errors_total", {**base, "method": "Range", "code": "UNAVAILABLE"}, grows(1))
+        for i, le in enumerate(("0.001", "0.01", "0.1", "1.0", "+Inf")):
+            add("tfelastic_etcd_request_duration_seconds_bucket", {**base, "method": "Range", "le": le}, grows(i + 1))
+        add("tfelastic_etcd_request_duration_seconds_count", {**base, "method": "Range"}, grows(5))
+        add("tfelastic_etcd_request_duration_seconds_sum", {**base, "method": "Range"}, grows(0.1))
         for state in ("init", "waiting", "running", "succeeded", "failed", "stopping", "stopped"):
             add("tfelastic_worker_state", {**base, "state": state}, const(1 if state == "running" else 0))
         add("tfelastic_restarts_total", {**base, "reason": "worker_exit"}, grows(1))
@@ -447,6 +479,15 @@ def cluster_series() -> list[tuple[str, str]]:
                 add("tfelastic_cluster_job_state", {**base, "state": state}, const(1 if state == "running" else 0))
             for reason in ("worker_exit", "node_lost", "stalled", "scale_up", "node_left"):
                 add("tfelastic_cluster_restarts_total", {**base, "reason": reason}, grows(1))
+            for kind in QUARANTINE_KINDS:
+                add("tfelastic_cluster_quarantines_total", {**base, "kind": kind}, const(1))
+            add("tfelastic_cluster_steps_redone_total", base, grows(5))
+            add("tfelastic_cluster_steps_lost_total", base, const(0))
+            for category in CATEGORIES:
+                add("tfelastic_job_seconds_total", {**base, "category": category}, grows(10 if category == "training"
+                                                                                         else 1))
+        add("tfelastic_build_info", {**base, "version": "0.2.0", "protocol": "1", "python": "3.11.7",
+                                     "role": "agent"}, const(1))
     return series
 
 
@@ -521,3 +562,67 @@ def test_the_dashboard_covers_the_job_training_nodes_and_gpus() -> None:
                 "tfelastic_gpu_memory_used_bytes", "tfelastic_gpu_temperature_celsius", "tfelastic_gpu_power_watts",
                 "tfelastic_gpu_throttle_reason", "tfelastic_gpu_xid_errors_total"}
     assert not expected - used, f"the dashboard has no panel for {sorted(expected - used)}"
+
+
+# --------------------------------------------------------------------------------- every metric has a watcher
+
+def exported_metrics(tmp_path: Path) -> set[str]:
+    """The sample names of every metric family the daemon registers, read from the real registries: the agent's,
+    etcd's, the coordinator's (a snapshot), the host's and the GPUs' (over the fake NVML)."""
+    from prometheus_client import CollectorRegistry
+    from tfelastic.daemon.etcd.metrics import EtcdMetrics
+    from tfelastic.daemon.metrics.agent import AgentMetrics
+    from tfelastic.daemon.metrics.build import register_build_info
+    from tfelastic.daemon.metrics.cluster import register_cluster_collector
+    from tfelastic.daemon.metrics.gpu import register_gpu_collector
+    from tfelastic.daemon.metrics.host import register_host_collector
+    from tfelastic.daemon.rendezvous.api import ClusterSnapshot
+
+    from tests.nvml_fake import FakeGpu, FakeNvml
+
+    registry = CollectorRegistry()
+    register_build_info(registry, "agent")
+    AgentMetrics(registry, "mnist", "gpu-01")
+    EtcdMetrics(registry)
+    snapshot = ClusterSnapshot(job="mnist", state=JobState.RUNNING, reason="", generation=1, world_size=0,
+                               min_nodes=1, max_nodes=1, max_restarts=3, restarts_total=0, restarts_by_reason={},
+                               nodes=(), goodput=GoodputView(dict.fromkeys(CATEGORIES, 1.0)))
+    register_cluster_collector(registry, lambda: snapshot)
+    register_host_collector(registry, os.getpid, str(tmp_path))
+    register_gpu_collector(registry, nvml=FakeNvml([FakeGpu()]), cache_seconds=0)
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}
+    return {family.name + suffix for family in registry.collect()
+            for suffix in suffixes.get(family.type, ("",))}
+
+
+def rule_expressions(text: str) -> str:
+    """Every `expr: |` block of a rule file, alerts and recording rules, without the comments."""
+    lines, blocks = text.splitlines(), []
+    for i, line in enumerate(lines):
+        m = re.match(r"^( +)expr: \|$", line)
+        if m:
+            j = i + 1
+            while j < len(lines) and (not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) > len(m.group(1))):
+                blocks.append(lines[j])
+                j += 1
+    return "\n".join(blocks)
+
+
+def test_known_metrics_are_those_the_daemon_registers(tmp_path: Path) -> None:
+    exported = exported_metrics(tmp_path)
+    assert exported - KNOWN_METRICS == set(), "KNOWN_METRICS lacks metrics the daemon registers"
+    # The GPU collector's metrics that a fake GPU without errors does not produce are the only ones missing.
+    assert KNOWN_METRICS - exported <= {"tfelastic_gpu_last_xid", "tfelastic_gpu_xid_errors_total",
+                                        "tfelastic_gpu_ecc_errors_total", "tfelastic_gpu_throttle_reason"}, \
+        sorted(KNOWN_METRICS - exported)
+
+
+def test_every_exported_metric_is_on_a_panel_or_in_a_rule(tmp_path: Path) -> None:
+    """A metric nobody watches is a promise nobody keeps: each is in a dashboard query or an alerting rule's
+    expression (comments and runbooks do not count)."""
+    watched = set(METRIC_NAME.findall(rule_expressions(ALERTS.read_text())))
+    watched |= set(METRIC_NAME.findall("\n".join(expr for _, expr in dashboard_queries(load_dashboard()))))
+    families = {re.sub(r"_(bucket|sum|count)$", "", name) for name in exported_metrics(tmp_path) | KNOWN_METRICS}
+    unwatched = sorted(f for f in families if not any(w == f or re.fullmatch(rf"{f}_(bucket|sum|count)", w)
+                                                      for w in watched))
+    assert not unwatched, f"on no panel and in no rule: {unwatched}"

@@ -160,7 +160,7 @@ def job_file(job: str, node: str, port: int, env: Mapping[str, str], **job_keys:
                                                                  **env}, **job_keys},
         "node": {"id": node},
         "rendezvous": {"endpoint": f"127.0.0.1:{port}"},
-        "metrics": {"port": 0},  # several agents on one host
+        "metrics": {"port": 0, "linger": 0},  # several agents on one host; exits without waiting for a scrape
     }
     return "\n".join(f"[{name}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in keys.items())
                      for name, keys in sections.items())

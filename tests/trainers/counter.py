@@ -13,7 +13,9 @@ COUNTER_PRINT=1 (print a line per step, without flushing: what a custom loop's p
 COUNTER_LOSE_BACKUP_AT (a step at which the chief deletes its step file and exits 3, once: a backup deleted
 after training, as tf_keras' BackupAndRestore does on success, then a failure),
 COUNTER_BAD_WHILE (a path: while it exists, this rank, whatever its rank, exits 1 after COUNTER_STEP_SECONDS with
-a "bad GPU" error, every time: a bad node; set it for one agent only).
+a "bad GPU" error, every time: a bad node; set it for one agent only),
+COUNTER_TIERED=1 (report what a trainer on the fast checkpoint tier reports: where it restored from, 'shared' or
+'none', and a 1 ms save stall at each save of the chief).
 
 COUNTER_HOLD_PORT_MB (N: bind this rank's own TF_CONFIG port as TensorFlow's server does, and hold N MB of
 touched memory and a few threads, so that a killed trainer takes a while to let the port go, as a real one does;
@@ -167,6 +169,9 @@ def main() -> int:
     linger = float(os.environ.get("COUNTER_LINGER_AFTER_DONE", "-1"))
     reporter = ProgressReporter.from_env(min_interval=0)
     reporter.report(step, phase=Phase.SETUP)  # its "restore": a trainer that announces its long work
+    tiered = bool(os.environ.get("COUNTER_TIERED"))
+    if tiered:
+        reporter.report(step, restored_tier="shared" if step else "none", restored_step=step)
     while step < target:
         time.sleep(pause)
         step += 1
@@ -178,7 +183,7 @@ def main() -> int:
             event("checkpointed")
             return CHECKPOINTED_AND_STOPPED
         reporter.report(step, examples=step * 32, loss=1.0 / step, checkpoint_step=step if rank == 0 else None,
-                        done=step == done_at)
+                        done=step == done_at, stall=0.001 if tiered and rank == 0 else None)
         if rank == 0 and step == hang_at and once(backup, "hung"):
             event("hang")
             time.sleep(3600)

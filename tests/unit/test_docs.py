@@ -1,0 +1,43 @@
+"""The docs stand alone: no page or comment points outside the repository for a fact (docs/facts.md holds them),
+and every relative link in the Markdown leads to a file that exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TEXT_FOLDERS = ("daemon", "trainer", "bench", "tests", "systemd", "monitoring", "docs", "examples", "proto", ".ci")
+SUFFIXES = {".py", ".md", ".sh", ".toml", ".yml", ".yaml", ".service", ".proto", ".json", ""}
+OUTSIDE = re.compile(r"\bFACTS\b|\.\./shared/")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def project_files() -> list[Path]:
+    found = [ROOT / "README.md"]
+    for folder in TEXT_FOLDERS:
+        found += [p for p in (ROOT / folder).rglob("*") if p.is_file() and p.suffix in SUFFIXES
+                  and "__pycache__" not in p.parts and p.name != Path(__file__).name]
+    return found
+
+
+def test_nothing_points_outside_the_repository() -> None:
+    offenders = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+                 for path in project_files() for number, line in enumerate(_lines(path), 1) if OUTSIDE.search(line)]
+    assert offenders == [], "\n".join(offenders)
+
+
+@pytest.mark.parametrize("page", sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")]), ids=lambda p: p.name)
+def test_every_relative_link_leads_somewhere(page: Path) -> None:
+    broken = [target for target in LINK.findall(page.read_text())
+              if "://" not in target and not target.startswith("mailto:") and not (page.parent / target).exists()]
+    assert broken == [], f"{page.name}: {broken}"
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except UnicodeDecodeError:
+        return []
