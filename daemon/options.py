@@ -400,7 +400,8 @@ _OPTIONS: Sequence[Option] = (
     Option("metrics_token_file", "metrics.token_file", "--metrics-token-file",
            "bearer token that scrapes of /metrics must present (mode 600)", Text(), "", "PATH", _SERVING),
     Option("metrics_linger", "metrics.linger", "--metrics-linger",
-           "after the job failed, keep /metrics up this long so Prometheus records it", Seconds(), 30.0, "S",
+           "keep /metrics up this long after the job's verdict (any on the coordinator's node, a failure "
+           "elsewhere) so that Prometheus records it", Seconds(), 30.0, "S",
            _SERVING),
 )
 OPTIONS = {option.name: option for option in _OPTIONS}
