@@ -10,9 +10,12 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any, NoReturn
 
 from tfelastic.daemon import commands
+from tfelastic.daemon.cli_help import epilog
+from tfelastic.daemon.completion import SHELLS, script
 from tfelastic.daemon.config import (
     AgentConfig,
     CoordinatorConfig,
@@ -49,16 +52,13 @@ from tfelastic.daemon.version import describe
 _UNSET: Any = object()  # the default of every option flag: not given (the configuration's default applies)
 
 
-USAGE = 2  # a malformed command line
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         """A value a flag's parser refused is a bad setting (78); anything else is a malformed command line."""
         self.print_usage(sys.stderr)
         flag_value = message.startswith("argument --") and not any(
             usage in message for usage in ("expected one argument", "expected at most", "not allowed with"))
-        self.exit(ExitCode.CONFIG if flag_value else USAGE, f"tfelastic: error: {message}\n")
+        self.exit(ExitCode.CONFIG if flag_value else ExitCode.USAGE, f"tfelastic: error: {message}\n")
 
 
 def _add_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
@@ -79,57 +79,78 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tfelastic", description="Fault-tolerant, elastic TensorFlow training daemon.")
     parser.add_argument("--version", action="version", version=describe())
     sub = parser.add_subparsers(dest="command_name", required=True, parser_class=_Parser)
+    add = partial(_add_command, sub)
 
-    agent = sub.add_parser("agent", help="run the node daemon from a TOML job file")
+    agent = add("agent", help="run the node daemon from a TOML job file")
     agent.add_argument("--config", required=True, metavar="JOB.toml", help="the job file (docs/configuration.md)")
     _add_no_slurm(agent)
 
-    run = sub.add_parser("run", help="run the node daemon from flags (like torchrun)")
+    run = add("run", help="run the node daemon from flags (like torchrun)")
     _add_config(run)
     _add_options(run, flags_of(AGENT))
     _add_no_slurm(run)
     run.add_argument("trainer", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
 
-    coord = sub.add_parser("coordinator", help="run a standalone coordinator (e.g. on a head node)")
+    coord = add("coordinator", help="run a standalone coordinator (e.g. on a head node)")
     coord.add_argument("--listen", metavar="HOST:PORT", help="where it serves the job (default: $TFELASTIC_LISTEN, "
                        "else the job file's rendezvous endpoint; required with an etcd rendezvous)")
     _add_config(coord)
     _add_options(coord, flags_of(COORDINATOR))
 
-    status = sub.add_parser("status", help="show the cluster as the coordinator sees it")
+    status = add("status", help="show the cluster as the coordinator sees it")
     _add_operator_connection(status)
     status.add_argument("--json", action="store_true", help="print the documented JSON document")
     status.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="S",
                         help="refresh every S seconds (default 2)")
 
-    drain = sub.add_parser("drain", help="remove a node on purpose: its trainer checkpoints, the job re-forms "
+    drain = add("drain", help="remove a node on purpose: its trainer checkpoints, the job re-forms "
                                          "without it (not counted as a failure)")
     drain.add_argument("node", metavar="NODE", help="the node id to drain (see tfelastic status)")
     drain.add_argument("--reason", default="", help="recorded in the coordinator's log and the restart reason")
     drain.add_argument("--force", action="store_true", help="drain even if fewer than min nodes would remain")
     _add_operator_connection(drain)
 
-    readmit = sub.add_parser("readmit", help="lift a node's quarantine: it checks itself and, if the check "
+    readmit = add("readmit", help="lift a node's quarantine: it checks itself and, if the check "
                                              "passes, joins again")
     readmit.add_argument("node", metavar="NODE", help="the quarantined node's id (see tfelastic status)")
     _add_operator_connection(readmit)
 
-    report = sub.add_parser("report", help="where the job's time went: a line per generation, then the goodput "
+    report = add("report", help="where the job's time went: a line per generation, then the goodput "
                                            "and its badput by category (also after a job on etcd ended)")
     _add_operator_connection(report)
     report.add_argument("--json", action="store_true", help="print one JSON object")
 
-    restart = sub.add_parser("restart", help="restart the job: every trainer checkpoints and stops, and the same "
+    restart = add("restart", help="restart the job: every trainer checkpoints and stops, and the same "
                                              "nodes re-form (not counted as a failure)")
     restart.add_argument("--reason", default="", help="recorded in the coordinator's log and the restart reason")
     _add_operator_connection(restart)
 
-    demo = sub.add_parser("demo", help="train on 2 local agents, kill a worker, show the recovery")
+    demo = add("demo", help="train on 2 local agents, kill a worker, show the recovery")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.add_argument("--nodes", type=int, default=2, choices=(2, 3))
     demo.add_argument("--faults", type=int, default=1, choices=range(1, 4), metavar="N",
                       help="how many workers to kill (default 1)")
     demo.add_argument("--workdir", default="", help="keep the demo's files here (default: a temp dir)")
+
+    install = add("install", help="install the systemd units, the tfelastic user and /etc/tfelastic/JOB.toml "
+                                  "from this installation (run as root)")
+    install.add_argument("job", metavar="JOB", help="the job's name: its file is /etc/tfelastic/JOB.toml")
+    install.add_argument("--prefix", default="", metavar="DIR", help="the environment the units run tfelastic "
+                         "from (default: this one)")
+    install.add_argument("--destdir", default="", metavar="DIR", help="install under DIR instead of / (packaging); "
+                         "creates no user")
+    install.add_argument("--uid", type=int, default=None, help="the tfelastic user's uid and gid: the same on "
+                         "every node (files on shared storage carry numbers)")
+    install.add_argument("--no-user", dest="make_user", action="store_false", help="do not create the user")
+
+    completion = add("completion", help="print a shell completion script")
+    completion.add_argument("shell", choices=SHELLS)
+    return parser
+
+
+def _add_command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(name, epilog=epilog(name),
+                                                     formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
     return parser
 
 
@@ -240,6 +261,13 @@ def _dispatch(args: argparse.Namespace, slurm: SlurmStep | None) -> int:
         from tfelastic.daemon.demo import run_demo
 
         return run_demo(nodes=args.nodes, faults=args.faults, as_json=args.json, workdir=args.workdir)
+    if name == "install":
+        from tfelastic.daemon.install import run_install
+
+        return run_install(args.job, prefix=args.prefix, destdir=args.destdir, uid=args.uid, make_user=args.make_user)
+    if name == "completion":
+        print(script(build_parser(), args.shell), end="")
+        return ExitCode.SUCCEEDED
     if name == "report":
         from tfelastic.daemon.report import run_report
 

@@ -14,6 +14,7 @@ from tfelastic.trainer.exit_codes import CHECKPOINTED_AND_STOPPED
 class ExitCode(enum.IntEnum):
     SUCCEEDED = 0  # the job succeeded, or the process was stopped on purpose (SIGTERM, SIGHUP, drain) and left cleanly
     FAILED = 1  # the job failed (restart budget, join timeout), or the coordinator stayed unreachable
+    USAGE = 2  # a malformed command line (an unknown flag, a missing argument), as every command-line tool
     CONFIG = 78  # EX_CONFIG: bad configuration, wrong token or TLS, a job spec refused, a bad job state in etcd
     INTERRUPTED = 130  # a command-line tool stopped with Ctrl-C (128 + SIGINT)
 

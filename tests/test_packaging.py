@@ -97,3 +97,29 @@ def test_installed_wheel_finds_its_assets_outside_any_checkout(wheel: Path, tmp_
     assert (venv / "lib").exists()
     installed_script = next(Path(p) for p in found.stdout.split() if p.endswith("install.sh"))
     assert installed_script.stat().st_mode & stat.S_IXUSR
+
+
+@pytest.mark.integration
+def test_tfelastic_install_from_the_wheel_needs_no_checkout(wheel: Path, tmp_path: Path) -> None:
+    """`tfelastic install` of an installed wheel stages the units and the job file from the wheel's own copies.
+    The wheel's dependencies come from the test's environment (a .pth file), tfelastic itself from the wheel."""
+    import sysconfig
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True)
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    root = tmp_path / "root"
+    done = subprocess.run([str(venv / "bin" / "tfelastic"), "install", "mnist", "--destdir", str(root)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    unit = (root / "etc/systemd/system/tfelastic@.service").read_text()
+    assert f"ExecStart={venv}/bin/tfelastic agent --config /etc/tfelastic/%i.toml" in unit  # this environment's
+    assert (root / "etc/systemd/system/tfelastic-coordinator@.service").exists()
+    assert 'name = "mnist"' in (root / "etc/tfelastic/mnist.toml").read_text()
+    where = subprocess.run([str(python), "-I", "-c", "import tfelastic.daemon; print(tfelastic.daemon.__file__)"],
+                           capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(venv)), where  # the wheel's code ran, not the checkout's

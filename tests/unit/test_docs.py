@@ -41,3 +41,10 @@ def _lines(path: Path) -> list[str]:
         return path.read_text().splitlines()
     except UnicodeDecodeError:
         return []
+
+
+def test_the_readme_lists_every_exit_code() -> None:
+    from tfelastic.daemon.exit_codes import ExitCode
+
+    table = {int(code) for code in re.findall(r"^\| (\d+) \|", (ROOT / "README.md").read_text(), re.MULTILINE)}
+    assert table == {int(code) for code in ExitCode}
