@@ -47,13 +47,15 @@ def _standby_ready(cluster: Cluster) -> bool:
                for a in cluster.agents)
 
 
-def elastic_once(warm: bool) -> float:
+def elastic_once(warm: bool, fixed_ports: bool = False) -> float:
+    """``fixed_ports``: each agent gives its trainer the same port in every generation (``--worker-port``), as a
+    site with firewall rules does."""
     with tempfile.TemporaryDirectory() as d:
         cluster = Cluster(Path(d), Endpoint("127.0.0.1", free_port()), TRAINER,
                           extra_args=["--warm-start", "on" if warm else "off"])
         try:
-            cluster.start("a")
-            cluster.start("b")
+            for node in ("a", "b"):
+                cluster.start(node, extra=["--worker-port", str(free_port())] if fixed_ports else [])
             doc = cluster.wait_running(1, 2, timeout=120, step=60)
             if warm:
                 wait_for(lambda: _standby_ready(cluster), 120, "both standby interpreters ready", interval=0.2)
@@ -99,18 +101,26 @@ def floor_once() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fixed-ports", action="store_true", help="also the warm case with a fixed --worker-port")
     args = parser.parse_args()
-    results: dict[str, list[float]] = {"warm": [], "cold": [], "floor": []}
+    results: dict[str, list[float]] = {"warm": [], "cold": [], "floor": [], "fixed": []}
     for _ in range(args.repeats):
         results["warm"].append(elastic_once(warm=True))
+        if args.fixed_ports:
+            results["fixed"].append(elastic_once(warm=True, fixed_ports=True))
         results["cold"].append(elastic_once(warm=False))
         results["floor"].append(floor_once())
     warm, cold, floor = (statistics.median(results[k]) for k in ("warm", "cold", "floor"))
     print("elastic, warm start, kill -> first step of the next generation:", _row(results["warm"]))
+    if args.fixed_ports:
+        print("elastic, warm start, a fixed --worker-port per agent:          ", _row(results["fixed"]))
     print("elastic, --warm-start off:                                     ", _row(results["cold"]))
     print("floor, launch by hand -> first step:                           ", _row(results["floor"]))
     print(f"median warm {warm:.2f}s, cold {cold:.2f}s, floor {floor:.2f}s; ratio warm/floor {warm / floor:.3f} "
           f"(target <= 0.6), cold/floor {cold / floor:.3f}")
+    if args.fixed_ports:
+        fixed = statistics.median(results["fixed"])
+        print(f"median with a fixed port {fixed:.2f}s; ratio fixed/floor {fixed / floor:.3f}")
 
 
 def _row(samples: list[float]) -> str:
