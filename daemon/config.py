@@ -27,6 +27,7 @@ from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.options import AGENT, COORDINATOR, OFF, OPTIONS, Option
 from tfelastic.daemon.rendezvous import bounds
 from tfelastic.daemon.rendezvous.api import STALL_LEARNED, JobSpec, RendezvousSettings
+from tfelastic.daemon.rendezvous.roles import Role, Strategy
 from tfelastic.daemon.worker.stall import StallLimits, StallTimeout
 from tfelastic.trainer import snapshots
 
@@ -43,6 +44,9 @@ class JobConfig:
     name: str = _default("job")
     min_nodes: int = _default("min_nodes")
     max_nodes: int = _default("max_nodes")
+    strategy: str = _default("strategy")
+    ps: int = _default("ps")
+    worker_replacements: int = _default("worker_replacements")
     max_restarts: int = _default("max_restarts")
     restart_window: float = _default("restart_window")
     stall_timeout: StallTimeout = _default("stall_timeout")  # noqa: RUF009 (frozen)
@@ -58,6 +62,7 @@ class JobConfig:
 class NodeConfig:
     id: str = field(default_factory=OPTIONS["node_id"].default_value)
     worker_port: int = _default("worker_port")
+    role: str = _default("role")
     advertise_address: str = _default("advertise_address")
     stop_grace: float = _default("stop_grace")
     failure_stop_grace: float = _default("failure_stop_grace")
@@ -162,7 +167,7 @@ class AgentConfig:
         stall = job.stall_timeout.seconds
         return JobSpec(job.name, self.command_digest(), job.min_nodes, job.max_nodes, job.max_restarts,
                        job.restart_window, STALL_LEARNED if stall is None else stall, self.resolved_backup_dir(),
-                       rdzv.heartbeat_interval, rdzv.node_timeout)
+                       rdzv.heartbeat_interval, rdzv.node_timeout, job.strategy, job.ps)
 
     def value(self, name: str) -> Any:
         """An option's value by name (see :data:`OPTIONS`): ``config.value("node_id")`` is ``config.node.id``."""
@@ -277,6 +282,9 @@ def validate(config: AgentConfig, where: str = "") -> AgentConfig:
     _check_node_id(node.id, opt)
     _check_options(_options_of(AGENT), config.value, opt)
     _check_local_checkpoint_dir(node.local_checkpoint_dir, opt)
+    if node.role != Role.ANY.value and job.strategy != Strategy.PARAMETER_SERVER.value:
+        raise ConfigError(f"{opt('role')}: {node.role!r} is a task of a parameter-server job, and this job is "
+                          f"{job.strategy}: drop {opt('role')} or set {opt('strategy')} parameter-server")
     _check_timing(config.rendezvous, opt)
     for problem in bounds.spec_problems(config.job_spec()):  # what the coordinator would refuse
         raise ConfigError(f"{opt(_option_of_spec_field(problem.field))}: {problem.text}")

@@ -22,6 +22,7 @@ from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.etcd.url import EtcdTarget, is_etcd_url, parse_etcd_url
 from tfelastic.daemon.rendezvous import bounds
 from tfelastic.daemon.rendezvous.api import RendezvousSettings
+from tfelastic.daemon.rendezvous.roles import Role, Strategy
 from tfelastic.daemon.worker.stall import STALL_AUTO, StallLimits, StallTimeout
 from tfelastic.trainer import snapshots
 
@@ -303,6 +304,14 @@ _OPTIONS: Sequence[Option] = (
     Option("min_nodes", "job.min_nodes", "--nodes", "node count range (default 1; under SLURM the step's task count)",
            NodeRange(), 1, "MIN[:MAX]", show_default=False),
     Option("max_nodes", "job.max_nodes", "--nodes", "(the MAX of --nodes)", NodeRange(), 1),
+    Option("strategy", "job.strategy", "--strategy",
+           "mirrored (MultiWorkerMirroredStrategy: any failure restarts every worker) or parameter-server "
+           "(ParameterServerStrategy: a chief, --ps parameter servers and workers; a failed worker is replaced "
+           "alone)", Choice(tuple(s.value for s in Strategy)), Strategy.MIRRORED.value, "mirrored|parameter-server"),
+    Option("ps", "job.ps", "--ps", "parameter servers of a parameter-server job", Count(0, 1000), 0, "N"),
+    Option("worker_replacements", "job.worker_replacements", "--worker-replacements",
+           "a parameter-server job: how often one node's worker may be replaced alone within --restart-window; "
+           "its next failure restarts the job", Count(0, 1000), 10, "N"),
     Option("max_restarts", "job.max_restarts", "--max-restarts", "failures allowed per restart window", Count(0), 3,
            "N"),
     Option("restart_window", "job.restart_window", "--restart-window", "restart budget window in seconds", Seconds(),
@@ -330,6 +339,9 @@ _OPTIONS: Sequence[Option] = (
            show_default=False),
     Option("advertise_address", "node.advertise_address", "--advertise-address",
            "address peers reach this node's trainer at (default: the route to the rendezvous)", Text(), "", "ADDR"),
+    Option("role", "node.role", "--role",
+           "a parameter-server job: the task this node may take (chief, ps, worker, or any)",
+           Choice(tuple(r.value for r in Role)), Role.ANY.value, "any|chief|ps|worker"),
     Option("stop_grace", "node.stop_grace", "--stop-grace", "SIGTERM to SIGKILL grace period", Seconds(), 10.0, "S"),
     Option("failure_stop_grace", "node.failure_stop_grace", "--failure-stop-grace",
            "SIGTERM to SIGKILL grace after a failure", Seconds(), 0.25, "S"),

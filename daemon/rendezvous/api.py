@@ -43,12 +43,16 @@ class RestartReason(enum.Enum):
     SCALE_UP = "scale_up"  # nodes joined while the world was below max_nodes
     NODE_LEFT = "node_left"  # an agent left on purpose (SIGTERM, drain)
     OPERATOR_RESTART = "operator_restart"  # an operator restarted the job (tfelastic restart)
+    # A parameter-server job's worker task failed and its agent relaunched it alone: counted by reason, never a
+    # restart of the job (rendezvous/ps_job.py).
+    WORKER_REPLACED = "worker_replaced"
 
     @property
     def counts_against_budget(self) -> bool:
         """Only failures spend the restart budget; growing the job, draining a node or an operator's restart
-        does not."""
-        return self not in (RestartReason.SCALE_UP, RestartReason.NODE_LEFT, RestartReason.OPERATOR_RESTART)
+        does not. A worker replaced alone spends its agent's own budget (agent/replacements.py)."""
+        return self not in (RestartReason.SCALE_UP, RestartReason.NODE_LEFT, RestartReason.OPERATOR_RESTART,
+                            RestartReason.WORKER_REPLACED)
 
 
 class NodeState(enum.Enum):
@@ -79,6 +83,12 @@ class JobSpec:
     backup_dir: str
     heartbeat_interval_seconds: float = 0.5
     node_timeout_seconds: float = 2.0
+    strategy: str = "mirrored"  # or "parameter-server" (rendezvous/roles.py)
+    ps: int = 0  # parameter servers of a parameter-server job
+
+    @property
+    def parameter_server(self) -> bool:
+        return self.strategy == "parameter-server"
 
     def differences(self, other: JobSpec) -> list[str]:
         """Human-readable differences, naming each setting, ``other`` being the joining agent's."""
@@ -106,6 +116,7 @@ class NodeInfo:
     last_world_size: int = 0  # how many members last_generation had
     version: str = ""  # the agent's tfelastic version ("": older than the field)
     protocol: int = 0  # the protocol it speaks (0: older than the field, which is protocol 1)
+    role: str = "any"  # what it is willing to be in a parameter-server job: any, chief, ps or worker
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,12 @@ class Member:
     rank: int
     host: str
     worker_port: int
+    task_type: str = "worker"  # TF_CONFIG's task type: "worker" in a mirrored job; chief, ps or worker
+    task_index: int = -1  # its index among its type's tasks; -1: the rank (a mirrored job)
+
+    @property
+    def task(self) -> tuple[str, int]:
+        return self.task_type, self.rank if self.task_index < 0 else self.task_index
 
     @property
     def address(self) -> str:
@@ -170,6 +187,7 @@ class WorkerStatus(enum.Enum):
     SUCCEEDED = "succeeded"  # the trainer exited 0
     FAILED = "failed"  # the trainer exited non-zero, or could not be started
     STALLED = "stalled"  # no progress for the stall timeout
+    REPLACED = "replaced"  # a parameter-server job's worker task failed; its agent relaunches it alone
 
 
 @dataclass(frozen=True)
@@ -269,6 +287,8 @@ class NodeSnapshot:
     quarantined_until: float | None = None  # on the coordinator's clock; None: not quarantined
     quarantine_kind: str = ""  # "worker_failures" or "node_check"
     version: str = ""  # its agent's tfelastic version
+    role: str = ""  # its task in a parameter-server job ("chief", "ps 0", "worker 1"); "" otherwise
+    replacements: int = 0  # times its worker task was replaced alone (a parameter-server job)
 
 
 @dataclass(frozen=True)
@@ -325,6 +345,7 @@ class ClusterSnapshot:
     coordinator: CoordinatorInfo | None = None
     quarantines_by_kind: dict[str, int] = field(default_factory=dict)  # "worker_failures" or "node_check"
     goodput: GoodputView | None = None
+    vacant: tuple[str, ...] = ()  # a parameter-server job's tasks without a node ("worker 1: node b lost")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from tfelastic.daemon.rendezvous import api, convert
+from tfelastic.daemon.rendezvous import api, convert, roles
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.trainer import progress
 
@@ -87,7 +87,28 @@ def spec_problems(spec: api.JobSpec) -> list[Problem]:
                                                         f"heartbeat_interval {spec.heartbeat_interval_seconds}s"))
     if len(spec.backup_dir) > MAX_PATH_CHARS:
         problems.append(Problem("backup_dir", f"has {len(spec.backup_dir)} characters, more than {MAX_PATH_CHARS}"))
-    return problems
+    return problems + strategy_problems(spec)
+
+
+def strategy_problems(spec: api.JobSpec) -> list[Problem]:
+    """A parameter-server job needs its chief, its N parameter servers and at least one worker within the node
+    range; a mirrored job has no parameter servers."""
+    strategies = [s.value for s in roles.Strategy]
+    if spec.strategy not in strategies:
+        return [Problem("strategy", f"{printable(spec.strategy, 32)!r} is not one of {', '.join(strategies)}")]
+    if not spec.parameter_server:
+        if spec.ps:
+            return [Problem("ps", f"{spec.ps} needs --strategy parameter-server (only such a job has parameter "
+                                  f"servers; this job is "
+                                  f"{spec.strategy}); drop --ps or set the strategy")]
+        return []
+    if spec.ps < 1:
+        return [Problem("ps", "a parameter-server job needs at least 1 parameter server: set --ps N")]
+    if spec.min_nodes < spec.ps + 2:
+        return [Problem("min_nodes", f"{spec.min_nodes} nodes cannot hold the chief, {spec.ps} parameter "
+                                     f"server{'s' if spec.ps > 1 else ''} and a worker: the minimum must be at "
+                                     f"least {spec.ps + 2} (--ps {spec.ps} + 2)")]
+    return []
 
 
 def printable(text: str, limit: int) -> str:
@@ -122,6 +143,8 @@ def validate_join(join: pb.Join) -> None:
         problems.append(f"restorable_steps has {len(join.restorable_steps)} steps, more than {MAX_RESTORABLE_STEPS}")
     elif not all(0 <= step <= MAX_STEP for step in join.restorable_steps):
         problems.append(f"restorable_steps holds a step out of range 0..{MAX_STEP}")
+    if join.role and join.role not in {r.value for r in roles.Role}:
+        problems.append(f"role {printable(join.role, 32)!r} is not one of {', '.join(r.value for r in roles.Role)}")
     if len(join.incarnation) > MAX_INCARNATION_CHARS:
         problems.append(f"incarnation has {len(join.incarnation)} characters, more than {MAX_INCARNATION_CHARS}")
     if not join.HasField("spec"):

@@ -26,6 +26,7 @@ WORKER_STATUSES = {
     api.WorkerStatus.SUCCEEDED: pb.WORKER_STATUS_SUCCEEDED,
     api.WorkerStatus.FAILED: pb.WORKER_STATUS_FAILED,
     api.WorkerStatus.STALLED: pb.WORKER_STATUS_STALLED,
+    api.WorkerStatus.REPLACED: pb.WORKER_STATUS_REPLACED,
 }
 _WORKER_STATUS_NAMES = {v: k for k, v in WORKER_STATUSES.items()}
 _NODE_STATES = {s.value: s for s in api.NodeState}
@@ -38,7 +39,9 @@ def spec_to_proto(spec: api.JobSpec) -> pb.JobSpec:
 
 
 def spec_from_proto(msg: pb.JobSpec) -> api.JobSpec:
-    return api.JobSpec(**{name: getattr(msg, name) for name in _SPEC_FIELDS})
+    """An agent older than the strategy field sends none: its job is mirrored, like the coordinator's default."""
+    spec = api.JobSpec(**{name: getattr(msg, name) for name in _SPEC_FIELDS})
+    return spec if spec.strategy else dataclasses.replace(spec, strategy=api.JobSpec.strategy)
 
 
 # ------------------------------------------------------------------------------------------ agent messages
@@ -57,7 +60,7 @@ def agent_message_to_proto(message: api.AgentMessage, now: float) -> pb.AgentMes
         last_generation=node.last_generation, restart_count=message.restart_count, incarnation=node.incarnation,
         last_rank=node.last_rank, attached_generation=message.attached_generation, checked=message.checked,
         check_failure=message.check_failure, restorable_steps=node.restorable_steps,
-        last_world_size=node.last_world_size, version=node.version, protocol=node.protocol))
+        last_world_size=node.last_world_size, version=node.version, protocol=node.protocol, role=node.role))
 
 
 def agent_message_from_proto(message: pb.AgentMessage, now: float) -> api.AgentMessage:
@@ -77,7 +80,7 @@ def agent_message_from_proto(message: pb.AgentMessage, now: float) -> api.AgentM
 def join_from_proto(join: pb.Join) -> api.Join:
     node = api.NodeInfo(join.node_id, join.host, join.worker_port, join.incarnation, join.last_generation,
                         join.last_rank, tuple(join.restorable_steps), join.last_world_size, join.version,
-                        join.protocol)
+                        join.protocol, join.role or api.NodeInfo.role)
     return api.Join(node, spec_from_proto(join.spec), join.restart_count, join.attached_generation, join.checked,
                     join.check_failure)
 
@@ -177,7 +180,8 @@ def coordinator_message_from_proto(message: pb.CoordinatorMessage) -> api.Coordi
 def assignment_template(order: api.Assignment) -> pb.Assignment:
     """Everything of an Assignment but the rank. Every member gets the whole member list (TF_CONFIG names every
     worker), so building it once per generation instead of once per member saves O(nodes^2) work."""
-    members = [pb.Member(node_id=m.node_id, rank=m.rank, host=m.host, worker_port=m.worker_port)
+    members = [pb.Member(node_id=m.node_id, rank=m.rank, host=m.host, worker_port=m.worker_port,
+                         task_type="" if m.task_index < 0 else m.task_type, task_index=max(m.task_index, 0))
                for m in order.members]
     return pb.Assignment(generation=order.generation, world_size=order.world_size, members=members,
                          restart_count=order.restart_count, restore_step=order.restore_step or 0,
@@ -185,7 +189,8 @@ def assignment_template(order: api.Assignment) -> pb.Assignment:
 
 
 def assignment_from_proto(msg: pb.Assignment) -> api.Assignment:
-    members = tuple(api.Member(m.node_id, m.rank, m.host, m.worker_port) for m in msg.members)
+    members = tuple(api.Member(m.node_id, m.rank, m.host, m.worker_port, m.task_type, m.task_index)
+                    if m.task_type else api.Member(m.node_id, m.rank, m.host, m.worker_port) for m in msg.members)
     return api.Assignment(msg.generation, msg.rank, msg.world_size, members, msg.restart_count,
                           msg.restore_step if msg.has_restore_step else None)
 
@@ -205,7 +210,7 @@ def status_to_proto(snap: api.ClusterSnapshot, now: float) -> pb.ClusterStatus:
                              gpu_utilization=n.gpu_utilization, quarantine_reason=n.quarantine_reason,
                              quarantine_seconds_left=0.0 if n.quarantined_until is None else
                              max(0.0, n.quarantined_until - now), quarantine_kind=n.quarantine_kind,
-                             version=n.version)
+                             version=n.version, role=n.role, replacements=n.replacements)
         if n.progress is not None:
             node.progress.CopyFrom(progress_to_proto(n.progress, now))
             node.has_progress = True
@@ -221,7 +226,7 @@ def status_to_proto(snap: api.ClusterSnapshot, now: float) -> pb.ClusterStatus:
         restarts_by_reason=[pb.RestartCount(reason=r, count=c)
                             for r, c in sorted(snap.restarts_by_reason.items())],
         quarantines=[pb.QuarantineCount(kind=k, count=c) for k, c in sorted(snap.quarantines_by_kind.items())],
-        goodput=None if snap.goodput is None else goodput_to_proto(snap.goodput),
+        goodput=None if snap.goodput is None else goodput_to_proto(snap.goodput), vacant=snap.vacant,
     )
 
 
@@ -260,7 +265,7 @@ def status_from_proto(status: pb.ClusterStatus, now: float) -> api.ClusterSnapsh
         n.node_id, n.rank, n.host, n.worker_port, _node_state(n), n.worker_pid,
         progress_from_proto(n.progress, now) if n.has_progress else None, n.gpus, n.gpu_utilization,
         n.quarantine_reason, now + n.quarantine_seconds_left if n.state == api.NodeState.QUARANTINED.value else None,
-        n.quarantine_kind, n.version,
+        n.quarantine_kind, n.version, n.role, n.replacements,
     ) for n in status.nodes)
     return api.ClusterSnapshot(
         job=status.job, state=JOB_STATE_NAMES.get(status.state), reason=status.reason, generation=status.generation,
@@ -272,4 +277,5 @@ def status_from_proto(status: pb.ClusterStatus, now: float) -> api.ClusterSnapsh
                                         status.coordinator.version, status.coordinator.protocol)
         if status.HasField("coordinator") else None,
         quarantines_by_kind={q.kind: q.count for q in status.quarantines},
-        goodput=goodput_from_proto(status.goodput) if status.HasField("goodput") else None)
+        goodput=goodput_from_proto(status.goodput) if status.HasField("goodput") else None,
+        vacant=tuple(status.vacant))

@@ -197,7 +197,8 @@ def job_spec(spec: Fields) -> JobSpec:
         stall_timeout_seconds=spec.number("stall_timeout_seconds", STALL_LEARNED, seconds),
         backup_dir=spec.text("backup_dir", bounds.MAX_PATH_CHARS),
         heartbeat_interval_seconds=spec.number("heartbeat_interval_seconds", 0.0, seconds, 0.5),
-        node_timeout_seconds=spec.number("node_timeout_seconds", 0.0, seconds, 2.0))
+        node_timeout_seconds=spec.number("node_timeout_seconds", 0.0, seconds, 2.0),
+        strategy=spec.text("strategy", 32, "mirrored"), ps=spec.integer("ps", 0, nodes, 0))
     spec.no_others()
     problems = bounds.spec_problems(result)  # the same rules as a Join's spec: the stall timeout, the node range
     if problems:
@@ -209,7 +210,8 @@ def member(doc: object, path: str) -> Member:
     fields = Fields(doc, path)
     result = Member(checked_node_id(fields.raw("node_id"), fields.name("node_id")),
                     fields.integer("rank", 0, bounds.MAX_NODES - 1), fields.text("host", bounds.MAX_HOST_CHARS),
-                    fields.integer("worker_port", 1, 65535))
+                    fields.integer("worker_port", 1, 65535),
+                    fields.text("task_type", 16, "worker"), fields.integer("task_index", -1, bounds.MAX_NODES, -1))
     fields.no_others()
     return result
 

@@ -31,7 +31,13 @@ def cluster_snapshot(rv: Rendezvous) -> ClusterSnapshot:
         nodes=tuple(nodes),
         quarantines_by_kind=dict(rv.quarantine.by_kind),
         goodput=_goodput(rv),
+        vacant=rv.tasks.vacancies() if rank_shown(rv) else (),
     )
+
+
+def rank_shown(rv: Rendezvous) -> bool:
+    """A parameter-server job's tasks are shown while its generation runs (or has just succeeded)."""
+    return rv.world_size > 0 and rv.spec is not None and rv.spec.parameter_server
 
 
 def _goodput(rv: Rendezvous) -> GoodputView:
@@ -48,4 +54,5 @@ def _node(rv: Rendezvous, node_id: str) -> NodeSnapshot:
     return NodeSnapshot(
         node_id, rank, node.info.host, node.info.worker_port, node.state, node.worker_pid if rank >= 0 else 0,
         node.progress, node.gpus, node.gpu_utilization, held.reason if held else "",
-        held.until if held else None, held.kind if held else "", node.info.version)
+        held.until if held else None, held.kind if held else "", node.info.version,
+        rv.tasks.described(node_id) if rank >= 0 and rank_shown(rv) else "", rv.tasks.replacements[node_id])

@@ -60,8 +60,10 @@ from tfelastic.daemon.rendezvous.api import (
 from tfelastic.daemon.rendezvous.durable import DurableState
 from tfelastic.daemon.rendezvous.goodput import ChiefReport, GoodputLedger
 from tfelastic.daemon.rendezvous.membership import Membership, Node
+from tfelastic.daemon.rendezvous.ps_job import TaskBook
 from tfelastic.daemon.rendezvous.quarantine import COOLDOWN_OVER, QuarantineBook
 from tfelastic.daemon.rendezvous.restarts import RestartBook
+from tfelastic.daemon.rendezvous.roles import RolesUnfilled
 from tfelastic.daemon.rendezvous.round_timers import Reformation, RoundTimers
 from tfelastic.daemon.rendezvous.snapshot import cluster_snapshot
 
@@ -105,6 +107,7 @@ class Rendezvous:
         self.drained: set[str] = set()  # drained by an operator (and not back since)
         self.quarantine = QuarantineBook(settings)
         self.goodput = GoodputLedger(clock)
+        self.tasks = TaskBook()  # a parameter-server job's tasks (rendezvous/ps_job.py)
         self.wall_offset = 0.0  # wall clock minus this clock, for times shown to people (the host sets it)
         self._operator_restart: tuple[float, int, str] | None = None  # when, from which generation, why
 
@@ -211,6 +214,8 @@ class Rendezvous:
         self._members = [m.node_id for m in recorded.members]
         self._ranks = {m.node_id: m.rank for m in recorded.members}
         self._chief_succeeded = recorded.chief_succeeded
+        if recorded.spec is not None and recorded.spec.parameter_server:
+            self.tasks.take_over(self._ranks, recorded.spec.ps)
         self.drained = set(recorded.drained)
         self.restarts.take_over(recorded, wall_offset)
         self.quarantine.take_over(recorded.quarantined, wall_offset, now)
@@ -267,6 +272,9 @@ class Rendezvous:
             return self.worker_failed(node_id, generation, RestartReason.WORKER_EXIT, detail)
         if report.status is WorkerStatus.STALLED:
             return self.worker_failed(node_id, generation, RestartReason.STALLED, report.detail or "stalled")
+        if report.status is WorkerStatus.REPLACED and self._member_of(node_id, generation) is not None:
+            self.tasks.replaced(node_id, report.detail)  # the job trains on: nothing to send
+            self.restarts.by_reason[RestartReason.WORKER_REPLACED.value] += 1
         return []
 
     def worker_succeeded(self, node_id: str, generation: int) -> list[Send]:
@@ -279,6 +287,8 @@ class Rendezvous:
             return []
         self.nodes.set_state(node, NodeState.SUCCEEDED)  # RUNNING -> SUCCEEDED
         self._chief_succeeded = self._chief_succeeded or is_chief
+        if is_chief and self._require_spec().parameter_server:  # its tasks serve until told to stop
+            return self._finish(JobState.SUCCEEDED, f"the chief of generation {generation} completed training")
         if self.nodes.count(NodeState.SUCCEEDED) == len(self._members):
             return self._finish(JobState.SUCCEEDED, f"every trainer of generation {generation} exited 0")
         return []
@@ -315,6 +325,8 @@ class Rendezvous:
             return self._try_close_round(self._clock())
         was_member = node.state in (NodeState.RUNNING, NodeState.SUCCEEDED) and node_id in self._ranks
         self.nodes.set_state(node, NodeState.LEAVING)  # RUNNING|SUCCEEDED|STOPPING -> LEAVING
+        if was_member and self.state is JobState.RUNNING and self._vacated(node_id, f"left ({reason})"):
+            return []
         if was_member and self.state is JobState.RUNNING:
             return self._restart(RestartReason.NODE_LEFT, f"{node_id}: {reason}")
         return self._try_close_round(self._clock())
@@ -459,7 +471,7 @@ class Rendezvous:
     def _after_join(self, node_id: str, now: float) -> list[Send]:
         spec = self._require_spec()
         if self.state is JobState.RUNNING:
-            if len(self._members) < spec.max_nodes:
+            if self._live_members() < spec.max_nodes:
                 self._timers.schedule_scale_up(now)
                 detail = "scale-up pending: the job will re-form to take this node in"
             else:
@@ -491,9 +503,21 @@ class Rendezvous:
             return False
         spec = self._require_spec()
         waiting = self.nodes.count(NodeState.WAITING) > 0
-        return self.state is JobState.RUNNING and waiting and len(self._members) < spec.max_nodes
+        return self.state is JobState.RUNNING and waiting and self._live_members() < spec.max_nodes
+
+    def _live_members(self) -> int:
+        """The current generation's members whose task has a node (a parameter-server job's vacant ones do not)."""
+        return len(self._members) - len(self.tasks.vacant)
+
+    def _vacated(self, node_id: str, why: str) -> bool:
+        """A parameter-server job trains on without a lost worker's node (rendezvous/ps_job.py)."""
+        spec = self._require_spec()
+        return spec.parameter_server and self.tasks.vacate(node_id, len(self._members), spec, why)
 
     def _lost(self, node_id: str, node: Node, why: str) -> list[Send]:
+        if node.state is NodeState.RUNNING and self.state is JobState.RUNNING and \
+                self._vacated(node_id, f"lost ({why})"):
+            return []
         if node.state is NodeState.RUNNING and self.state is JobState.RUNNING:
             return self._restart(RestartReason.NODE_LOST, f"{node_id}: {why}")
         if node.state is NodeState.SUCCEEDED and self.state is JobState.RUNNING:
@@ -563,6 +587,15 @@ class Rendezvous:
     def _form_generation(self) -> list[Send]:
         spec = self._require_spec()
         chosen = self.nodes.next_ranks(self._members, spec.max_nodes)
+        if spec.parameter_server:
+            try:
+                waiting = self.nodes.next_ranks(self._members, len(self.nodes))
+                chosen = self.tasks.arrange(spec, ((n, self.nodes[n].info) for n in waiting))
+            except RolesUnfilled as e:  # the round stays open for a node that may take the task
+                if self.reason == str(e):
+                    return []
+                self.reason = str(e)
+                return [self._waiting_notice(n, self.reason) for n in self.nodes.waiting()]
         self.generation = max(self.generation, self._seen_generation) + 1
         self.restarts.formed()
         self._reformation.done()
@@ -573,6 +606,7 @@ class Rendezvous:
         self.reason = ""
         self._chief_succeeded = False
         members = tuple(
+            self.tasks.member(n, rank, self.nodes[n].info) if spec.parameter_server else
             Member(n, rank, self.nodes[n].info.host, self.nodes[n].info.worker_port)
             for rank, n in enumerate(chosen)
         )

@@ -13,6 +13,7 @@ class WorkerStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATUS_SUCCEEDED: _ClassVar[WorkerStatus]
     WORKER_STATUS_FAILED: _ClassVar[WorkerStatus]
     WORKER_STATUS_STALLED: _ClassVar[WorkerStatus]
+    WORKER_STATUS_REPLACED: _ClassVar[WorkerStatus]
 
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +28,7 @@ WORKER_STATUS_RUNNING: WorkerStatus
 WORKER_STATUS_SUCCEEDED: WorkerStatus
 WORKER_STATUS_FAILED: WorkerStatus
 WORKER_STATUS_STALLED: WorkerStatus
+WORKER_STATUS_REPLACED: WorkerStatus
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_WAITING: JobState
 JOB_STATE_RUNNING: JobState
@@ -35,7 +37,7 @@ JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 
 class JobSpec(_message.Message):
-    __slots__ = ("job", "command_digest", "min_nodes", "max_nodes", "max_restarts", "restart_window_seconds", "stall_timeout_seconds", "backup_dir", "heartbeat_interval_seconds", "node_timeout_seconds")
+    __slots__ = ("job", "command_digest", "min_nodes", "max_nodes", "max_restarts", "restart_window_seconds", "stall_timeout_seconds", "backup_dir", "heartbeat_interval_seconds", "node_timeout_seconds", "strategy", "ps")
     JOB_FIELD_NUMBER: _ClassVar[int]
     COMMAND_DIGEST_FIELD_NUMBER: _ClassVar[int]
     MIN_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,8 @@ class JobSpec(_message.Message):
     BACKUP_DIR_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NODE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    PS_FIELD_NUMBER: _ClassVar[int]
     job: str
     command_digest: bytes
     min_nodes: int
@@ -56,10 +60,12 @@ class JobSpec(_message.Message):
     backup_dir: str
     heartbeat_interval_seconds: float
     node_timeout_seconds: float
-    def __init__(self, job: _Optional[str] = ..., command_digest: _Optional[bytes] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., stall_timeout_seconds: _Optional[float] = ..., backup_dir: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., node_timeout_seconds: _Optional[float] = ...) -> None: ...
+    strategy: str
+    ps: int
+    def __init__(self, job: _Optional[str] = ..., command_digest: _Optional[bytes] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., stall_timeout_seconds: _Optional[float] = ..., backup_dir: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., node_timeout_seconds: _Optional[float] = ..., strategy: _Optional[str] = ..., ps: _Optional[int] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("node_id", "spec", "host", "worker_port", "last_generation", "restart_count", "incarnation", "last_rank", "attached_generation", "checked", "check_failure", "restorable_steps", "last_world_size", "version", "protocol")
+    __slots__ = ("node_id", "spec", "host", "worker_port", "last_generation", "restart_count", "incarnation", "last_rank", "attached_generation", "checked", "check_failure", "restorable_steps", "last_world_size", "version", "protocol", "role")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +81,7 @@ class Join(_message.Message):
     LAST_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     spec: JobSpec
     host: str
@@ -90,7 +97,8 @@ class Join(_message.Message):
     last_world_size: int
     version: str
     protocol: int
-    def __init__(self, node_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., last_generation: _Optional[int] = ..., restart_count: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_rank: _Optional[int] = ..., attached_generation: _Optional[int] = ..., checked: bool = ..., check_failure: _Optional[str] = ..., restorable_steps: _Optional[_Iterable[int]] = ..., last_world_size: _Optional[int] = ..., version: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, node_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., last_generation: _Optional[int] = ..., restart_count: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_rank: _Optional[int] = ..., attached_generation: _Optional[int] = ..., checked: bool = ..., check_failure: _Optional[str] = ..., restorable_steps: _Optional[_Iterable[int]] = ..., last_world_size: _Optional[int] = ..., version: _Optional[str] = ..., protocol: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ()
@@ -161,16 +169,20 @@ class AgentMessage(_message.Message):
     def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("node_id", "rank", "host", "worker_port")
+    __slots__ = ("node_id", "rank", "host", "worker_port", "task_type", "task_index")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     WORKER_PORT_FIELD_NUMBER: _ClassVar[int]
+    TASK_TYPE_FIELD_NUMBER: _ClassVar[int]
+    TASK_INDEX_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     rank: int
     host: str
     worker_port: int
-    def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ...) -> None: ...
+    task_type: str
+    task_index: int
+    def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., task_type: _Optional[str] = ..., task_index: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("generation", "rank", "world_size", "members", "restart_count", "restore_step", "has_restore_step")
@@ -253,7 +265,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "rank", "host", "worker_port", "state", "worker_pid", "progress", "has_progress", "gpus", "gpu_utilization", "quarantine_reason", "quarantine_seconds_left", "quarantine_kind", "version")
+    __slots__ = ("node_id", "rank", "host", "worker_port", "state", "worker_pid", "progress", "has_progress", "gpus", "gpu_utilization", "quarantine_reason", "quarantine_seconds_left", "quarantine_kind", "version", "role", "replacements")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +280,8 @@ class NodeStatus(_message.Message):
     QUARANTINE_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
     QUARANTINE_KIND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REPLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     rank: int
     host: str
@@ -282,7 +296,9 @@ class NodeStatus(_message.Message):
     quarantine_seconds_left: float
     quarantine_kind: str
     version: str
-    def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., state: _Optional[str] = ..., worker_pid: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., has_progress: bool = ..., gpus: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., quarantine_reason: _Optional[str] = ..., quarantine_seconds_left: _Optional[float] = ..., quarantine_kind: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    role: str
+    replacements: int
+    def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., state: _Optional[str] = ..., worker_pid: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., has_progress: bool = ..., gpus: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., quarantine_reason: _Optional[str] = ..., quarantine_seconds_left: _Optional[float] = ..., quarantine_kind: _Optional[str] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., replacements: _Optional[int] = ...) -> None: ...
 
 class RestartCount(_message.Message):
     __slots__ = ("reason", "count")
@@ -293,7 +309,7 @@ class RestartCount(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes", "restarts_total", "restarts_by_reason", "max_restarts", "nodes", "warnings", "steps_redone", "steps_lost", "coordinator", "quarantines", "goodput")
+    __slots__ = ("job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes", "restarts_total", "restarts_by_reason", "max_restarts", "nodes", "warnings", "steps_redone", "steps_lost", "coordinator", "quarantines", "goodput", "vacant")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +327,7 @@ class ClusterStatus(_message.Message):
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     QUARANTINES_FIELD_NUMBER: _ClassVar[int]
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    VACANT_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: JobState
     reason: str
@@ -328,7 +345,8 @@ class ClusterStatus(_message.Message):
     coordinator: CoordinatorInfo
     quarantines: _containers.RepeatedCompositeFieldContainer[QuarantineCount]
     goodput: Goodput
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., restarts_total: _Optional[int] = ..., restarts_by_reason: _Optional[_Iterable[_Union[RestartCount, _Mapping]]] = ..., max_restarts: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., steps_redone: _Optional[int] = ..., steps_lost: _Optional[int] = ..., coordinator: _Optional[_Union[CoordinatorInfo, _Mapping]] = ..., quarantines: _Optional[_Iterable[_Union[QuarantineCount, _Mapping]]] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ...) -> None: ...
+    vacant: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., restarts_total: _Optional[int] = ..., restarts_by_reason: _Optional[_Iterable[_Union[RestartCount, _Mapping]]] = ..., max_restarts: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., steps_redone: _Optional[int] = ..., steps_lost: _Optional[int] = ..., coordinator: _Optional[_Union[CoordinatorInfo, _Mapping]] = ..., quarantines: _Optional[_Iterable[_Union[QuarantineCount, _Mapping]]] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., vacant: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CategorySeconds(_message.Message):
     __slots__ = ("category", "seconds")
