@@ -41,6 +41,7 @@ def status_to_json(snap: ClusterSnapshot, now: float | None = None, wall: float 
             "protocol": snap.coordinator.protocol or None},
         "quarantines_by_kind": dict(snap.quarantines_by_kind),
         "goodput": goodput_json(snap.goodput),
+        "vacant": list(snap.vacant),
     }
 
 
@@ -92,6 +93,8 @@ def _node_json(node: NodeSnapshot, now: float, wall: float) -> dict[str, Any]:
             "kind": node.quarantine_kind, "reason": node.quarantine_reason,
             "seconds_left": round(max(0.0, node.quarantined_until - now), 3),
             "until": round(wall + max(0.0, node.quarantined_until - now), 3)},
+        "role": node.role or None,
+        "replacements": node.replacements,
     }
 
 
@@ -108,11 +111,15 @@ def render_table(doc: dict[str, Any]) -> str:
         *([goodput_line(g)] if (g := doc.get("goodput")) and g["ratio"] is not None else []),
         *(f"WARNING: {warning}" for warning in doc.get("warnings", ())),
         *(_quarantine_line(n) for n in doc["nodes"] if n.get("quarantine")),
+        *(f"vacant: {task}" for task in doc.get("vacant", ())),
         "",
     ]
-    header = ("NODE", "RANK", "ADDRESS", "STATE", "PID", "STEP", "STEPS/S", "LAST PROGRESS", "LAST CHECKPOINT", "GPUS")
+    roles = any(n.get("role") for n in doc["nodes"])  # a parameter-server job: a ROLE column
+    header = ("NODE", "RANK", *(("ROLE",) if roles else ()), "ADDRESS", "STATE", "PID", "STEP", "STEPS/S",
+              "LAST PROGRESS", "LAST CHECKPOINT", "GPUS")
     rows = [header] + [(
-        n["node_id"], _dash(n["rank"]), n["address"], n["state"], _dash(n["worker_pid"]), _dash(n["step"]),
+        n["node_id"], _dash(n["rank"]), *((_role(n),) if roles else ()), n["address"], n["state"],
+        _dash(n["worker_pid"]), _dash(n["step"]),
         "-" if n["steps_per_second"] is None else f"{n['steps_per_second']:.1f}",
         _ago(n["progress_age_seconds"]), _ago(n["last_checkpoint_age_seconds"]),
         "-" if n["gpu_utilization"] is None else f"{n['gpus']} at {100 * n['gpu_utilization']:.0f}%",
@@ -121,6 +128,12 @@ def render_table(doc: dict[str, Any]) -> str:
     lines += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
               for row in rows]
     return "\n".join(lines)
+
+
+def _role(node: dict[str, Any]) -> str:
+    """Its task, and how often its worker was replaced alone."""
+    role = node.get("role") or "-"
+    return f"{role} (replaced {node['replacements']}x)" if node.get("replacements") else role
 
 
 def _versions_line(doc: dict[str, Any]) -> list[str]:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
+from tfelastic.daemon.agent import server_probe
 from tfelastic.daemon.agent.api import (
     Action,
     Announce,
@@ -23,6 +24,7 @@ from tfelastic.daemon.agent.api import (
     Launch,
     ListenForProbe,
     PrepareStandby,
+    ProbeServer,
     RunNodeCheck,
     Send,
     SessionLost,
@@ -33,6 +35,7 @@ from tfelastic.daemon.agent.api import (
 from tfelastic.daemon.agent.core import AgentCore
 from tfelastic.daemon.agent.node import Node
 from tfelastic.daemon.agent.placement import EtcdPlacement, placement_for
+from tfelastic.daemon.agent.replacements import PROBE_TIMEOUT
 from tfelastic.daemon.agent.runner import WorkerRunner, agent_environment, worker_spec
 from tfelastic.daemon.agent.session import CoordinatorSession, open_session
 from tfelastic.daemon.aio import first_of, stacks, within
@@ -232,11 +235,17 @@ class Agent:
                     self.runner.prepare_standby(self._launched[1])
             elif isinstance(action, StopRetrying):
                 self._leaving.set()
+            elif isinstance(action, ProbeServer):
+                self._spawn(self._probe_server(action))
             elif isinstance(action, Announce):
                 if action.ready:
                     self.hooks.ready()
                 if action.status:
                     self.hooks.status(action.status)
+
+    async def _probe_server(self, probe: ProbeServer) -> None:
+        answered = await server_probe.answers(probe.address, PROBE_TIMEOUT)
+        self._apply(self.core.server_probed(probe.generation, answered))
 
     def _launch(self, assignment: api.Assignment) -> None:
         assert self._listener is not None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tfelastic.daemon.agent.replacements import ReplacementPolicy
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.worker.stall import StallLimits
@@ -23,6 +24,7 @@ class Identity:
     spec: api.JobSpec
     incarnation: str  # random per agent process: a reconnect replaces its stale session
     worker_port: int = 0  # 0: a free port, picked anew for every Join
+    role: str = "any"  # the task it may take in a parameter-server job (--role)
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Timing:
     stall: StallLimits
     stop_grace: float
     standby_at_launch: bool = False  # the node has cores to spare: the next standby is built at each launch
+    replacement: ReplacementPolicy = ReplacementPolicy()  # noqa: RUF009 (frozen) a parameter-server job's worker task
 
 
 @dataclass(frozen=True)
@@ -119,12 +122,21 @@ class PrepareStandby:
 
 
 @dataclass(frozen=True)
+class ProbeServer:
+    """Ask the worker task's gRPC server on this port for an answer (agent/replacements.py); the shell answers
+    with ``server_probed``."""
+
+    generation: int
+    address: str  # host:port of the task's server
+
+
+@dataclass(frozen=True)
 class StopRetrying:
     """The agent is leaving: end the wait between attempts to reach the coordinator now."""
 
 
 Action = (Send | Launch | Stop | HangUp | DropSession | Announce | RunNodeCheck | ListenForProbe | PrepareStandby |
-          StopRetrying)
+          StopRetrying | ProbeServer)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from tfelastic.daemon.agent.api import (
     Leaving,
     ListenForProbe,
     PrepareStandby,
+    ProbeServer,
     RunNodeCheck,
     Send,
     Stop,
@@ -42,6 +43,7 @@ from tfelastic.daemon.agent.check_ledger import NodeCheckLedger
 from tfelastic.daemon.agent.contact import CoordinatorContact
 from tfelastic.daemon.agent.failover import fence_reason
 from tfelastic.daemon.agent.progress_tracker import ProgressTracker
+from tfelastic.daemon.agent.replacements import ReplacementPolicy, ServingTask
 from tfelastic.daemon.agent.standby_schedule import StandbySchedule
 from tfelastic.daemon.agent.trainer_watch import TrainerWatch
 from tfelastic.daemon.config import AgentConfig
@@ -78,15 +80,18 @@ class AgentCore:
         self._rejoin_session: int | None = None  # the session to send a Join on once the stop is done
         self._gpu_holders: tuple[int, ...] = ()  # a stopped worker's processes whose GPU memory is not seen back
         self._stopping: tuple[bool, bool] = (False, False)  # the stop under way: (planned, it was running)
+        self.serving = ServingTask(timing.replacement, clock)  # a parameter-server job's task on this node
 
     @classmethod
     def of(cls, config: AgentConfig, host: str, failover: bool, metrics: AgentMetrics, clock: Clock,
            standby_at_launch: bool = False) -> AgentCore:
         """The core of an agent with this configuration, whose trainer peers reach at ``host``."""
         rdzv, node = config.rendezvous, config.node
-        identity = Identity(node.id, host, config.job_spec(), uuid.uuid4().hex, node.worker_port)
+        identity = Identity(node.id, host, config.job_spec(), uuid.uuid4().hex, node.worker_port, node.role)
+        replacement = ReplacementPolicy(config.job.worker_replacements, config.job.restart_window,
+                                        rdzv.restart_backoff, rdzv.restart_backoff_max)
         timing = Timing(rdzv.heartbeat_interval, rdzv.node_timeout, rdzv.join_timeout, config.stall_limits(),
-                        node.stop_grace, standby_at_launch)
+                        node.stop_grace, standby_at_launch, replacement)
         return cls(identity, timing, Connection(str(rdzv.endpoint), rdzv.tls.enabled, failover), metrics, clock,
                    free_port)
 
@@ -232,7 +237,7 @@ class AgentCore:
         silent = self._contact.silence()
         if silent is not None:
             return [DropSession(f"no message from the coordinator for {silent:.1f}s")]
-        actions = self._check_stall() + self._standby_due()
+        actions = self._check_stall() + self._standby_due() + self._serving_due()
         if self._contact.heartbeat_due():
             actions.append((self.trainer.progress_report() if self.assignment else None) or Send(api.Heartbeat()))
         return actions
@@ -321,7 +326,8 @@ class AgentCore:
         if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []  # we stopped it on purpose
         self.worker.to(WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED)  # RUNNING -> SUCCEEDED|FAILED
-        return [self.trainer.exited(code, list(output))]
+        ended = self.trainer.exited(code, list(output))
+        return self._replace(ended) if code != 0 and self.serving.replaceable else [ended]
 
     def worker_gone(self, pids: tuple[int, ...]) -> None:
         """Every process of the stopped worker is gone, before the stop is reported done: their GPU memory is
@@ -339,10 +345,14 @@ class AgentCore:
             log.info("the trainer completed (exit 0) while stopping")
             actions.append(self.trainer.report(api.WorkerStatus.SUCCEEDED))
         self.worker.to(WorkerState.STOPPED)  # STOPPING -> STOPPED
+        replaced = self.serving.stopped()
+        if replaced is not None and not self.winding_down and self._rejoin_session is None:
+            return [*actions, Send(replaced), *self._serving_due()]
         return actions + self._after_stop()
 
     def final_stop(self) -> list[Action]:
         """The agent exits: nothing of its worker may outlive it."""
+        self.serving.cancel()
         clean = self.exit_code is ExitCode.SUCCEEDED or self.leaving is not None
         return self._stop("agent exiting", planned=clean)
 
@@ -360,6 +370,17 @@ class AgentCore:
             if self.trainer.progressed(message) else []
         return first + self._standby_due()
 
+    def server_probed(self, generation: int, answered: bool) -> list[Action]:
+        """The answer to ProbeServer: a worker task whose server stopped answering is replaced like one that
+        exited (agent/replacements.py)."""
+        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
+            return []
+        hung = self.serving.probe.answered(answered)
+        if hung is None:
+            return []
+        log.warning("generation %d: %s is hung: %s", generation, self.serving.task_name(), hung)
+        return self._replace(self.trainer.ending(api.WorkerStatus.STALLED, detail=f"hung: {hung}"))
+
     # ------------------------------------------------------------------------------------- local requests
 
     def signal_received(self, signum: int) -> list[Action]:
@@ -374,6 +395,8 @@ class AgentCore:
                         self.worker.state.value)
             return []
         self.assignment = assignment
+        self.serving.assigned(assignment, self.identity.node_id, self.identity.spec)
+        self.serving.launched()
         self.trainer.launched(assignment.generation)
         self._standby.launched(assignment.generation)
         self.worker.to(WorkerState.RUNNING)  # WAITING -> RUNNING: the shell launches it now
@@ -382,6 +405,7 @@ class AgentCore:
 
     def _stop_ordered(self, order: api.StopWorkers) -> list[Action]:
         reason = order.reason
+        self.serving.cancel()
         self._metrics.restarts.labels(reason=reason.value).inc()
         self.trainer.failures.stop_ordered(after_failure=reason.counts_against_budget)
         if not self._current(order.generation):
@@ -401,6 +425,7 @@ class AgentCore:
         level = logging.INFO if order.state is api.JobState.SUCCEEDED else logging.ERROR
         log.log(level, "job %s: %s", order.state.value, order.reason)
         self.exit_code = ExitCode.SUCCEEDED if order.state is api.JobState.SUCCEEDED else ExitCode.FAILED
+        self.serving.cancel()
         return [Announce(f"job {order.state.value}: {order.reason}"), HangUp()]
 
     def _leave(self, reason: str, *, drained: bool = False) -> list[Action]:
@@ -408,6 +433,7 @@ class AgentCore:
             return []
         self.leaving = Leaving(reason, drained)
         self._standby.cancel()
+        self.serving.cancel()
         if not self._contact.open:
             return [StopRetrying()]  # between sessions: nobody to tell; the run loop ends
         log.info("%s: leaving the rendezvous and stopping the worker", reason)
@@ -452,22 +478,49 @@ class AgentCore:
             # Its worker runs on: a coordinator that took the job over keeps it, on the port it has.
             port = next(m.worker_port for m in a.members if m.node_id == ident.node_id)
             node = api.NodeInfo(ident.node_id, ident.host, port, ident.incarnation, a.generation, a.rank,
-                                version=VERSION, protocol=PROTOCOL)
+                                version=VERSION, protocol=PROTOCOL, role=ident.role)
             return api.Join(node, ident.spec, a.restart_count, attached_generation=a.generation)
         port = ident.worker_port or self._pick_port(ident.host)
         node = api.NodeInfo(ident.node_id, ident.host, port, ident.incarnation, a.generation if a else 0,
                             a.rank if a else -1, self.trainer.node.restorable, a.world_size if a else 0, VERSION,
-                            PROTOCOL)
+                            PROTOCOL, ident.role)
         return api.Join(node, ident.spec, a.restart_count if a else 0, checked=checked)
 
     def _stall_limit(self) -> float:
         return self.trainer.stall.limit_in_force() if self.worker.state is WorkerState.RUNNING else 0.0
 
     def _check_stall(self) -> list[Action]:
-        if self.worker.state is not WorkerState.RUNNING:
+        if self.worker.state is not WorkerState.RUNNING or self.serving.serves_only:
             return []
         report = self.trainer.stalled()
         return [report] if report is not None else []
+
+    def _replace(self, ended: Send) -> list[Action]:
+        """A parameter-server job's worker task ended or hung: stop what is left of it and relaunch it alone, or,
+        its budget spent, report it (the coordinator restarts the job)."""
+        assert isinstance(ended.message, api.WorkerReport)
+        report = self.serving.failed(ended.message)
+        if report.status is not api.WorkerStatus.REPLACED:
+            log.error("%s", report.detail)
+            return [Send(report)]
+        return self._stop(f"replacing {self.serving.task_name()}", planned=False)
+
+    def _serving_due(self) -> list[Action]:
+        """A replacement whose backoff is over, or a probe of the worker task's server."""
+        a = self.assignment
+        if a is None or self.winding_down:
+            return []
+        if self.worker.state is WorkerState.STOPPED and self._rejoin_session is None and self.serving.due():
+            self.worker.to(WorkerState.RUNNING)  # STOPPED -> RUNNING: the same assignment, at the same address
+            self.serving.launched()
+            self.trainer.launched(a.generation)
+            self._standby.launched(a.generation)
+            self._metrics.restarts.labels(reason=api.RestartReason.WORKER_REPLACED.value).inc()
+            log.info("generation %d: relaunching %s alone", a.generation, self.serving.task_name())
+            return [Announce(f"relaunching {self.serving.task_name()}"), Launch(a)]
+        if self.worker.state is WorkerState.RUNNING and self.serving.replaceable and self.serving.probe.due():
+            return [ProbeServer(a.generation, a.members[a.rank].address)]
+        return []
 
     def _standby_due(self) -> list[Action]:
         generation = self._standby.due()

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from tfelastic.daemon.agent.api import StopResult
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.rendezvous.api import Assignment
+from tfelastic.daemon.rendezvous.roles import CHIEF, PS, WORKER
 from tfelastic.daemon.sources import config_variables
 from tfelastic.daemon.worker.instrument import instrumentation_env
 from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
@@ -238,11 +239,14 @@ def trainer_env(base: Mapping[str, str], assignment: Assignment, *, job: str, no
     env.setdefault("PYTHONUNBUFFERED", "1")  # a print reaches the log as it happens, and is not lost to a kill
     for name in (LOCAL_CHECKPOINT_DIR_ENV, RESTORE_STEP_ENV, *config_variables()):
         env.pop(name, None)  # only the agent's own values: never one inherited from its environment
+    task_type, task_index = assignment.members[assignment.rank].task
+    by_type = {t: tuple(m.address for m in assignment.members if m.task_type == t) for t in (CHIEF, PS, WORKER)}
     env.update(TrainerEnvironment(
         rank=assignment.rank, world_size=assignment.world_size, generation=assignment.generation,
         restart_count=assignment.restart_count, backup_dir=backup_dir, progress_socket=progress_socket, job=job,
-        node_id=node_id, task_type="worker", task_index=assignment.rank,
-        workers=tuple(m.address for m in assignment.members), local_checkpoint_dir=local_checkpoint_dir,
+        node_id=node_id, task_type=task_type, task_index=task_index,
+        workers=by_type[CHIEF] + by_type[WORKER] if by_type[PS] else tuple(m.address for m in assignment.members),
+        has_chief_job=bool(by_type[PS]), ps=by_type[PS], local_checkpoint_dir=local_checkpoint_dir,
         restore_step=assignment.restore_step).to_env())
     env.update(instrumentation_env(env, instrument))  # model.fit reports with no code change
     return env

@@ -69,6 +69,8 @@ class ClusterCollector(Collector):
         yield CounterMetricFamily("tfelastic_cluster_steps_lost", "Steps redone from below a checkpoint the job "
                                   "had saved: a backup deleted or damaged (logged as a warning).",
                                   value=snap.steps_lost)
+        yield GaugeMetricFamily("tfelastic_cluster_vacant_tasks", "A parameter-server job's worker tasks without a "
+                                "node: it trains on short-handed (status says which).", value=len(snap.vacant))
         if snap.goodput is not None:
             seconds = CounterMetricFamily("tfelastic_job_seconds", "The job's wall time since its first formation, "
                                           "by where it went (docs/goodput.md); goodput is training over the sum.",

@@ -19,6 +19,8 @@
 ``SUCCEEDED -> STOPPING``  the same, after a trainer that exited 0
 ``STOPPING -> STOPPED``    SIGTERM, grace, SIGKILL: every process of the worker is confirmed gone
 ``STOPPED -> WAITING``     the agent joins the next round (the Join confirms the old worker is gone)
+``STOPPED -> RUNNING``     a parameter-server job's failed worker task is relaunched alone, with the same
+                           assignment (agent/replacements.py); the chief and the parameter servers run on
 
 A stalled trainer stays RUNNING until the coordinator's stop order: the agent only reports the stall.
 """
@@ -51,7 +53,7 @@ _ALLOWED: dict[WorkerState, frozenset[WorkerState]] = {
     WorkerState.SUCCEEDED: frozenset({WorkerState.STOPPING}),
     WorkerState.FAILED: frozenset({WorkerState.STOPPING}),
     WorkerState.STOPPING: frozenset({WorkerState.STOPPED}),
-    WorkerState.STOPPED: frozenset({WorkerState.WAITING}),
+    WorkerState.STOPPED: frozenset({WorkerState.WAITING, WorkerState.RUNNING}),
 }
 
 

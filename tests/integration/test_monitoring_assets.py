@@ -64,7 +64,7 @@ KNOWN_METRICS = frozenset({
     "tfelastic_cluster_desired_nodes", "tfelastic_cluster_nodes", "tfelastic_cluster_job_state",
     "tfelastic_cluster_restarts_total", "tfelastic_cluster_max_restarts", "tfelastic_cluster_node_quarantined",
     "tfelastic_cluster_quarantines_total", "tfelastic_cluster_steps_redone_total", "tfelastic_cluster_steps_lost_total",
-    "tfelastic_job_seconds_total",
+    "tfelastic_job_seconds_total", "tfelastic_cluster_vacant_tasks",
     # etcd (daemon/etcd/metrics.py)
     "tfelastic_coordinator_leader_changes_total", "tfelastic_coordinator_elections_won_total",
     "tfelastic_coordinator_leading", "tfelastic_etcd_request_errors_total",

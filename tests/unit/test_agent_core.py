@@ -17,6 +17,7 @@ from tfelastic.daemon.agent.api import (
     Launch,
     ListenForProbe,
     PrepareStandby,
+    ProbeServer,
     RunNodeCheck,
     Send,
     Stop,
@@ -25,6 +26,7 @@ from tfelastic.daemon.agent.api import (
     Timing,
 )
 from tfelastic.daemon.agent.core import AgentCore
+from tfelastic.daemon.agent.replacements import ReplacementPolicy
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
@@ -931,3 +933,142 @@ def test_after_a_fence_the_next_session_joins_with_the_release_failure() -> None
     assert h.core.session_opened() == [ListenForProbe(5555)]
     [join] = joins(h.core.probe_listening(""))
     assert (join.checked, join.check_failure) == (True, HELD)
+
+
+# ------------------------------------------------------------------------------- a parameter-server job's tasks
+
+PS_SPEC = api.JobSpec("job", b"\x01" * 32, 3, 4, 3, 3600.0, 10.0, "/backup", 0.5, 2.0, "parameter-server", 1)
+PS_TASKS = (("chief", 0), ("ps", 0), ("worker", 0), ("worker", 1))
+
+
+class PsHarness(Harness):
+    """An agent of a parameter-server job whose node holds the task of ``rank`` (0 chief, 1 ps, 2-3 workers)."""
+
+    def __init__(self, rank: int, budget: int = 3) -> None:
+        self.clock = FakeClock(100.0)
+        self.registry = CollectorRegistry()
+        node_id = f"n{rank + 1}"
+        identity = Identity(node_id, f"10.0.0.{rank + 1}", PS_SPEC, "incarnation-1", role="any")
+        policy = ReplacementPolicy(budget=budget, window=3600.0, backoff=1.0, backoff_max=30.0)
+        timing = Timing(HEARTBEAT, NODE_TIMEOUT, 600.0, FIXED_STALL, stop_grace=10.0, replacement=policy)
+        self.core = AgentCore(identity, timing, Connection("head:29400"), AgentMetrics(self.registry, "job", node_id),
+                              self.clock, pick_port=lambda host: 5555)
+        self.rank = rank
+        self.assignment = api.Assignment(1, rank, 4, tuple(
+            api.Member(f"n{i + 1}", i, f"10.0.0.{i + 1}", 5555, *PS_TASKS[i]) for i in range(4)), 0)
+        self.core.session_opened()
+        assert Launch(self.assignment) in self.core.received(self.assignment)
+        self.core.worker_started(1, 4001)
+
+    def tick(self) -> list[Action]:
+        """A tick while the coordinator keeps talking."""
+        self.core.received(api.Heartbeat())
+        return self.core.tick()
+
+    def killed(self) -> list[Action]:
+        """The worker task is SIGKILLed; the agent stops what is left of it."""
+        actions = self.core.worker_exited(1, -9)
+        return actions + (self.core.worker_stopped(StopResult(-9, True, (4001,))) if stops(actions) else [])
+
+
+def test_a_ps_worker_that_dies_is_replaced_alone_with_the_same_assignment() -> None:
+    h = PsHarness(rank=3)
+    actions = h.killed()
+    [replaced] = reports(actions)
+    assert replaced.status is api.WorkerStatus.REPLACED and "worker 1" in replaced.detail
+    assert Launch(h.assignment) in actions  # the first replacement goes at once, at the same address
+    assert h.worker_state() is WorkerState.RUNNING
+    assert h.metric("tfelastic_restarts_total", reason="worker_replaced") == 1.0
+    assert not joins(actions)  # no Join: the generation goes on
+
+
+def test_replacements_in_a_row_back_off_and_a_spent_budget_is_reported_as_a_failure() -> None:
+    h = PsHarness(rank=2, budget=3)
+    h.killed()
+    h.core.worker_started(1, 4002)
+    actions = h.killed()  # the second in a row waits restart_backoff
+    assert not [a for a in actions if isinstance(a, Launch)] and h.worker_state() is WorkerState.STOPPED
+    h.clock.now += 0.9
+    assert not [a for a in h.tick() if isinstance(a, Launch)]
+    h.clock.now += 0.2
+    assert Launch(h.assignment) in h.tick()
+    h.core.worker_started(1, 4003)
+    h.clock.now += 3.0
+    assert not [a for a in h.killed() + h.tick() if isinstance(a, Launch)]  # the third waits 2 s
+    h.clock.now += 2.0
+    assert Launch(h.assignment) in h.tick()
+    h.core.worker_started(1, 4004)
+    actions = h.core.worker_exited(1, -9)  # the fourth: 3 within the window is the budget
+    [failed] = reports(actions)
+    assert failed.status is api.WorkerStatus.FAILED and "--worker-replacements 3" in failed.detail
+    assert not stops(actions)  # the coordinator decides: it restarts the job
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_chief_and_the_parameter_servers_are_never_replaced_alone(rank: int) -> None:
+    h = PsHarness(rank=rank)
+    actions = h.core.worker_exited(1, -9)
+    assert [r.status for r in reports(actions)] == [api.WorkerStatus.FAILED]
+    assert not stops(actions)
+
+
+def test_a_parameter_server_and_a_worker_are_not_watched_for_progress_but_the_chief_is() -> None:
+    for rank, watched in ((0, True), (1, False), (2, False)):
+        h = PsHarness(rank=rank)
+        h.core.progress(ProgressMessage(1, 4001, step=5))  # a worker's sitecustomize may report too: ignored
+        h.clock.now += STALL + 0.25
+        assert bool(stalled(h.tick())) is watched
+
+
+def test_a_worker_whose_server_stops_answering_is_replaced() -> None:
+    h = PsHarness(rank=2)
+    probes = []
+    for _ in range(6):
+        h.clock.now += 2.0
+        probes += [a for a in h.tick() if isinstance(a, ProbeServer)]
+        if probes:
+            assert h.core.server_probed(1, answered=True) == []
+    assert probes and probes[0] == ProbeServer(1, "10.0.0.3:5555")
+    actions: list[Action] = []
+    for _ in range(3):
+        h.clock.now += 2.0
+        assert [a for a in h.tick() if isinstance(a, ProbeServer)]
+        actions = h.core.server_probed(1, answered=False)
+    assert stops(actions) == [Stop("replacing worker 0", False)]
+    actions = h.core.worker_stopped(StopResult(-9, False, (4001,)))
+    assert [r.status for r in reports(actions)] == [api.WorkerStatus.REPLACED]
+    assert "did not answer 3 probes" in reports(actions)[0].detail
+    assert Launch(h.assignment) in actions
+
+
+def test_a_stop_order_during_a_replacement_rejoins_instead_of_relaunching() -> None:
+    h = PsHarness(rank=2)
+    h.killed()
+    h.core.worker_started(1, 4002)
+    h.core.worker_exited(1, -9)  # the second in a row: stopping, then a backoff
+    actions = h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))  # a ps failed meanwhile
+    actions += h.core.worker_stopped(StopResult(-9, True, (4002,)))
+    assert joins(actions) and not [a for a in actions if isinstance(a, Launch)]
+    h.clock.now += 60.0
+    assert not [a for a in h.tick() if isinstance(a, Launch)]
+
+
+def test_a_join_says_which_task_the_node_may_take() -> None:
+    h = Harness()
+    h.core.identity = Identity("n1", "10.0.0.1", PS_SPEC, "incarnation-1", role="ps")
+    [join] = joins(h.core.session_opened())
+    assert join.node.role == "ps"
+
+
+def test_a_mirrored_worker_is_never_relaunched_without_a_new_assignment() -> None:
+    h = Harness()
+    h.running()
+    actions = h.core.worker_exited(1, -9)
+    assert [r.status for r in reports(actions)] == [api.WorkerStatus.FAILED]
+    actions = h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    actions += h.core.worker_stopped(StopResult(-9, True, (4001,)))
+    for _ in range(120):
+        h.clock.now += 0.5
+        h.core.received(api.Heartbeat())
+        actions += h.core.tick()
+    assert joins(actions) and not [a for a in actions if isinstance(a, Launch)]

@@ -6,8 +6,10 @@ Pure logic over a fake clock, like test_rendezvous_state.py: every test asserts 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 
+from tfelastic.daemon.agent.runner import trainer_env
 from tfelastic.daemon.rendezvous import bounds
 from tfelastic.daemon.rendezvous.api import (
     Assignment,
@@ -188,3 +190,18 @@ def test_the_job_spec_rules_of_a_parameter_server_job() -> None:
     assert problems(strategy="mirrored", ps=1)[0].startswith("ps: 1 needs --strategy parameter-server")
     assert problems(strategy="async")[0].startswith("strategy: 'async' is not one of mirrored, parameter-server")
     assert problems(strategy="mirrored", ps=0) == []
+
+
+def test_tf_config_names_chief_ps_and_workers_and_each_members_own_task() -> None:
+    got = {}
+    for send in assignments(1, ["a", "b", "c", "d"]):
+        assert isinstance(send.order, Assignment)
+        env = trainer_env({}, send.order, job="ctr", node_id=send.node_id, backup_dir="/b", progress_socket="/s",
+                          instrument=False)
+        got[send.node_id] = json.loads(env["TF_CONFIG"])
+        assert env["TFELASTIC_RANK"] == str(send.order.rank) and env["TFELASTIC_WORLD_SIZE"] == "4"
+    cluster = {"chief": ["a.cluster:2222"], "ps": ["b.cluster:2222"], "worker": ["c.cluster:2222", "d.cluster:2222"]}
+    assert got == {"a": {"cluster": cluster, "task": {"type": "chief", "index": 0}},
+                   "b": {"cluster": cluster, "task": {"type": "ps", "index": 0}},
+                   "c": {"cluster": cluster, "task": {"type": "worker", "index": 0}},
+                   "d": {"cluster": cluster, "task": {"type": "worker", "index": 1}}}

@@ -14,10 +14,10 @@ from tfelastic.daemon.status import SCHEMA_VERSION, render_table, status_to_json
 
 TOP_KEYS = ["schema_version", "job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes",
             "max_restarts", "restarts_total", "restarts_by_reason", "nodes", "warnings", "steps_redone", "steps_lost",
-            "coordinator", "quarantines_by_kind", "goodput"]
+            "coordinator", "quarantines_by_kind", "goodput", "vacant"]
 NODE_KEYS = ["node_id", "rank", "address", "state", "worker_pid", "step", "loss", "last_checkpoint_step",
              "progress_age_seconds", "steps_per_second", "last_checkpoint_age_seconds", "gpus", "gpu_utilization",
-             "version", "quarantine"]
+             "version", "quarantine", "role", "replacements"]
 WALL = 1795000000.0
 
 
@@ -71,15 +71,15 @@ def test_status_to_json_has_exactly_the_documented_keys_and_values() -> None:
             {"node_id": "node-a", "rank": 0, "address": "10.0.0.1:2222", "state": "running", "worker_pid": 4242,
              "step": 120, "loss": 0.25, "last_checkpoint_step": 100, "progress_age_seconds": 1.235,
              "steps_per_second": 12.5, "last_checkpoint_age_seconds": 30.25, "gpus": 8, "gpu_utilization": 0.875,
-             "version": None, "quarantine": None},
+             "version": None, "quarantine": None, "role": None, "replacements": 0},
             {"node_id": "node-b", "rank": 1, "address": "10.0.0.2:2223", "state": "running", "worker_pid": 4343,
              "step": 119, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": 0.5,
              "steps_per_second": 0.0, "last_checkpoint_age_seconds": None, "gpus": 0, "gpu_utilization": None,
-             "version": None, "quarantine": None},
+             "version": None, "quarantine": None, "role": None, "replacements": 0},
             {"node_id": "spare", "rank": None, "address": "10.0.0.3:0", "state": "waiting", "worker_pid": None,
              "step": None, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": None,
              "steps_per_second": None, "last_checkpoint_age_seconds": None, "gpus": 0, "gpu_utilization": None,
-             "version": None, "quarantine": None},
+             "version": None, "quarantine": None, "role": None, "replacements": 0},
         ],
         "warnings": [],
         "steps_redone": 0,
@@ -88,6 +88,7 @@ def test_status_to_json_has_exactly_the_documented_keys_and_values() -> None:
                         "protocol": None},
         "quarantines_by_kind": {},
         "goodput": None,  # the proto has no ledger: an older coordinator's status
+        "vacant": [],
     }
     assert SCHEMA_VERSION == 1
     json.dumps(doc)  # serialisable as it is
@@ -128,7 +129,7 @@ def test_an_empty_status_is_a_complete_document() -> None:
     assert doc == {"schema_version": 1, "job": "", "state": "unknown", "reason": "", "generation": 0,
                    "world_size": 0, "min_nodes": 0, "max_nodes": 0, "max_restarts": 0, "restarts_total": 0,
                    "restarts_by_reason": {}, "nodes": [], "warnings": [], "steps_redone": 0, "steps_lost": 0,
-                   "coordinator": None, "quarantines_by_kind": {}, "goodput": None}
+                   "coordinator": None, "quarantines_by_kind": {}, "goodput": None, "vacant": []}
 
 
 def test_render_table() -> None:
@@ -270,3 +271,24 @@ def test_nodes_of_different_versions_get_a_line_an_upgrade_is_under_way() -> Non
     lines = render_table(doc).splitlines()
     assert "coordinator: a at h:1 (tfelastic 0.2.0)" in lines
     assert "versions: 0.2.0 on a, b; 0.3.0 on c" in lines
+
+
+def test_a_parameter_server_job_shows_each_nodes_task_and_the_vacant_ones() -> None:
+    status = cluster_status(nodes=[
+        pb.NodeStatus(node_id="head", rank=0, host="10.0.0.1", worker_port=2222, state="running", role="chief"),
+        pb.NodeStatus(node_id="cpu1", rank=1, host="10.0.0.2", worker_port=2222, state="running", role="ps 0"),
+        pb.NodeStatus(node_id="gpu1", rank=2, host="10.0.0.3", worker_port=2222, state="running", role="worker 0",
+                      replacements=3)])
+    status.vacant.append("worker 1: node gpu2 lost (silent for 2.1s)")
+    doc = to_json(status)
+    assert [(n["role"], n["replacements"]) for n in doc["nodes"]] == [("chief", 0), ("ps 0", 0), ("worker 0", 3)]
+    assert doc["vacant"] == ["worker 1: node gpu2 lost (silent for 2.1s)"]
+    table = render_table(doc)
+    assert "vacant: worker 1: node gpu2 lost (silent for 2.1s)" in table
+    header, *rows = table.splitlines()[table.splitlines().index("") + 1:]
+    assert header.split()[:3] == ["NODE", "RANK", "ROLE"]
+    assert rows[2].split()[:5] == ["gpu1", "2", "worker", "0", "(replaced"]
+
+
+def test_a_mirrored_jobs_table_has_no_role_column() -> None:
+    assert "ROLE" not in render_table(to_json(cluster_status()))
