@@ -244,7 +244,11 @@ class Agent:
                     self.hooks.status(action.status)
 
     async def _probe_server(self, probe: ProbeServer) -> None:
-        answered = await server_probe.answers(probe.address, PROBE_TIMEOUT)
+        try:
+            answered = await server_probe.answers(probe.address, PROBE_TIMEOUT)
+        except Exception:  # never a probe that ends unanswered: the core waits for one answer at a time
+            log.exception("probing the worker's server at %s", probe.address)
+            answered = False
         self._apply(self.core.server_probed(probe.generation, answered))
 
     def _launch(self, assignment: api.Assignment) -> None:

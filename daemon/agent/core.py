@@ -375,7 +375,12 @@ class AgentCore:
         exited (agent/replacements.py)."""
         if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []
-        hung = self.serving.probe.answered(answered)
+        probe = self.serving.probe
+        first = probe.serving_after is None
+        hung = probe.answered(answered)
+        if first and probe.serving_after is not None:
+            log.info("generation %d: %s serves, %.1fs after its launch", generation, self.serving.task_name(),
+                     probe.serving_after)
         if hung is None:
             return []
         log.warning("generation %d: %s is hung: %s", generation, self.serving.task_name(), hung)

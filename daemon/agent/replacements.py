@@ -83,11 +83,13 @@ class ServerProbe:
         self._unanswered = 0
         self._answered_once = False
         self._in_flight = False
+        self.serving_after: float | None = None  # seconds from the launch to the first answer
 
     def launched(self) -> None:
         now = self._clock()
         self._launched_at, self._next = now, now + PROBE_INTERVAL
         self._unanswered, self._answered_once, self._in_flight = 0, False, False
+        self.serving_after = None
 
     def stopped(self) -> None:
         self._launched_at = None
@@ -106,6 +108,8 @@ class ServerProbe:
         if self._launched_at is None:
             return None
         if ok:
+            if not self._answered_once:
+                self.serving_after = self._clock() - self._launched_at
             self._unanswered, self._answered_once = 0, True
             return None
         self._unanswered += 1

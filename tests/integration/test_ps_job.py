@@ -1,0 +1,153 @@
+"""Parameter-server jobs end to end: real agents, a real coordinator, real TensorFlow (ParameterServerStrategy on
+the CPU), on localhost. A worker's failure costs nobody a restart; a parameter server's or the chief's restarts
+the job from the chief's checkpoint; a lost worker's node leaves its task vacant until a node takes it in a
+planned restart (docs/parameter-server.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cluster import Cluster, alive, kill, wait_for
+from tests.conftest import ClusterFactory
+
+pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
+
+ROOT = Path(__file__).resolve().parents[2]
+PS_ARGS = ["--strategy", "parameter-server", "--ps", "1", "--stall-timeout", "60", "--stop-grace", "10",
+           "--last-call", "30", "--settle", "1", "--warm-start", "off"]
+
+
+def roles(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The members of the running generation by their task ("chief", "ps 0", "worker 1")."""
+    return {n["role"]: n for n in doc["nodes"] if n["role"]}
+
+
+def summaries(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+class ChiefSteps:
+    """Polls status in the background and keeps every step the chief reported, in order."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.steps: list[tuple[int, int]] = []  # (generation, step)
+        self.losses: list[float] = []
+        self._cluster, self._done = cluster, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._done.wait(0.3):
+            doc = self._cluster.status()
+            chief = roles(doc).get("chief") if doc is not None else None
+            if doc is not None and chief is not None and chief["step"] is not None:
+                self.steps.append((doc["generation"], chief["step"]))
+                if chief["loss"] is not None:
+                    self.losses.append(chief["loss"])
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+@pytest.fixture
+def watch() -> Iterator[list[ChiefSteps]]:
+    watches: list[ChiefSteps] = []
+    yield watches
+    for w in watches:
+        w.stop()
+
+
+def ps_cluster(make_cluster: ClusterFactory, tmp_path: Path, trainer: list[str], nodes: str = "4",
+               extra: tuple[str, ...] = ()) -> Cluster:
+    return make_cluster(trainer, nodes=nodes, extra_args=[*PS_ARGS, *extra])
+
+
+def wait_training(cluster: Cluster, generation: int, step: int, timeout: float = 120) -> dict[str, Any]:
+    return cluster.wait_status(
+        lambda d: d["state"] == "running" and d["generation"] == generation
+        and (roles(d).get("chief") or {}).get("step") is not None and roles(d)["chief"]["step"] >= step,
+        timeout, f"generation {generation}'s chief past step {step}")
+
+
+def wait_serving(cluster: Cluster, node_id: str, task: str, times: int) -> None:
+    """Until the node's agent has seen its worker task's server answer after ``times`` launches."""
+    agent = next(a for a in cluster.agents if a.node_id == node_id)
+    wait_for(lambda: agent.log().count(f"{task} serves") >= times, 90, f"{task} on {node_id} serving ({times})")
+
+
+def test_workers_killed_and_hung_are_replaced_alone_while_the_chief_trains_on(
+        make_cluster: ClusterFactory, tmp_path: Path, watch: list[ChiefSteps]) -> None:
+    summary = tmp_path / "summary.jsonl"
+    trainer = [sys.executable, str(ROOT / "examples" / "ps_custom_loop.py"), "--steps", "700", "--save-every", "50",
+               "--step-seconds", "0.05", "--summary-file", str(summary)]
+    cluster = ps_cluster(make_cluster, tmp_path, trainer)
+    for node in ("head", "cpu1", "gpu1", "gpu2"):
+        cluster.start(node, extra=["--role", {"head": "chief", "cpu1": "ps"}.get(node, "worker")])
+    doc = wait_training(cluster, 1, 20, timeout=180)
+    steps = ChiefSteps(cluster)
+    watch.append(steps)
+    tasks = roles(doc)
+    assert (tasks["chief"]["node_id"], tasks["ps 0"]["node_id"]) == ("head", "cpu1")  # as they asked (--role)
+    assert {tasks["worker 0"]["node_id"], tasks["worker 1"]["node_id"]} == {"gpu1", "gpu2"}  # in joining order
+    chief_pid, ps_pid = tasks["chief"]["worker_pid"], tasks["ps 0"]["worker_pid"]
+
+    for i in range(5):  # SIGKILL a worker 5 times, each serving again before the next
+        task = f"worker {i % 2}"
+        victim = roles(doc)[task]
+        wait_serving(cluster, victim["node_id"], task, i // 2 + 1)
+        kill(victim["worker_pid"])
+        doc = cluster.wait_status(
+            lambda d, task=task, pid=victim["worker_pid"], i=i: roles(d)[task]["worker_pid"] not in (None, pid)
+            and roles(d)[task]["replacements"] >= i // 2 + 1, 60, f"{task} replaced")
+    # A worker alive but not serving: found by the agent's probe, replaced alone.
+    wedged = roles(doc)["worker 0"]
+    wait_serving(cluster, wedged["node_id"], "worker 0", 4)
+    kill(wedged["worker_pid"], signal.SIGSTOP)
+    doc = cluster.wait_status(lambda d: roles(d)["worker 0"]["worker_pid"] not in (None, wedged["worker_pid"]), 60,
+                              "the hung worker replaced")
+    assert not alive(wedged["worker_pid"])
+    doc = cluster.wait_status(lambda d: d["restarts_by_reason"].get("worker_replaced") == 6, 30,
+                              "six replacements counted")
+    assert doc["restarts_total"] == 0 and doc["generation"] == 1  # never a restart of the job
+    assert roles(doc)["chief"]["worker_pid"] == chief_pid and roles(doc)["ps 0"]["worker_pid"] == ps_pid
+    assert sum(n["replacements"] for n in doc["nodes"]) == 6
+
+    assert cluster.wait_all(300) == [0, 0, 0, 0], cluster.logs()
+    steps.stop()
+    [done] = [s for s in summaries(summary) if not s["preempted"]]
+    assert (done["final_step"], done["generation"], done["pid"]) == (700, 1, chief_pid)
+    assert {g for g, _ in steps.steps} == {1}
+    chief_steps = [s for _, s in steps.steps]
+    assert chief_steps == sorted(chief_steps), "the chief's step went back"
+    assert math.isfinite(done["train_loss"]) and steps.losses and done["train_loss"] < steps.losses[0]
+    log = cluster.logs()
+    assert "relaunching worker 0 alone" in log and "relaunching worker 1 alone" in log
+    assert "is hung: its server did not answer" in log
+
+
+def test_a_bad_role_combination_exits_78_before_anything_starts(tmp_path: Path) -> None:
+    cases = [
+        (["--strategy", "parameter-server", "--ps", "2", "--nodes", "3"], "the minimum must be at least 4"),
+        (["--ps", "1", "--nodes", "3"], "needs --strategy parameter-server"),
+        (["--role", "ps", "--nodes", "3"], "--role: 'ps' is a task of a parameter-server job"),
+        (["--strategy", "parameter-server", "--nodes", "3"], "needs at least 1 parameter server"),
+        (["--strategy", "parameter-server", "--ps", "1", "--nodes", "3", "--role", "boss"], "--role"),
+    ]
+    for flags, message in cases:
+        done = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "run", "--rendezvous", "127.0.0.1:1",
+                               *flags, "--", "python", "train.py"], capture_output=True, text=True, timeout=60,
+                              cwd=tmp_path)
+        assert done.returncode in (78, 2), (flags, done.stderr)
+        assert message in done.stderr, (flags, done.stderr)
+        assert "Traceback" not in done.stderr
