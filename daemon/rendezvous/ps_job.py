@@ -11,6 +11,9 @@ Which failure costs what (TensorFlow's ParameterServerStrategy: docs/parameter-s
   fixed for the life of its processes, so a new address can only enter with a new generation;
 - the *chief* or a *parameter server* failing, or their node lost, restarts the job, and the chief resumes from its
   last checkpoint, as in a mirrored job;
+- a planned restart (a node joins, an operator's drain or restart) stops the chief first: it saves on SIGTERM, and
+  its save reads the variables from the parameter servers, so they (and the workers) are told to stop only once
+  the chief's trainer is gone;
 - the job ends with its chief: the parameter servers and workers serve forever, so the chief's exit 0 is the job's
   success, and every agent stops its task and exits 0.
 """
@@ -21,7 +24,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterable
 
-from tfelastic.daemon.rendezvous.api import JobSpec, Member, NodeInfo
+from tfelastic.daemon.rendezvous.api import JobSpec, Member, NodeInfo, RestartReason
 from tfelastic.daemon.rendezvous.roles import WORKER, Candidate, Role, Task, assign, task_of_rank
 
 log = logging.getLogger("tfelastic.coordinator")
@@ -32,6 +35,7 @@ class TaskBook:
         self.tasks: dict[str, Task] = {}  # node id -> its task in the current generation
         self.vacant: dict[str, str] = {}  # node id -> why its task has no node now
         self.replacements: Counter[str] = Counter()  # node id -> its worker replaced alone, so far
+        self.held: dict[str, RestartReason] = {}  # members whose stop waits for the chief's (a planned restart)
 
     def arrange(self, spec: JobSpec, waiting: Iterable[tuple[str, NodeInfo]]) -> list[str]:
         """The next generation's members in rank order (chief, parameter servers, workers), from the waiting nodes
@@ -65,6 +69,13 @@ class TaskBook:
         log.warning("%s vacant (%s): the job trains on with %d worker(s); a node that joins takes the task in a "
                     "planned restart", task, why, workers_left)
         return True
+
+    def hold(self, node_id: str, reason: RestartReason) -> None:
+        self.held[node_id] = reason
+
+    def release(self) -> list[tuple[str, RestartReason]]:
+        released, self.held = list(self.held.items()), {}
+        return released
 
     def replaced(self, node_id: str, detail: str) -> None:
         self.replacements[node_id] += 1

@@ -550,15 +550,41 @@ class Rendezvous:
                      self.generation + 1, self.restarts.failed_in_a_row)
         self._timers.cancel_scale_up()
         sends = []
+        chief_first = spec.parameter_server and not reason.counts_against_budget and self._chief_stopping(now=True)
         for node_id in self._members:
             node = self.nodes.get(node_id)
             if node is not None and node.state in (NodeState.RUNNING, NodeState.SUCCEEDED):
+                if chief_first and node_id != self._members[0]:
+                    self.tasks.hold(node_id, reason)  # its variables or steps serve the chief's last save
+                    continue
                 self.nodes.set_state(node, NodeState.STOPPING)  # RUNNING -> STOPPING
                 sends.append(Send(node_id, StopWorkers(self.generation, reason)))
         self._timers.open(now)
         return sends + self._try_close_round(now)
 
+    def _chief_stopping(self, *, now: bool = False) -> bool:
+        """The chief's node is stopping its trainer (or, ``now``, is about to be told to)."""
+        chief = self.nodes.get(self._members[0]) if self._members else None
+        states = (NodeState.RUNNING, NodeState.SUCCEEDED, NodeState.LEAVING) if now else \
+            (NodeState.STOPPING, NodeState.LEAVING)
+        return chief is not None and chief.state in states
+
+    def _release_held(self) -> list[Send]:
+        """A parameter-server job's planned stop stops the chief first, so that it saves while the parameter
+        servers it reads still serve; the others are told once the chief's trainer is gone."""
+        if not self.tasks.held or self._chief_stopping():
+            return []
+        sends = []
+        for node_id, reason in self.tasks.release():
+            node = self.nodes.get(node_id)
+            if node is not None and node.state in (NodeState.RUNNING, NodeState.SUCCEEDED):
+                self.nodes.set_state(node, NodeState.STOPPING)  # RUNNING -> STOPPING, after the chief
+                sends.append(Send(node_id, StopWorkers(self.generation, reason)))
+        return sends
+
     def _try_close_round(self, now: float) -> list[Send]:
+        if released := self._release_held():
+            return released
         if self.spec is None or self.state not in (JobState.WAITING, JobState.RESTARTING) or self.nodes.any_stopping():
             return []
         if self.state is JobState.RESTARTING:

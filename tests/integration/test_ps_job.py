@@ -151,3 +151,59 @@ def test_a_bad_role_combination_exits_78_before_anything_starts(tmp_path: Path) 
         assert done.returncode in (78, 2), (flags, done.stderr)
         assert message in done.stderr, (flags, done.stderr)
         assert "Traceback" not in done.stderr
+
+
+def test_a_killed_parameter_server_and_a_killed_chief_each_restart_the_job_from_the_checkpoint(
+        make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    summary = tmp_path / "summary.jsonl"
+    trainer = [sys.executable, str(ROOT / "examples" / "ps_keras_fit.py"), "--epochs", "4", "--steps-per-epoch",
+               "100", "--save-every", "20", "--step-seconds", "0.05", "--summary-file", str(summary)]
+    cluster = ps_cluster(make_cluster, tmp_path, trainer)
+    for node in ("a", "b", "c", "d"):
+        cluster.start(node)
+    doc = wait_training(cluster, 1, 45, timeout=180)
+    kill(roles(doc)["ps 0"]["worker_pid"])
+    doc = wait_training(cluster, 2, 1, timeout=120)
+    assert doc["restarts_by_reason"] == {"worker_exit": 1}
+    resumed = roles(doc)["chief"]["step"]
+    wait_training(cluster, 2, resumed + 45, timeout=120)
+    kill(roles(cluster.status() or doc)["chief"]["worker_pid"])
+    doc = wait_training(cluster, 3, 1, timeout=120)
+    assert doc["restarts_by_reason"] == {"worker_exit": 2}
+    assert cluster.wait_all(300) == [0, 0, 0, 0], cluster.logs()
+    [done] = [s for s in summaries(summary) if not s["preempted"]]
+    assert (done["final_step"], done["generation"]) == (400, 3)
+    assert done["initial_step"] >= 40 and done["initial_step"] % 20 == 0  # the chief's checkpoint, not a guess
+    assert math.isfinite(done["train_loss"])
+
+
+def test_a_lost_workers_node_leaves_its_task_vacant_and_returns_through_a_planned_restart(
+        make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    summary = tmp_path / "summary.jsonl"
+    trainer = [sys.executable, str(ROOT / "examples" / "ps_custom_loop.py"), "--steps", "900", "--save-every", "100",
+               "--step-seconds", "0.05", "--summary-file", str(summary)]
+    cluster = ps_cluster(make_cluster, tmp_path, trainer, nodes="3:4")
+    for node in ("a", "b", "c", "d"):
+        cluster.start(node)
+    doc = wait_training(cluster, 1, 20, timeout=180)
+    lost = roles(doc)["worker 1"]
+    agent = next(a for a in cluster.agents if a.node_id == lost["node_id"])
+    agent.proc.send_signal(signal.SIGKILL)
+    wait_for(lambda: not alive(lost["worker_pid"]), 15, "the lost agent's worker to die")
+    doc = cluster.wait_status(lambda d: bool(d["vacant"]), 30, "the task vacant")
+    [vacant] = doc["vacant"]
+    assert vacant.startswith(f"worker 1: node {lost['node_id']} lost"), vacant
+    step = roles(doc)["chief"]["step"]
+    doc = wait_training(cluster, 1, step + 60, timeout=120)  # short-handed, on the same generation
+    assert doc["restarts_total"] == 0
+
+    cluster.start(lost["node_id"])  # the node comes back
+    doc = wait_training(cluster, 2, 1, timeout=120)
+    assert doc["restarts_by_reason"] == {"scale_up": 1} and doc["vacant"] == []
+    assert roles(doc)["worker 1"]["node_id"] == lost["node_id"]  # its old task again
+    codes = [a.proc.wait(300) for a in cluster.agents if a is not agent]
+    assert codes == [0, 0, 0, 0], cluster.logs()
+    stopped = [s for s in summaries(summary) if s["preempted"]]
+    [done] = [s for s in summaries(summary) if not s["preempted"]]
+    assert done["final_step"] == 900 and done["generation"] == 2
+    assert [s["final_step"] for s in stopped] == [done["initial_step"]]  # saved on the stop: no step redone

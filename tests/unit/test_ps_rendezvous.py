@@ -110,9 +110,13 @@ def test_a_lost_workers_task_is_vacant_and_a_node_that_joins_takes_it_in_a_plann
     clock.now += SETTINGS.settle_seconds
     for n in "abcd":
         rv.heartbeat(n)
-    assert rv.tick() == [Send(n, StopWorkers(1, RestartReason.SCALE_UP)) for n in "abc"]
+    # The chief first: it saves on SIGTERM, reading the variables from the parameter server, which must still serve.
+    assert rv.tick() == [Send("a", StopWorkers(1, RestartReason.SCALE_UP))]
+    assert rv.join(info("a", last_generation=1), SPEC, rejoin=True) == [
+        *(Send(n, StopWorkers(1, RestartReason.SCALE_UP)) for n in "bc"),
+        Send("a", Waiting(2, 3, 4, "waiting for the round to close"))]
     sends: list[Send] = []
-    for n in "abc":
+    for n in "bc":
         sends = rv.join(info(n, last_generation=1), SPEC, rejoin=True)
     assert sends == assignments(2, ["a", "b", "c", "d"], restarts=1)  # d is worker 1 again: same task, same index
     assert rv.snapshot().vacant == ()
@@ -205,3 +209,15 @@ def test_tf_config_names_chief_ps_and_workers_and_each_members_own_task() -> Non
                    "b": {"cluster": cluster, "task": {"type": "ps", "index": 0}},
                    "c": {"cluster": cluster, "task": {"type": "worker", "index": 0}},
                    "d": {"cluster": cluster, "task": {"type": "worker", "index": 1}}}
+
+
+def test_a_failure_stops_every_member_at_once() -> None:
+    rv = running(FakeClock(), {"a": "any", "b": "any", "c": "any", "d": "any"})
+    assert rv.disconnect("b") == [Send(n, StopWorkers(1, RestartReason.NODE_LOST)) for n in "acd"]
+
+
+def test_an_operator_restart_stops_the_chief_first_and_the_others_when_its_node_is_gone() -> None:
+    rv = running(FakeClock(), {"a": "any", "b": "any", "c": "any", "d": "any"})
+    sends, _ = rv.restart_job("new data")
+    assert sends == [Send("a", StopWorkers(1, RestartReason.OPERATOR_RESTART))]
+    assert rv.disconnect("a") == [Send(n, StopWorkers(1, RestartReason.OPERATOR_RESTART)) for n in "bcd"]
