@@ -207,3 +207,27 @@ def test_a_lost_workers_node_leaves_its_task_vacant_and_returns_through_a_planne
     [done] = [s for s in summaries(summary) if not s["preempted"]]
     assert done["final_step"] == 900 and done["generation"] == 2
     assert [s["final_step"] for s in stopped] == [done["initial_step"]]  # saved on the stop: no step redone
+
+
+def test_an_unmodified_tensorflow_tutorial_script_runs_and_its_worker_is_replaced_alone(
+        make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    """tests/trainers/ps_tutorial.py imports nothing of tfelastic: TF_CONFIG is all it needs. It reports no
+    progress either, so the test watches its workers' pids and the chief's own output."""
+    trainer = [sys.executable, str(ROOT / "tests" / "trainers" / "ps_tutorial.py"), str(tmp_path / "tutorial-backup")]
+    cluster = make_cluster(trainer, nodes="4", extra_args=[*PS_ARGS, "--stall-timeout", "off"],
+                           env={"PS_TUTORIAL_EPOCHS": "12", "PS_TUTORIAL_STEPS": "20",
+                                "PS_TUTORIAL_EPOCH_SECONDS": "2"})
+    for node in ("a", "b", "c", "d"):
+        cluster.start(node)
+    doc = cluster.wait_status(lambda d: d["state"] == "running" and all(n["worker_pid"] for n in roles(d).values()),
+                              120, "every task running")
+    worker = roles(doc)["worker 0"]
+    chief_agent = next(a for a in cluster.agents if a.node_id == roles(doc)["chief"]["node_id"])
+    wait_serving(cluster, worker["node_id"], "worker 0", 1)
+    wait_for(lambda: "Epoch 2/12" in chief_agent.log(), 120, "the chief's second epoch")
+    kill(worker["worker_pid"])
+    doc = cluster.wait_status(lambda d: roles(d)["worker 0"]["worker_pid"] not in (None, worker["worker_pid"]), 60,
+                              "worker 0 replaced")
+    assert doc["generation"] == 1 and doc["restarts_by_reason"] == {"worker_replaced": 1}
+    assert cluster.wait_all(300) == [0, 0, 0, 0], cluster.logs()
+    assert "done at step 240" in chief_agent.log()
