@@ -8,7 +8,7 @@ upgrade between two releases whose protocols it lists (docs/operations.md, "Upgr
 
 from __future__ import annotations
 
-VERSION = "0.2.0"  # also the package's (pyproject.toml reads it from here)
+VERSION = "0.3.0"  # also the package's (pyproject.toml reads it from here)
 PROTOCOL = 1
 OLDEST_PROTOCOL = 1  # an agent older than the field says 0, which is protocol 1
 
