@@ -153,7 +153,7 @@ def test_a_bad_role_combination_exits_78_before_anything_starts(tmp_path: Path) 
         assert "Traceback" not in done.stderr
 
 
-def test_a_killed_parameter_server_and_a_killed_chief_each_restart_the_job_from_the_checkpoint(
+def test_model_fit_workers_are_replaced_alone_and_a_killed_ps_or_chief_restarts_the_job_from_the_checkpoint(
         make_cluster: ClusterFactory, tmp_path: Path) -> None:
     summary = tmp_path / "summary.jsonl"
     trainer = [sys.executable, str(ROOT / "examples" / "ps_keras_fit.py"), "--epochs", "4", "--steps-per-epoch",
@@ -161,15 +161,26 @@ def test_a_killed_parameter_server_and_a_killed_chief_each_restart_the_job_from_
     cluster = ps_cluster(make_cluster, tmp_path, trainer)
     for node in ("a", "b", "c", "d"):
         cluster.start(node)
-    doc = wait_training(cluster, 1, 45, timeout=180)
+    doc = wait_training(cluster, 1, 25, timeout=180)
+    chief_pid = roles(doc)["chief"]["worker_pid"]
+    for i in range(2):  # Model.fit's coordinator too re-attaches a worker replaced alone
+        worker = roles(doc)[f"worker {i}"]
+        wait_serving(cluster, worker["node_id"], f"worker {i}", 1)
+        kill(worker["worker_pid"])
+        doc = cluster.wait_status(lambda d, i=i, pid=worker["worker_pid"]: roles(d)[f"worker {i}"]["worker_pid"]
+                                  not in (None, pid), 60, f"worker {i} replaced")
+        wait_serving(cluster, worker["node_id"], f"worker {i}", 2)
+    step = roles(doc)["chief"]["step"]
+    doc = wait_training(cluster, 1, step + 10, timeout=120)
+    assert doc["restarts_by_reason"] == {"worker_replaced": 2} and roles(doc)["chief"]["worker_pid"] == chief_pid
     kill(roles(doc)["ps 0"]["worker_pid"])
     doc = wait_training(cluster, 2, 1, timeout=120)
-    assert doc["restarts_by_reason"] == {"worker_exit": 1}
+    assert doc["restarts_by_reason"] == {"worker_replaced": 2, "worker_exit": 1}
     resumed = roles(doc)["chief"]["step"]
     wait_training(cluster, 2, resumed + 45, timeout=120)
     kill(roles(cluster.status() or doc)["chief"]["worker_pid"])
     doc = wait_training(cluster, 3, 1, timeout=120)
-    assert doc["restarts_by_reason"] == {"worker_exit": 2}
+    assert doc["restarts_by_reason"] == {"worker_replaced": 2, "worker_exit": 2}
     assert cluster.wait_all(300) == [0, 0, 0, 0], cluster.logs()
     [done] = [s for s in summaries(summary) if not s["preempted"]]
     assert (done["final_step"], done["generation"]) == (400, 3)
