@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,14 @@ def wait_training(cluster: Cluster, generation: int, step: int, timeout: float =
         timeout, f"generation {generation}'s chief past step {step}")
 
 
+def replaced(task: str, pid: int, times: int) -> Callable[[dict[str, Any]], bool]:
+    """Status shows ``task`` on a new pid, replaced at least ``times`` times."""
+    def check(doc: dict[str, Any]) -> bool:
+        node = roles(doc)[task]
+        return node["worker_pid"] not in (None, pid) and node["replacements"] >= times
+    return check
+
+
 def wait_serving(cluster: Cluster, node_id: str, task: str, times: int) -> None:
     """Until the node's agent has seen its worker task's server answer after ``times`` launches."""
     agent = next(a for a in cluster.agents if a.node_id == node_id)
@@ -107,9 +115,7 @@ def test_workers_killed_and_hung_are_replaced_alone_while_the_chief_trains_on(
         victim = roles(doc)[task]
         wait_serving(cluster, victim["node_id"], task, i // 2 + 1)
         kill(victim["worker_pid"])
-        doc = cluster.wait_status(
-            lambda d, task=task, pid=victim["worker_pid"], i=i: roles(d)[task]["worker_pid"] not in (None, pid)
-            and roles(d)[task]["replacements"] >= i // 2 + 1, 60, f"{task} replaced")
+        doc = cluster.wait_status(replaced(task, victim["worker_pid"], i // 2 + 1), 60, f"{task} replaced")
     # A worker alive but not serving: found by the agent's probe, replaced alone.
     wedged = roles(doc)["worker 0"]
     wait_serving(cluster, wedged["node_id"], "worker 0", 4)
@@ -167,8 +173,7 @@ def test_model_fit_workers_are_replaced_alone_and_a_killed_ps_or_chief_restarts_
         worker = roles(doc)[f"worker {i}"]
         wait_serving(cluster, worker["node_id"], f"worker {i}", 1)
         kill(worker["worker_pid"])
-        doc = cluster.wait_status(lambda d, i=i, pid=worker["worker_pid"]: roles(d)[f"worker {i}"]["worker_pid"]
-                                  not in (None, pid), 60, f"worker {i} replaced")
+        doc = cluster.wait_status(replaced(f"worker {i}", worker["worker_pid"], 1), 60, f"worker {i} replaced")
         wait_serving(cluster, worker["node_id"], f"worker {i}", 2)
     step = roles(doc)["chief"]["step"]
     doc = wait_training(cluster, 1, step + 10, timeout=120)
