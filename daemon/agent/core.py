@@ -381,6 +381,7 @@ class AgentCore:
         if first and probe.serving_after is not None:
             log.info("generation %d: %s serves, %.1fs after its launch", generation, self.serving.task_name(),
                      probe.serving_after)
+            self._standby.progressed(generation)  # it reports no steps: serving is its progress (standby timing)
         if hung is None:
             return []
         log.warning("generation %d: %s is hung: %s", generation, self.serving.task_name(), hung)

@@ -1072,3 +1072,12 @@ def test_a_mirrored_worker_is_never_relaunched_without_a_new_assignment() -> Non
         h.core.received(api.Heartbeat())
         actions += h.core.tick()
     assert joins(actions) and not [a for a in actions if isinstance(a, Launch)]
+
+
+def test_a_ps_worker_serving_counts_as_progress_for_the_next_standby() -> None:
+    h = PsHarness(rank=2)
+    h.clock.now += 2.0
+    assert [a for a in h.tick() if isinstance(a, ProbeServer)]
+    h.core.server_probed(1, answered=True)
+    h.clock.now += 10.0  # AFTER_PROGRESS_SECONDS, not the 40 s of a trainer that never reports
+    assert PrepareStandby(1) in h.tick()
