@@ -64,7 +64,8 @@ class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
     def _send(self, logs: dict[str, Any] | None, *, force: bool = False, done: bool = False,
               loss_scale: float = 1.0, phase: Phase = Phase.TRAIN) -> None:
         step = self._step()
-        loss = (logs or {}).get("loss")
+        # Under ParameterServerStrategy a batch's logs are a RemoteValue, not a dict: the step alone then.
+        loss = logs.get("loss") if isinstance(logs, dict) else None
         loss = None if loss is None else float(loss) * loss_scale
         examples = step * self._global_batch_size if self._global_batch_size else None
         saved = self._saved_checkpoint()

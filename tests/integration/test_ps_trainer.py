@@ -8,6 +8,7 @@ its agent. The ps and workers never exit by themselves: every test stops them, a
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import socket
@@ -98,6 +99,11 @@ class Task:
         return self.log_path.read_text(errors="replace")
 
 
+# What an agent sets for every trainer it launches (daemon/agent/runner.py): tf_keras, since Keras 3 cannot run
+# ParameterServerStrategy's Model.fit (docs/facts.md, fact 19).
+AGENT_SETS = {"TF_USE_LEGACY_KERAS": "1"}
+
+
 @dataclass
 class PsJob:
     """A chief, ``ps`` parameter servers and ``workers`` workers of one command, on free localhost ports."""
@@ -141,7 +147,7 @@ class PsJob:
         log_path = self.tmp / f"g{self.generation}-{name}-{len(self.history)}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp,
-                                    env=worker_env({**self.environment(name), **self.extra_env}))
+                                    env=worker_env({**AGENT_SETS, **self.environment(name), **self.extra_env}))
         task = Task(name, proc, log_path, time.monotonic())
         self.tasks[name] = task
         self.history.append(task)
@@ -341,13 +347,12 @@ def test_tensorflows_tutorial_script_runs_unmodified(ps_job: JobFactory, tmp_pat
     time.sleep(3)  # the agent's relaunch delay in this scenario
     job.start("worker0")
     assert job.wait_chief(90) == 0, job.logs()
-    assert "done at step 120" in job.chief.output(), job.logs()
+    # A step is applied at least once under this strategy: one retried after the kill may be applied twice.
+    done = re.search(r"done at step (\d+)", job.chief.output())
+    assert done is not None and 120 <= int(done.group(1)) <= 122, job.logs()
     assert all(t.proc.poll() is None for t in job.tasks.values() if t.name != "chief"), job.logs()
 
 
-@pytest.mark.xfail(strict=True, reason="ProgressCallback._send (trainer/callbacks.py) reads the loss with "
-                   "logs.get('loss'), and under ParameterServerStrategy a batch's logs are a RemoteValue: TypeError, "
-                   "and the instrumentation turns itself off for the process")
 def test_the_automatic_instrumentation_reports_the_tutorial_chiefs_steps(ps_job: JobFactory, tmp_path: Path) -> None:
     """What an agent adds to an unmodified script (its sitecustomize on PYTHONPATH): the chief's fit reports its
     steps between epochs, as hang detection needs."""
