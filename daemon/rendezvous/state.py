@@ -550,7 +550,8 @@ class Rendezvous:
                      self.generation + 1, self.restarts.failed_in_a_row)
         self._timers.cancel_scale_up()
         sends = []
-        chief_first = spec.parameter_server and not reason.counts_against_budget and self._chief_stopping(now=True)
+        # The chief is members[0]: told first below; the others wait in tasks.held until it has stopped.
+        chief_first = spec.parameter_server and not reason.counts_against_budget
         for node_id in self._members:
             node = self.nodes.get(node_id)
             if node is not None and node.state in (NodeState.RUNNING, NodeState.SUCCEEDED):
@@ -562,12 +563,10 @@ class Rendezvous:
         self._timers.open(now)
         return sends + self._try_close_round(now)
 
-    def _chief_stopping(self, *, now: bool = False) -> bool:
-        """The chief's node is stopping its trainer (or, ``now``, is about to be told to)."""
+    def _chief_stopping(self) -> bool:
+        """The chief's node is stopping its trainer."""
         chief = self.nodes.get(self._members[0]) if self._members else None
-        states = (NodeState.RUNNING, NodeState.SUCCEEDED, NodeState.LEAVING) if now else \
-            (NodeState.STOPPING, NodeState.LEAVING)
-        return chief is not None and chief.state in states
+        return chief is not None and chief.state in (NodeState.STOPPING, NodeState.LEAVING)
 
     def _release_held(self) -> list[Send]:
         """A parameter-server job's planned stop stops the chief first, so that it saves while the parameter

@@ -68,9 +68,8 @@ def watch() -> Iterator[list[ChiefSteps]]:
         w.stop()
 
 
-def ps_cluster(make_cluster: ClusterFactory, tmp_path: Path, trainer: list[str], nodes: str = "4",
-               extra: tuple[str, ...] = ()) -> Cluster:
-    return make_cluster(trainer, nodes=nodes, extra_args=[*PS_ARGS, *extra])
+def ps_cluster(make_cluster: ClusterFactory, trainer: list[str], nodes: str = "4") -> Cluster:
+    return make_cluster(trainer, nodes=nodes, extra_args=PS_ARGS)
 
 
 def wait_training(cluster: Cluster, generation: int, step: int, timeout: float = 120) -> dict[str, Any]:
@@ -99,7 +98,7 @@ def test_workers_killed_and_hung_are_replaced_alone_while_the_chief_trains_on(
     summary = tmp_path / "summary.jsonl"
     trainer = [sys.executable, str(ROOT / "examples" / "ps_custom_loop.py"), "--steps", "700", "--save-every", "50",
                "--step-seconds", "0.05", "--summary-file", str(summary)]
-    cluster = ps_cluster(make_cluster, tmp_path, trainer)
+    cluster = ps_cluster(make_cluster, trainer)
     for node in ("head", "cpu1", "gpu1", "gpu2"):
         cluster.start(node, extra=["--role", {"head": "chief", "cpu1": "ps"}.get(node, "worker")])
     doc = wait_training(cluster, 1, 20, timeout=180)
@@ -164,7 +163,7 @@ def test_model_fit_workers_are_replaced_alone_and_a_killed_ps_or_chief_restarts_
     summary = tmp_path / "summary.jsonl"
     trainer = [sys.executable, str(ROOT / "examples" / "ps_keras_fit.py"), "--epochs", "4", "--steps-per-epoch",
                "100", "--save-every", "20", "--step-seconds", "0.05", "--summary-file", str(summary)]
-    cluster = ps_cluster(make_cluster, tmp_path, trainer)
+    cluster = ps_cluster(make_cluster, trainer)
     for node in ("a", "b", "c", "d"):
         cluster.start(node)
     doc = wait_training(cluster, 1, 25, timeout=180)
@@ -198,7 +197,7 @@ def test_a_lost_workers_node_leaves_its_task_vacant_and_returns_through_a_planne
     summary = tmp_path / "summary.jsonl"
     trainer = [sys.executable, str(ROOT / "examples" / "ps_custom_loop.py"), "--steps", "900", "--save-every", "100",
                "--step-seconds", "0.05", "--summary-file", str(summary)]
-    cluster = ps_cluster(make_cluster, tmp_path, trainer, nodes="3:4")
+    cluster = ps_cluster(make_cluster, trainer, nodes="3:4")
     for node in ("a", "b", "c", "d"):
         cluster.start(node)
     doc = wait_training(cluster, 1, 20, timeout=180)
