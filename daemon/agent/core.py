@@ -81,6 +81,7 @@ class AgentCore:
         self._gpu_holders: tuple[int, ...] = ()  # a stopped worker's processes whose GPU memory is not seen back
         self._stopping: tuple[bool, bool] = (False, False)  # the stop under way: (planned, it was running)
         self.serving = ServingTask(timing.replacement, clock)  # a parameter-server job's task on this node
+        self._clock = clock
 
     @classmethod
     def of(cls, config: AgentConfig, host: str, failover: bool, metrics: AgentMetrics, clock: Clock,
@@ -237,7 +238,7 @@ class AgentCore:
         silent = self._contact.silence()
         if silent is not None:
             return [DropSession(f"no message from the coordinator for {silent:.1f}s")]
-        actions = self._check_stall() + self._standby_due() + self._serving_due()
+        actions = self._check_stall() + self._standby_due() + self._serving_due() + self._served_long_enough()
         if self._contact.heartbeat_due():
             actions.append((self.trainer.progress_report() if self.assignment else None) or Send(api.Heartbeat()))
         return actions
@@ -412,6 +413,8 @@ class AgentCore:
     def _stop_ordered(self, order: api.StopWorkers) -> list[Action]:
         reason = order.reason
         self.serving.cancel()
+        if self.leaving is not None:  # the stop a leaving parameter server or worker waited for: not a restart
+            return self._stop(f"leaving ({reason.value})", planned=True) if self._current(order.generation) else []
         self._metrics.restarts.labels(reason=reason.value).inc()
         self.trainer.failures.stop_ordered(after_failure=reason.counts_against_budget)
         if not self._current(order.generation):
@@ -437,14 +440,31 @@ class AgentCore:
     def _leave(self, reason: str, *, drained: bool = False) -> list[Action]:
         if self.leaving is not None:
             return []
-        self.leaving = Leaving(reason, drained)
+        serves = self.serving.serves_only and self.worker.state is WorkerState.RUNNING and self._contact.open
+        self.leaving = Leaving(reason, drained, self._clock() + self.timing.stop_grace if serves else None)
         self._standby.cancel()
         self.serving.cancel()
         if not self._contact.open:
             return [StopRetrying()]  # between sessions: nobody to tell; the run loop ends
+        if serves:
+            # The chief may be saving now (every agent stopped at once: systemctl, scancel); its save reads this
+            # task's variables or waits for its steps. The coordinator orders this stop once the chief's is done.
+            log.info("%s: leaving the rendezvous; %s serves until the chief has stopped (at most %gs)", reason,
+                     self.serving.task_name(), self.timing.stop_grace)
+            return [StopRetrying(), Announce("stopping: serving until the chief has saved"), Send(api.Leave(reason))]
         log.info("%s: leaving the rendezvous and stopping the worker", reason)
         return [StopRetrying(), Announce("stopping: draining the worker"), Send(api.Leave(reason)),
                 *self._stop("agent stopping", planned=True)]
+
+    def _served_long_enough(self) -> list[Action]:
+        """A leaving parameter server or worker that no stop order reached within stop_grace stops anyway."""
+        leaving = self.leaving
+        if leaving is None or leaving.serve_until is None or self.worker.state is not WorkerState.RUNNING or \
+                self._clock() < leaving.serve_until:
+            return []
+        log.warning("no stop order within stop_grace=%gs of leaving: stopping %s now", self.timing.stop_grace,
+                    self.serving.task_name())
+        return self._stop("leaving: stop_grace passed", planned=True)
 
     # ------------------------------------------------------------------------------------------ internals
 
@@ -452,6 +472,8 @@ class AgentCore:
         return self.assignment is not None and self.assignment.generation == generation
 
     def _fence(self) -> list[Action]:
+        if self.leaving is not None and self.leaving.serve_until is not None:
+            return self._stop("leaving: the coordinator's session ended", planned=True)  # nobody left to order it
         if self.winding_down or self._failover:  # with etcd, etcd_observed decides
             return []
         return self._stop("fencing: the coordinator is unreachable", planned=False)

@@ -72,6 +72,8 @@ log = logging.getLogger("tfelastic.coordinator")
 Clock = Callable[[], float]
 NEWER_SNAPSHOTS_LOGGED = 10  # members named one by one when their newer snapshots are not restored
 RESTART_ABSORB_SECONDS = 10.0  # an operator's restart this soon after another is absorbed into it
+# A member's trainer may still run: one that left serves until the chief has saved (parameter-server jobs).
+TRAINER_MAY_RUN = (NodeState.RUNNING, NodeState.SUCCEEDED, NodeState.LEAVING)
 
 
 def common_restore_step(reported: Iterable[Iterable[int]]) -> int | None:
@@ -326,7 +328,8 @@ class Rendezvous:
         was_member = node.state in (NodeState.RUNNING, NodeState.SUCCEEDED) and node_id in self._ranks
         self.nodes.set_state(node, NodeState.LEAVING)  # RUNNING|SUCCEEDED|STOPPING -> LEAVING
         if was_member and self.state is JobState.RUNNING and self._vacated(node_id, f"left ({reason})"):
-            return []
+            # The chief trains on without it: its agent, which serves until told (agent/core.py), stops now.
+            return [Send(node_id, StopWorkers(self.generation, RestartReason.NODE_LEFT))]
         if was_member and self.state is JobState.RUNNING:
             return self._restart(RestartReason.NODE_LEFT, f"{node_id}: {reason}")
         return self._try_close_round(self._clock())
@@ -554,10 +557,11 @@ class Rendezvous:
         chief_first = spec.parameter_server and not reason.counts_against_budget
         for node_id in self._members:
             node = self.nodes.get(node_id)
-            if node is not None and node.state in (NodeState.RUNNING, NodeState.SUCCEEDED):
-                if chief_first and node_id != self._members[0]:
-                    self.tasks.hold(node_id, reason)  # its variables or steps serve the chief's last save
-                    continue
+            if node is None:
+                continue
+            if chief_first and node_id != self._members[0] and node.state in TRAINER_MAY_RUN:
+                self.tasks.hold(node_id, reason)  # its variables or steps serve the chief's last save
+            elif node.state in (NodeState.RUNNING, NodeState.SUCCEEDED):
                 self.nodes.set_state(node, NodeState.STOPPING)  # RUNNING -> STOPPING
                 sends.append(Send(node_id, StopWorkers(self.generation, reason)))
         self._timers.open(now)
@@ -576,9 +580,11 @@ class Rendezvous:
         sends = []
         for node_id, reason in self.tasks.release():
             node = self.nodes.get(node_id)
-            if node is not None and node.state in (NodeState.RUNNING, NodeState.SUCCEEDED):
+            if node is None or node.state not in TRAINER_MAY_RUN:
+                continue
+            if node.state is not NodeState.LEAVING:  # a leaving one stays LEAVING until its session ends
                 self.nodes.set_state(node, NodeState.STOPPING)  # RUNNING -> STOPPING, after the chief
-                sends.append(Send(node_id, StopWorkers(self.generation, reason)))
+            sends.append(Send(node_id, StopWorkers(self.generation, reason)))
         return sends
 
     def _try_close_round(self, now: float) -> list[Send]:

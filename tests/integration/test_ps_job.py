@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -131,7 +132,8 @@ def test_workers_killed_and_hung_are_replaced_alone_while_the_chief_trains_on(
     assert cluster.wait_all(300) == [0, 0, 0, 0], cluster.logs()
     steps.stop()
     [done] = [s for s in summaries(summary) if not s["preempted"]]
-    assert (done["final_step"], done["generation"], done["pid"]) == (700, 1, chief_pid)
+    # At least once: a step retried after a kill in the last chunk (between saves) may be counted twice.
+    assert 700 <= done["final_step"] <= 706 and (done["generation"], done["pid"]) == (1, chief_pid), done
     assert {g for g, _ in steps.steps} == {1}
     chief_steps = [s for _, s in steps.steps]
     assert chief_steps == sorted(chief_steps), "the chief's step went back"
@@ -182,13 +184,19 @@ def test_model_fit_workers_are_replaced_alone_and_a_killed_ps_or_chief_restarts_
     assert doc["restarts_by_reason"] == {"worker_replaced": 2, "worker_exit": 1}
     resumed = roles(doc)["chief"]["step"]
     wait_training(cluster, 2, resumed + 45, timeout=120)
-    kill(roles(cluster.status() or doc)["chief"]["worker_pid"])
+    chief = roles(cluster.status() or doc)["chief"]
+    kill(chief["worker_pid"])
     doc = wait_training(cluster, 3, 1, timeout=120)
     assert doc["restarts_by_reason"] == {"worker_replaced": 2, "worker_exit": 2}
     assert cluster.wait_all(300) == [0, 0, 0, 0], cluster.logs()
     [done] = [s for s in summaries(summary) if not s["preempted"]]
-    assert (done["final_step"], done["generation"]) == (400, 3)
-    assert done["initial_step"] >= 40 and done["initial_step"] % 20 == 0  # the chief's checkpoint, not a guess
+    # A step runs at least once under this strategy: the step a killed worker was running is retried, and is
+    # applied twice when the worker died after its update reached the ps. Two kills: up to two steps counted twice.
+    duplicates = done["final_step"] - 400
+    assert 0 <= duplicates <= 2 and done["generation"] == 3, done
+    # The chief's checkpoint, not a guess: saved every 20 batches, and no older than the last one it reported.
+    assert done["initial_step"] >= max(40, chief["last_checkpoint_step"] or 0), (done, chief)
+    assert done["initial_step"] % 20 <= duplicates, done
     assert math.isfinite(done["train_loss"])
 
 
@@ -224,6 +232,34 @@ def test_a_lost_workers_node_leaves_its_task_vacant_and_returns_through_a_planne
     assert [s["final_step"] for s in stopped] == [done["initial_step"]]  # saved on the stop: no step redone
 
 
+def test_every_agent_stopped_at_once_lets_the_chief_save_and_the_next_run_resumes_there(
+        make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    """systemctl stop or scancel on every node at once: the parameter servers and workers serve until the chief's
+    trainer has saved and stopped (its save reads their variables and waits for their steps)."""
+    summary = tmp_path / "summary.jsonl"
+    trainer = [sys.executable, str(ROOT / "examples" / "ps_custom_loop.py"), "--steps", "400", "--save-every", "100",
+               "--step-seconds", "0.05", "--summary-file", str(summary)]
+    cluster = ps_cluster(make_cluster, trainer)
+    for node in ("a", "b", "c", "d"):
+        cluster.start(node)
+    doc = wait_training(cluster, 1, 120, timeout=180)
+    tasks = roles(doc)
+    for agent in cluster.agents:
+        agent.proc.send_signal(signal.SIGTERM)
+    assert cluster.wait_all(120) == [0, 0, 0, 0], cluster.logs()
+    [stopped] = summaries(summary)
+    assert stopped["preempted"] and stopped["final_step"] >= 120 and stopped["checkpoint"], stopped
+    for task in ("ps 0", "worker 0", "worker 1"):
+        agent = next(a for a in cluster.agents if a.node_id == tasks[task]["node_id"])
+        assert f"{task} serves until the chief has stopped" in agent.log(), agent.log()
+
+    for node in ("a", "b", "c", "d"):  # the next run of the job
+        cluster.start(node)
+    assert cluster.wait_all(300) == [0] * 8, cluster.logs()
+    [done] = summaries(summary)[1:]
+    assert done["final_step"] == 400 and done["initial_step"] == stopped["final_step"]  # no step redone
+
+
 def test_an_unmodified_tensorflow_tutorial_script_runs_and_its_worker_is_replaced_alone(
         make_cluster: ClusterFactory, tmp_path: Path) -> None:
     """tests/trainers/ps_tutorial.py imports nothing of tfelastic: TF_CONFIG is all it needs. It reports no
@@ -245,4 +281,6 @@ def test_an_unmodified_tensorflow_tutorial_script_runs_and_its_worker_is_replace
                               "worker 0 replaced")
     assert doc["generation"] == 1 and doc["restarts_by_reason"] == {"worker_replaced": 1}
     assert cluster.wait_all(300) == [0, 0, 0, 0], cluster.logs()
-    assert "done at step 240" in chief_agent.log()
+    # At least once: the closure the killed worker ran (steps_per_execution=10) is retried, its applied steps again.
+    done = re.search(r"done at step (\d+)", chief_agent.log())
+    assert done is not None and 240 <= int(done.group(1)) <= 250, chief_agent.log()[-3000:]

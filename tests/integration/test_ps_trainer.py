@@ -347,9 +347,10 @@ def test_tensorflows_tutorial_script_runs_unmodified(ps_job: JobFactory, tmp_pat
     time.sleep(3)  # the agent's relaunch delay in this scenario
     job.start("worker0")
     assert job.wait_chief(90) == 0, job.logs()
-    # A step is applied at least once under this strategy: one retried after the kill may be applied twice.
+    # A step is applied at least once under this strategy: the closure a killed worker ran is retried, and the
+    # steps of it already applied (up to steps_per_execution=10) are applied again.
     done = re.search(r"done at step (\d+)", job.chief.output())
-    assert done is not None and 120 <= int(done.group(1)) <= 122, job.logs()
+    assert done is not None and 120 <= int(done.group(1)) <= 130, job.logs()
     assert all(t.proc.poll() is None for t in job.tasks.values() if t.name != "chief"), job.logs()
 
 

@@ -1081,3 +1081,36 @@ def test_a_ps_worker_serving_counts_as_progress_for_the_next_standby() -> None:
     h.core.server_probed(1, answered=True)
     h.clock.now += 10.0  # AFTER_PROGRESS_SECONDS, not the 40 s of a trainer that never reports
     assert PrepareStandby(1) in h.tick()
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_a_leaving_parameter_server_or_worker_serves_until_the_coordinator_orders_its_stop(rank: int) -> None:
+    """Every agent stopped at once (systemctl, scancel): the chief's last save still reads the variables."""
+    h = PsHarness(rank=rank)
+    actions = h.core.signal_received(signal.SIGTERM)
+    assert sent(actions) == [api.Leave("agent stopped (SIGTERM)")] and not stops(actions)
+    assert h.worker_state() is WorkerState.RUNNING
+    h.clock.now += 9.0
+    assert not stops(h.tick())  # no order yet, within stop_grace (10 s)
+    actions = h.core.received(api.StopWorkers(1, api.RestartReason.NODE_LEFT))  # the chief's trainer is gone
+    assert stops(actions) == [Stop("leaving (node_left)", planned=True)]
+    assert not h.metric("tfelastic_restarts_total", reason="node_left")  # its own leave, not a restart
+    assert h.core.worker_stopped(StopResult(-15, False)) == [HangUp()]
+    assert h.core.session_ended(None) == []
+    assert h.core.verdict() is ExitCode.SUCCEEDED
+
+
+def test_a_leaving_parameter_server_stops_after_stop_grace_or_when_the_coordinator_is_gone() -> None:
+    h = PsHarness(rank=1)
+    h.core.signal_received(signal.SIGTERM)
+    h.clock.now += 10.0
+    assert stops(h.tick()) == [Stop("leaving: stop_grace passed", planned=True)]  # an older coordinator says nothing
+    gone = PsHarness(rank=3)
+    gone.core.signal_received(signal.SIGTERM)
+    assert stops(gone.core.session_ended("connection reset")) == [
+        Stop("leaving: the coordinator's session ended", planned=True)]
+
+
+def test_a_leaving_chief_stops_its_trainer_at_once() -> None:
+    h = PsHarness(rank=0)
+    assert stops(h.core.signal_received(signal.SIGTERM)) == [Stop("agent stopping", planned=True)]

@@ -157,8 +157,32 @@ def test_a_worker_that_failed_past_its_agents_budget_restarts_the_job() -> None:
 
 def test_a_drained_worker_leaves_its_task_vacant_without_a_restart() -> None:
     rv = running(FakeClock(), {"a": "any", "b": "any", "c": "any", "d": "any"})
-    assert rv.leave("c", "drained: maintenance") == []
+    # Its agent serves until told: the chief trains on without it, so it is told at once, and nobody else is.
+    assert rv.leave("c", "drained: maintenance") == [Send("c", StopWorkers(1, RestartReason.NODE_LEFT))]
     assert rv.snapshot().vacant == ("worker 0: node c left (drained: maintenance)",)
+
+
+def test_every_agent_leaving_at_once_stops_the_parameter_servers_and_workers_after_the_chief() -> None:
+    """systemctl stop or scancel on every node: the chief saves while its ps and workers still serve."""
+    rv = running(FakeClock(), {"a": "any", "b": "any", "c": "any", "d": "any"})
+    assert rv.leave("a", "agent stopped (SIGTERM)") == []  # the chief's agent stops its trainer itself
+    assert rv.leave("b", "agent stopped (SIGTERM)") == []
+    assert rv.leave("c", "agent stopped (SIGTERM)") == []
+    assert rv.leave("d", "agent stopped (SIGTERM)") == []
+    # The chief's trainer saved and stopped, its agent hung up: the others, which wait for this, stop now.
+    assert rv.disconnect("a") == [Send(n, StopWorkers(1, RestartReason.NODE_LEFT)) for n in "bcd"]
+    for node in "bcd":
+        assert rv.disconnect(node) == []
+    assert state_of(rv) is JobState.WAITING
+
+
+def test_a_parameter_server_that_leaves_waits_for_the_chief_which_is_stopped_first() -> None:
+    rv = running(FakeClock(), {"a": "any", "b": "any", "c": "any", "d": "any"})
+    assert rv.leave("b", "agent stopped (SIGTERM)") == [Send("a", StopWorkers(1, RestartReason.NODE_LEFT))]
+    sends = rv.join(info("a", last_generation=1), SPEC, rejoin=True)  # its Join confirms its trainer is gone
+    stops = [s for s in sends if isinstance(s.order, StopWorkers)]
+    assert stops == [Send(n, StopWorkers(1, RestartReason.NODE_LEFT)) for n in "bcd"]  # the leaving ps among them
+    assert [s.node_id for s in sends if s not in stops] == ["a"]  # and the chief waits for the next round
 
 
 def test_a_round_whose_nodes_cannot_fill_the_tasks_waits_and_says_which() -> None:
