@@ -51,6 +51,7 @@ from typing import Any
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import free_port
 
+from bench.ledger_check import redone_from
 from tests.cluster import ROOT, Cluster, members
 
 EXAMPLE = str(ROOT / "examples" / "keras_fit.py")
@@ -71,11 +72,18 @@ signal.signal(signal.SIGUSR1, _hang)
 """
 
 
-def example_args(steps: int, plain: bool = False, fast_tier: bool = True) -> list[str]:
+def example_args(steps: int, plain: bool = False, fast_tier: bool = True, reached: Path | None = None) -> list[str]:
     epochs = max(1, steps // 1000)
     saving = ["--save-every", "auto"] if fast_tier and not plain else ["--save-every", "100", "--fast-tier", "off"]
     return [EXAMPLE, "--epochs", str(epochs), "--steps-per-epoch", str(steps // epochs), *saving,
-            *(["--plain-keras"] if plain else [])]
+            *(["--plain-keras"] if plain else []), *(["--reached-file", str(reached)] if reached else [])]
+
+
+def trainer_redone(reached: Path) -> int:
+    """The example's own count of the steps its chiefs redid (its --reached-file)."""
+    starts = [(int(g), int(s)) for g, s in (line.split() for line in reached.read_text().splitlines())] \
+        if reached.exists() else []
+    return redone_from(starts, lambda generation: Path(f"{reached}.{generation}"))
 
 
 @dataclass
@@ -85,6 +93,7 @@ class Run:
     faults: list[str] = field(default_factory=list)
     ledger: dict[str, Any] | None = None  # status's goodput object at the end (a job with us)
     window: float | None = None  # from the first generation's launch to the verdict, from the agents' logs
+    trainer_redone: int | None = None  # the chiefs' own count of the steps they redid (a job with us)
 
 
 @dataclass
@@ -201,8 +210,9 @@ def with_us(steps: int, schedule: list[tuple[float, str]], cap: float, defaults:
     """``defaults``: warm start and the fast tier on (a); both off (b)."""
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        reached = tmp / "reached"
         cluster = Cluster(tmp, Endpoint("127.0.0.1", free_port()),
-                          [sys.executable, *example_args(steps, fast_tier=defaults)],
+                          [sys.executable, *example_args(steps, fast_tier=defaults, reached=reached)],
                           extra_args=["--max-restarts", "10", "--warm-start", "on" if defaults else "off"],
                           env=dict(hook_env(tmp)))
         victim = [0]
@@ -239,7 +249,7 @@ def with_us(steps: int, schedule: list[tuple[float, str]], cap: float, defaults:
                 if all(a.proc.poll() is not None for a in cluster.agents):
                     finished = all(a.proc.returncode == 0 for a in cluster.agents)
                     return Run(time.monotonic() - faults.start, finished, faults.done, ledger,
-                               launch_to_verdict(cluster.logs()))
+                               launch_to_verdict(cluster.logs()), trainer_redone(reached))
                 time.sleep(0.05)
             return Run(time.monotonic() - faults.start, False, faults.done)
         finally:
@@ -262,7 +272,9 @@ def ledger_line(run: Run, reference: Reference) -> str:
     ledger = run.ledger["ratio"]
     top = ", ".join(f"{b['category']} {100 * b['share']:.1f}%" for b in run.ledger["badput"][:4])
     return (f"ledger goodput {ledger:.3f} vs training goodput from outside {outside:.3f} "
-            f"({100 * (ledger - outside):+.1f} pp); ledger's badput: {top}")
+            f"({100 * (ledger - outside):+.1f} pp); ledger's badput: {top}\n"
+            f"      steps redone: report {run.ledger.get('steps_redone')}, "
+            f"the trainer's own count {run.trainer_redone}")
 
 
 def main() -> None:

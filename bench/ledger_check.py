@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,19 +46,25 @@ def report_of(etcd_url: str, job: str = "default") -> dict[str, Any]:
     return doc
 
 
-def trainer_redone(events_path: Path) -> int:
+def redone_from(starts: list[tuple[int, int]], reached: Callable[[int], Path]) -> int:
     """The steps the chiefs applied again: for each generation after the first, the furthest step a chief of an
-    earlier generation applied, less the step this generation's chief started from."""
-    starts = sorted((e["generation"], e["step"]) for e in read_events(events_path)
-                    if e["event"] == "start" and e["rank"] == 0)
+    earlier generation applied, less the step this generation's chief started from. ``starts``: (generation, the
+    step its chief started from); ``reached(generation)``: the file holding the furthest step its chief applied."""
     furthest, redone = -1, 0
-    for generation, start in starts:
+    for generation, start in sorted(starts):
         redone += max(0, furthest - start)
-        reached = Path(f"{events_path}.reached-{generation}-0")
-        if reached.exists() and (text := reached.read_text().strip()):
+        path = reached(generation)
+        if path.exists() and (text := path.read_text().strip()):
             furthest = max(furthest, int(text))
         furthest = max(furthest, start)
     return redone
+
+
+def trainer_redone(events_path: Path) -> int:
+    """The ledger trainer's own count of the steps redone (tests/trainers/ledger.py)."""
+    starts = [(e["generation"], e["step"]) for e in read_events(events_path)
+              if e["event"] == "start" and e["rank"] == 0]
+    return redone_from(starts, lambda generation: Path(f"{events_path}.reached-{generation}-0"))
 
 
 def fault_free_step_seconds(workers: int, step_seconds: float) -> float:

@@ -12,6 +12,7 @@ examples/README.md. The last line of stdout is a JSON summary.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -38,6 +39,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fast-tier", choices=["on", "off"], default="on",
                         help="fit_callbacks' fast checkpoint tier (asynchronous snapshots in the node's memory, "
                              "default), or tf_keras' synchronous BackupAndRestore on the backup directory")
+    parser.add_argument("--reached-file", help="the chief appends 'GENERATION STEP' here when fit starts, and keeps "
+                                               "the step it reached, counted by itself, in FILE.GENERATION "
+                                               "(benchmarks count the steps redone after a restart from them)")
     common.add_common_arguments(parser)
     args = parser.parse_args(argv)
     if args.save_every is None and (args.plain_keras or args.fast_tier == "off"):
@@ -59,14 +63,18 @@ def datasets(data: common.Data, plan: BatchPlan, seed: int) -> tuple[Any, Any]:
 
 class StepProbe(keras.callbacks.Callback):  # type: ignore[misc]
     """Records the step fit resumed at and when its first and last steps ended; sleeps ``--step-seconds`` after
-    each step."""
+    each step; keeps ``--reached-file`` (the chief's own count of its steps: the one it resumed at, plus a step per
+    batch)."""
 
-    def __init__(self, step_seconds: float) -> None:
+    def __init__(self, step_seconds: float, reached_file: str | None = None, generation: int = 0) -> None:
         super().__init__()
         self.step_seconds = step_seconds
         self.initial_step = 0
         self.first_step_end: float | None = None
         self.last_step_end: float | None = None
+        self._reached_file, self._generation = reached_file, generation
+        self._reached_fd: int | None = None
+        self._steps = 0
 
     @property
     def train_seconds(self) -> float | None:
@@ -76,10 +84,17 @@ class StepProbe(keras.callbacks.Callback):  # type: ignore[misc]
         return self.last_step_end - self.first_step_end
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        self.initial_step = int(self.model.optimizer.iterations.numpy())
+        self.initial_step = self._steps = int(self.model.optimizer.iterations.numpy())
         print(f"starting at step {self.initial_step}", flush=True)
+        if self._reached_file:
+            with open(self._reached_file, "a") as starts:
+                starts.write(f"{self._generation} {self.initial_step}\n")
+            self._reached_fd = os.open(f"{self._reached_file}.{self._generation}", os.O_WRONLY | os.O_CREAT, 0o644)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._steps += 1
+        if self._reached_fd is not None:  # rewritten in place: what a SIGKILL leaves is the last step's
+            os.pwrite(self._reached_fd, f"{self._steps:20d}\n".encode(), 0)
         if self.step_seconds:
             time.sleep(self.step_seconds)
         self.last_step_end = time.monotonic()
@@ -100,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         schedule = common.learning_rate_schedule(plan.learning_rate, args.epochs * steps_per_epoch)
         model.compile(optimizer=keras.optimizers.Adam(schedule),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-    probe = StepProbe(args.step_seconds)
+    probe = StepProbe(args.step_seconds, args.reached_file if env.rank == 0 else None, env.generation)
     backup_dir = args.backup_dir or env.backup_path(EXAMPLE)
     if args.plain_keras:
         callbacks = [keras.callbacks.BackupAndRestore(backup_dir, save_freq=args.save_every, delete_checkpoint=False)]

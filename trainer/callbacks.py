@@ -35,6 +35,11 @@ class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
         self._last_checkpoint: str | None = None
         self._batch_loss_scale = 1.0
         self._supports_tf_logs = True  # keep Keras from syncing every batch's logs to numpy for us
+        # (step, batch) of the last step read in this epoch: later batches' steps are counted from it, not read
+        self._step_base: tuple[int, int] | None = None
+
+    # Under ParameterServerStrategy a batch's end comes when its step is scheduled, not done: no marks there.
+    _counts_steps = True
 
     def _step(self) -> int:
         return int(self.model.optimizer.iterations.numpy())
@@ -62,7 +67,7 @@ class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
         return 1.0 / strategy.num_replicas_in_sync if method == "sum" else 1.0
 
     def _send(self, logs: dict[str, Any] | None, *, force: bool = False, done: bool = False,
-              loss_scale: float = 1.0, phase: Phase = Phase.TRAIN) -> None:
+              loss_scale: float = 1.0, phase: Phase = Phase.TRAIN) -> int:
         step = self._step()
         # Under ParameterServerStrategy a batch's logs are a RemoteValue, not a dict: the step alone then.
         loss = logs.get("loss") if isinstance(logs, dict) else None
@@ -71,16 +76,31 @@ class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
         saved = self._saved_checkpoint()
         self._reporter.report(step, examples=examples, loss=loss,
                               checkpoint_step=step if saved else None, force=force, done=done, phase=phase)
+        return step
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._step_base = None
         if self._reporter.enabled:
             self._batch_loss_scale = self._per_batch_loss_scale()
             self._saved_checkpoint()  # a checkpoint restored at start is not a new save
             self._send(None, force=True, phase=Phase.SETUP)  # the first step traces and compiles
 
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._step_base = None  # batch numbers start again
+
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self._reporter.due() or (self._reporter.enabled and self._latest_checkpoint() != self._last_checkpoint):
-            self._send(logs, loss_scale=self._batch_loss_scale)
+            self._step_base = (self._send(logs, loss_scale=self._batch_loss_scale), batch)
+        elif self._reporter.marks_steps and self._counts_steps:
+            self._mark(batch)
+
+    def _mark(self, batch: int) -> None:
+        """Marks this batch's step for the agent without reading it: ``batch`` counts the steps since the last
+        read (by ``steps_per_execution`` when several run per call); read once per epoch, where batches start."""
+        if self._step_base is None:
+            self._step_base = (self._step(), batch)
+        step, base = self._step_base
+        self._reporter.reached(step + batch - base)
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if self._reporter.enabled:

@@ -223,6 +223,7 @@ class TrainLoop:
             self._reporter.report(self.step, examples=self._examples_seen(), phase=Phase.EVAL)
 
     def _after_step(self, loss: Any, guard: Any) -> None:
+        self._reporter.reached(self.step)  # the agent reads it if this process dies before the next report
         if self._on_step is not None:
             self._on_step(self.step, loss)
         self.schedule.step_done(time.monotonic(), self.checkpoints.writing)

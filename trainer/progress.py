@@ -10,20 +10,29 @@ Wire format (the agent decodes it with :func:`decode`): a JSON object with ``g``
 own allowance; see :mod:`tfelastic.daemon.worker.stall`); from the fast checkpoint tier, ``st`` (how long the
 last save held training up, in seconds, with ``ckpt``), and once after a restore ``rt`` (the tier it came from:
 ``local``, ``shared`` or ``none``) with ``rs`` (the step restored, absent with ``none``).
+
+Reports are at most every 0.1 s, so a trainer that dies between two has made steps its agent never heard of. The
+agent also sets ``TFELASTIC_STEP_FILE``: the reporter writes every step it is given into that 16-byte file (its
+generation and the step, two little-endian int64s, in a shared mapping: a store, no system call), and the agent
+reads it when the trainer ends, so that the steps redone after a restart are counted from the step really reached.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass
 from enum import Enum
 
 SOCKET_ENV = "TFELASTIC_PROGRESS_SOCKET"
+STEP_FILE_ENV = "TFELASTIC_STEP_FILE"
 GENERATION_ENV = "TFELASTIC_GENERATION"
+STEP_MARK = struct.Struct("<qq")  # generation, step
 MAX_DATAGRAM = 512
 # Every number a report carries is bounded here, before it reaches a metric or the coordinator's state
 # (docs/instrumentation.md, "What a report may carry"): exact in a float64 metric, an int64 field and JSON.
@@ -144,10 +153,53 @@ def _refuse_constant(name: str) -> float:
     raise ValueError(f"progress datagram contains {name}, which is not a number")
 
 
-class ProgressReporter:
-    """Sends progress to the agent, at most one report every ``min_interval`` seconds unless forced."""
+class StepMark:
+    """The trainer's side of ``TFELASTIC_STEP_FILE``: the last step it reached, for the agent to read after it."""
 
-    def __init__(self, path: str | None, generation: int, min_interval: float = 0.1) -> None:
+    def __init__(self, path: str, generation: int) -> None:
+        with open(path, "r+b") as file:  # the agent made it, STEP_MARK.size bytes; the mapping outlives the fd
+            self._map = mmap.mmap(file.fileno(), STEP_MARK.size)
+        self._generation = generation
+
+    @classmethod
+    def open(cls, path: str | None, generation: int) -> StepMark | None:
+        """None without a file to write (no agent, or one older than the step file): the mark is advisory."""
+        if not path:
+            return None
+        try:
+            return cls(path, generation)
+        except (OSError, ValueError):
+            return None
+
+    def write(self, step: int) -> None:
+        STEP_MARK.pack_into(self._map, 0, self._generation, step)
+
+
+def read_step_mark(path: str, generation: int) -> int | None:
+    """The agent's side: the step the trainer of ``generation`` last wrote, if it wrote one."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(STEP_MARK.size)
+    except OSError:
+        return None
+    if len(data) != STEP_MARK.size:
+        return None
+    written, step = STEP_MARK.unpack(data)
+    return step if written == generation and 0 <= step <= MAX_STEP else None
+
+
+def reset_step_mark(path: str) -> None:
+    """Before each launch: no step of any generation (generations start at 1)."""
+    with open(path, "wb") as file:
+        file.write(STEP_MARK.pack(0, -1))
+
+
+class ProgressReporter:
+    """Sends progress to the agent, at most one report every ``min_interval`` seconds unless forced; marks every
+    step it is given in the step file."""
+
+    def __init__(self, path: str | None, generation: int, min_interval: float = 0.1,
+                 step_file: str | None = None) -> None:
         self._path = path
         self._generation = generation
         self._min_interval = min_interval
@@ -156,10 +208,21 @@ class ProgressReporter:
         if path:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
+        self._mark = StepMark.open(step_file, generation) if path else None
 
     @classmethod
     def from_env(cls, min_interval: float = 0.1) -> ProgressReporter:
-        return cls(os.environ.get(SOCKET_ENV), int(os.environ.get(GENERATION_ENV, "0")), min_interval)
+        return cls(os.environ.get(SOCKET_ENV), int(os.environ.get(GENERATION_ENV, "0")), min_interval,
+                   os.environ.get(STEP_FILE_ENV))
+
+    @property
+    def marks_steps(self) -> bool:
+        return self._mark is not None
+
+    def reached(self, step: int) -> None:
+        """The trainer finished ``step`` (a plain int): marked for the agent, with no report."""
+        if self._mark is not None and 0 <= step <= MAX_STEP:
+            self._mark.write(step)
 
     @property
     def enabled(self) -> bool:
@@ -180,6 +243,8 @@ class ProgressReporter:
         phase = _phase(phase)  # a typo is the caller's bug: it raises, rather than drop every report
         if self._sock is None:
             return False
+        if isinstance(step, int):  # a tensor is left for the send below to convert, if a report is due
+            self.reached(step)
         now = time.monotonic()
         urgent = (force or done or checkpoint_step is not None or phase is not Phase.TRAIN
                   or restored_tier is not None)

@@ -389,10 +389,12 @@ class PsProgressCallback(ProgressCallback):
     (the loss comes with the epoch's end and fit's end). Checkpoints are reported by :class:`PsBackupAndRestore`,
     which knows the step it saved."""
 
+    _counts_steps = False  # a batch's end is its step's scheduling: the step file is written by reports only
+
     def _send(self, logs: Any, *, force: bool = False, done: bool = False, loss_scale: float = 1.0,
-              phase: Phase = Phase.TRAIN) -> None:
-        super()._send(logs if isinstance(logs, dict) else None, force=force, done=done, loss_scale=loss_scale,
-                      phase=phase)
+              phase: Phase = Phase.TRAIN) -> int:
+        return super()._send(logs if isinstance(logs, dict) else None, force=force, done=done,
+                             loss_scale=loss_scale, phase=phase)
 
     def _latest_checkpoint(self) -> str | None:
         return None

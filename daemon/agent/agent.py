@@ -53,7 +53,7 @@ from tfelastic.daemon.sdnotify import ServiceHooks
 from tfelastic.daemon.worker.process import WorkerSpec
 from tfelastic.daemon.worker.progress import ProgressListener
 from tfelastic.daemon.worker.warm import StandbyPolicy
-from tfelastic.trainer.progress import ProgressMessage
+from tfelastic.trainer.progress import ProgressMessage, read_step_mark, reset_step_mark
 
 log = logging.getLogger("tfelastic.agent")
 
@@ -79,7 +79,8 @@ class Agent:
         metrics = AgentMetrics(self.registry, config.job.name, config.node.id)
         register_build_info(self.registry, "agent")
         standby = StandbyPolicy.of_this_node()
-        self.core = AgentCore.of(config, host, self._placement.failover, metrics, clock, standby.at_launch)
+        self.core = AgentCore.of(config, host, self._placement.failover, metrics, clock, standby.at_launch,
+                                 self._read_step_mark)
         self.runner = WorkerRunner(self, stop_grace=config.node.stop_grace,
                                    failure_stop_grace=config.node.failure_stop_grace,
                                    warm_start=config.node.warm_start, before_stopped=self._before_stopped,
@@ -253,9 +254,14 @@ class Agent:
 
     def _launch(self, assignment: api.Assignment) -> None:
         assert self._listener is not None
-        spec = worker_spec(self.config, assignment, self._listener.path, self._node.snapshots.local_tier)
+        reset_step_mark(self._listener.step_file)  # every process of the last trainer is gone
+        spec = worker_spec(self.config, assignment, self._listener.path, self._node.snapshots.local_tier,
+                           self._listener.step_file)
         self.runner.launch(assignment.generation, spec)
         self._launched = (assignment.generation, spec)
+
+    def _read_step_mark(self, generation: int) -> int | None:
+        return read_step_mark(self._listener.step_file, generation) if self._listener is not None else None
 
     def control_loop_healthy(self, max_age: float) -> bool:
         """For systemd's watchdog: the control loop turned within ``max_age`` seconds. A worker stop in progress

@@ -45,7 +45,7 @@ from tfelastic.daemon.agent.failover import fence_reason
 from tfelastic.daemon.agent.progress_tracker import ProgressTracker
 from tfelastic.daemon.agent.replacements import ReplacementPolicy, ServingTask
 from tfelastic.daemon.agent.standby_schedule import StandbySchedule
-from tfelastic.daemon.agent.trainer_watch import TrainerWatch
+from tfelastic.daemon.agent.trainer_watch import StepMarkReader, TrainerWatch
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
@@ -62,7 +62,7 @@ Clock = Callable[[], float]
 
 class AgentCore:
     def __init__(self, identity: Identity, timing: Timing, connection: Connection, metrics: AgentMetrics,
-                 clock: Clock, pick_port: Callable[[str], int]) -> None:
+                 clock: Clock, pick_port: Callable[[str], int], step_mark: StepMarkReader | None = None) -> None:
         self.identity, self.timing = identity, timing
         self._failover = connection.failover
         self._metrics, self._pick_port = metrics, pick_port
@@ -70,7 +70,7 @@ class AgentCore:
         self.assignment: api.Assignment | None = None
         self.exit_code: ExitCode | None = None
         self.leaving: Leaving | None = None
-        self.trainer = TrainerWatch(timing.stall, timing.stop_grace, metrics, clock)
+        self.trainer = TrainerWatch(timing.stall, timing.stop_grace, metrics, clock, step_mark)
         metrics.stall_limit.set_function(self._stall_limit)
         self._contact = CoordinatorContact(clock, connection.coordinator, heartbeat_interval=timing.heartbeat_interval,
                                            node_timeout=timing.node_timeout, join_timeout=timing.join_timeout,
@@ -85,8 +85,9 @@ class AgentCore:
 
     @classmethod
     def of(cls, config: AgentConfig, host: str, failover: bool, metrics: AgentMetrics, clock: Clock,
-           standby_at_launch: bool = False) -> AgentCore:
-        """The core of an agent with this configuration, whose trainer peers reach at ``host``."""
+           standby_at_launch: bool = False, step_mark: StepMarkReader | None = None) -> AgentCore:
+        """The core of an agent with this configuration, whose trainer peers reach at ``host``; ``step_mark``
+        reads the step its trainer last marked (trainer/progress.py)."""
         rdzv, node = config.rendezvous, config.node
         identity = Identity(node.id, host, config.job_spec(), uuid.uuid4().hex, node.worker_port, node.role)
         replacement = ReplacementPolicy(config.job.worker_replacements, config.job.restart_window,
@@ -94,7 +95,7 @@ class AgentCore:
         timing = Timing(rdzv.heartbeat_interval, rdzv.node_timeout, rdzv.join_timeout, config.stall_limits(),
                         node.stop_grace, standby_at_launch, replacement)
         return cls(identity, timing, Connection(str(rdzv.endpoint), rdzv.tls.enabled, failover), metrics, clock,
-                   free_port)
+                   free_port, step_mark)
 
     @property
     def tracker(self) -> ProgressTracker:
@@ -426,7 +427,7 @@ class AgentCore:
         self._rejoin_session = self._contact.session  # the Join after the stop confirms the worker is gone
         # The steps the trainer made since the last heartbeat: the coordinator counts the next generation's
         # redone steps from the furthest one.
-        unsent = self.trainer.progress_report() if self.worker.state is WorkerState.RUNNING else None
+        unsent = self.trainer.progress_report(stopping=True) if self.worker.state is WorkerState.RUNNING else None
         return [Announce(f"restarting: {reason.value}"), *([unsent] if unsent else []),
                 *self._stop(reason.value, planned=not reason.counts_against_budget)]
 

@@ -63,6 +63,12 @@ class ProgressTracker:
             message = dataclasses.replace(message, checkpoint_step=self._latest.checkpoint_step)
         self._latest, self._latest_at = message, now
 
+    def reached(self, step: int) -> None:
+        """The trainer's step mark: steps it made after its last report. They count as reached when it was last
+        heard of (the time after that report stays the fault's), so the next generation's redone steps are exact."""
+        if self._latest is not None and step > self._latest.step:
+            self._latest = dataclasses.replace(self._latest, step=step)  # its examples and loss: the last known
+
     def unsent(self) -> bool:
         return self._latest is not None and self._latest is not self._sent
 

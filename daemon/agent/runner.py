@@ -23,6 +23,7 @@ from tfelastic.daemon.worker.instrument import instrumentation_env
 from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
 from tfelastic.daemon.worker.warm import Standby, StandbyKey
 from tfelastic.trainer.environment import LOCAL_CHECKPOINT_DIR_ENV, RESTORE_STEP_ENV, TrainerEnvironment
+from tfelastic.trainer.progress import STEP_FILE_ENV
 
 log = logging.getLogger("tfelastic.agent")
 
@@ -218,18 +219,19 @@ class WorkerRunner:
 
 
 def worker_spec(config: AgentConfig, assignment: Assignment, progress_socket: str,
-                local_checkpoint_dir: str | None) -> WorkerSpec:
+                local_checkpoint_dir: str | None, step_file: str | None = None) -> WorkerSpec:
     """How this node launches the assignment's trainer."""
     job = config.job
     env = trainer_env(agent_environment(job.env), assignment, job=job.name, node_id=config.node.id,
                       backup_dir=config.resolved_backup_dir(), progress_socket=progress_socket,
-                      instrument=job.instrument, local_checkpoint_dir=local_checkpoint_dir)
+                      instrument=job.instrument, local_checkpoint_dir=local_checkpoint_dir, step_file=step_file)
     return WorkerSpec(job.command, env, job.workdir or None, f"[rank {assignment.rank}]",
                       config.node.failure_stop_grace)
 
 
 def trainer_env(base: Mapping[str, str], assignment: Assignment, *, job: str, node_id: str, backup_dir: str,
-                progress_socket: str, instrument: bool, local_checkpoint_dir: str | None = None) -> dict[str, str]:
+                progress_socket: str, instrument: bool, local_checkpoint_dir: str | None = None,
+                step_file: str | None = None) -> dict[str, str]:
     """The trainer's environment: ``base`` (the agent's, with the job's ``env`` on top), the generation's
     ``TF_CONFIG`` and ``TFELASTIC_*`` (the contract of :class:`TrainerEnvironment`: with the node's local
     snapshot tier, None when it is off, and the assignment's restore step), tf_keras unless the job says
@@ -237,8 +239,10 @@ def trainer_env(base: Mapping[str, str], assignment: Assignment, *, job: str, no
     env = dict(base)
     env.setdefault("TF_USE_LEGACY_KERAS", "1")  # Keras 3 cannot run model.fit under MWMS (docs/facts.md, fact 1)
     env.setdefault("PYTHONUNBUFFERED", "1")  # a print reaches the log as it happens, and is not lost to a kill
-    for name in (LOCAL_CHECKPOINT_DIR_ENV, RESTORE_STEP_ENV, *config_variables()):
+    for name in (LOCAL_CHECKPOINT_DIR_ENV, RESTORE_STEP_ENV, STEP_FILE_ENV, *config_variables()):
         env.pop(name, None)  # only the agent's own values: never one inherited from its environment
+    if step_file:
+        env[STEP_FILE_ENV] = step_file
     task_type, task_index = assignment.members[assignment.rank].task
     by_type = {t: tuple(m.address for m in assignment.members if m.task_type == t) for t in (CHIEF, PS, WORKER)}
     env.update(TrainerEnvironment(

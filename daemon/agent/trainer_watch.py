@@ -33,10 +33,14 @@ class NodeReadings:
     restorable: tuple[int, ...] = ()
 
 
+StepMarkReader = Callable[[int], "int | None"]  # generation -> the step its trainer last marked, if any
+
+
 class TrainerWatch:
     def __init__(self, limits: StallLimits, stop_grace: float, metrics: AgentMetrics,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], step_mark: StepMarkReader | None = None) -> None:
         self._metrics, self._stop_grace = metrics, stop_grace
+        self._step_mark = step_mark
         self.tracker = ProgressTracker(clock, metrics)
         self.failures = FailureTimes(clock, metrics)
         self.stall = StallDetector(limits, clock)
@@ -61,8 +65,11 @@ class TrainerWatch:
                                      progress=self.tracker.for_report(), gpus=self.node.gpus,
                                      gpu_utilization=self.node.gpu_utilization))
 
-    def progress_report(self) -> Send | None:
-        """The latest progress, if the coordinator has not seen it yet."""
+    def progress_report(self, *, stopping: bool = False) -> Send | None:
+        """The latest progress, if the coordinator has not seen it yet; ``stopping``: the trainer is about to be
+        stopped, with the steps it made since its last report (its step mark)."""
+        if stopping:
+            self._read_step_mark()
         latest = self.tracker.latest
         if latest is None or not self.tracker.unsent():
             return None
@@ -116,8 +123,14 @@ class TrainerWatch:
         return self.ending(api.WorkerStatus.STALLED, detail=detail)
 
     def ending(self, status: api.WorkerStatus, *, exit_code: int = 0, detail: str = "") -> Send:
+        self._read_step_mark()  # a trainer that died or hung between two reports made steps they do not show
         self.ended = self.report(status, exit_code=exit_code, detail=detail)
         return self.ended
+
+    def _read_step_mark(self) -> None:
+        step = self._step_mark(self._generation) if self._step_mark is not None else None
+        if step is not None:
+            self.tracker.reached(step)
 
     def completed(self, result: StopResult) -> bool:
         """An exit 0 is a completion if the trainer ended by itself, or told us it had completed; an exit 0

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import COUNTER, kill, members, scrape
+from bench.ledger_check import LEDGER_TRAINER, trainer_redone
+from tests.cluster import COUNTER, kill, members, scrape, wait_for
 from tests.conftest import ClusterFactory
 from tests.etcd import EtcdCluster
 
@@ -60,6 +61,33 @@ def test_a_running_jobs_report_and_metrics_account_for_a_killed_worker(make_clus
     metric = {c: samples.get(("tfelastic_job_seconds_total", (("category", c),))) for c in goodput["seconds"]}
     assert all(value is not None for value in metric.values()), metric
     assert metric["training"] >= goodput["seconds"]["training"] * 0.5  # scraped a moment apart
+    cluster.stop()
+
+
+def test_steps_redone_count_the_steps_a_killed_chief_made_after_its_last_report(
+        make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    """The chief reports once a second, steps 50 times a second, and is SIGKILLed with steps its agent never heard
+    of: the step file makes the coordinator's count of redone steps the trainer's own."""
+    events = tmp_path / "ledger-events.jsonl"
+    cluster = make_cluster([sys.executable, LEDGER_TRAINER], extra_args=FAST, env={
+        "LEDGER_EVENTS": str(events), "LEDGER_STEPS": "100000", "LEDGER_STEP_SECONDS": "0.02",
+        "LEDGER_REPORT_INTERVAL": "1.0", "LEDGER_SAVE_EVERY": "100000"})
+    cluster.start_host("a")
+    cluster.start("b")
+    doc = cluster.wait_running(1, 2, step=30)
+    chief = members(doc)[0]
+    reached = tmp_path / f"{events.name}.reached-1-0"
+
+    def ahead_of_its_report() -> bool:
+        status = cluster.status()
+        step = members(status)[0]["step"] if status else None
+        return step is not None and int(reached.read_text()) >= step + 10
+
+    wait_for(ahead_of_its_report, 30, "the chief 10 steps past its last report")
+    kill(chief["worker_pid"])
+    doc = cluster.wait_running(2, 2, step=5, timeout=60)
+    furthest = int(reached.read_text())
+    assert doc["goodput"]["steps_redone"] == trainer_redone(events) == furthest, doc["goodput"]  # restored 0
     cluster.stop()
 
 

@@ -456,3 +456,40 @@ def test_a_job_saved_by_backup_and_restore_resumes_on_the_fast_tier(tmp_path: Pa
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stdout.splitlines()[-1] == expected
     assert snapshot_name(30) in {p.name for p in (tmp_path / "backup").iterdir()}
+
+
+STEP_MARKS = """
+    import json, os, socket, sys
+    from tfelastic.trainer import progress
+    agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    agent.bind(os.path.abspath(f"progress-{os.getpid()}.sock"))
+    mark = os.path.abspath("step")
+    progress.reset_step_mark(mark)
+    os.environ.update({progress.SOCKET_ENV: agent.getsockname(), progress.STEP_FILE_ENV: mark,
+                       progress.GENERATION_ENV: "2"})
+    from tfelastic.trainer.callbacks import ProgressCallback  # first: it sets TF_USE_LEGACY_KERAS
+    import numpy as np, tf_keras as keras
+
+    class Check(keras.callbacks.Callback):
+        seen = []
+        def on_train_batch_end(self, batch, logs=None):  # after ProgressCallback's: its mark against the truth
+            self.seen.append((progress.read_step_mark(mark, 2), int(self.model.optimizer.iterations.numpy())))
+
+    model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse", steps_per_execution=int(sys.argv[1]))
+    x = np.ones((64, 4), "float32")
+    model.fit(x, x[:, :1], batch_size=4, epochs=3, verbose=0, callbacks=[ProgressCallback(), Check()])
+    print(json.dumps(Check.seen))
+"""
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_progress_callback_marks_every_batchs_step_in_the_step_file(tmp_path: Path, steps_per_execution: int) -> None:
+    """Most batches send no report (at most one every 0.1 s): their steps are counted, not read, and must be the
+    optimizer's, across epochs and with several steps per call."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(STEP_MARKS), str(steps_per_execution)],
+                            cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert len(seen) == 3 * -(-16 // steps_per_execution) and seen[-1] == [48, 48], seen
+    assert all(marked == step for marked, step in seen), seen

@@ -18,9 +18,11 @@ a checksum; the 2 newest are kept. At start every rank restores the newest check
 is skipped (its start event names it).
 
 Knobs: LEDGER_TARGET_FILE (the target step, read every 10 steps: the soak sets it when its faults are done;
-default LEDGER_STEPS, 100), LEDGER_STEP_SECONDS (default 0.05), LEDGER_CONTROL_DIR (<dir>/hang-<node> holding
-a generation: this rank of that generation stops stepping and stays alive, a live hang; while <dir>/bad-<node>
-exists the rank exits 1 at start, a bad GPU), LEDGER_EVENTS (one JSON line per start and end).
+default LEDGER_STEPS, 100), LEDGER_STEP_SECONDS (default 0.05), LEDGER_REPORT_INTERVAL (at most one report per
+this many seconds unless urgent, default 0: every step; each step is marked in the agent's step file either way),
+LEDGER_CONTROL_DIR (<dir>/hang-<node> holding a generation: this rank of that generation stops stepping and stays
+alive, a live hang; while <dir>/bad-<node> exists the rank exits 1 at start, a bad GPU), LEDGER_EVENTS (one JSON
+line per start and end).
 
 Progress: a report per step, announcing start-up, the step it restored and saves as the library's trainers do (so
 that an agent with the default hang detection learns the step times: docs/configuration.md). Each rank keeps the
@@ -154,6 +156,7 @@ def main() -> int:
     pause = float(env.get("LEDGER_STEP_SECONDS", "0.05"))
     save_every = int(env.get("LEDGER_SAVE_EVERY", "10"))
     peer_timeout = float(env.get("LEDGER_PEER_TIMEOUT", "30"))
+    report_interval = float(env.get("LEDGER_REPORT_INTERVAL", "0"))
     target_file = env.get("LEDGER_TARGET_FILE")
 
     def event(kind: str, **extra: object) -> None:
@@ -177,7 +180,7 @@ def main() -> int:
         print("RuntimeError: CUDA error: an illegal memory access was encountered (a bad GPU)", file=sys.stderr)
         return 1
     backup.mkdir(parents=True, exist_ok=True)
-    reporter = ProgressReporter.from_env(min_interval=0)
+    reporter = ProgressReporter.from_env(min_interval=report_interval)
     reporter.report(0, phase=Phase.SETUP)  # as the library's trainers do: the agent then learns the step times
     step, digest, torn = restore(backup)
     reporter.report(step, phase=Phase.SETUP, restored_tier="shared", restored_step=step)  # where it resumes

@@ -4,6 +4,7 @@ no processes, no sleeps. Each test names a decision and checks the actions it pr
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -44,14 +45,16 @@ FIXED_STALL = StallLimits(fixed=STALL)
 
 class Harness:
     def __init__(self, join_timeout: float = 600.0, failover: bool = False,
-                 stall: StallLimits = FIXED_STALL, standby_at_launch: bool = False) -> None:
+                 stall: StallLimits = FIXED_STALL, standby_at_launch: bool = False,
+                 step_mark: Callable[[int], int | None] | None = None) -> None:
         self.clock = FakeClock(100.0)
         self.registry = CollectorRegistry()
         identity = Identity("n1", "10.0.0.1", SPEC, "incarnation-1")
         timing = Timing(HEARTBEAT, NODE_TIMEOUT, join_timeout, stall, stop_grace=10.0,
                         standby_at_launch=standby_at_launch)
         self.core = AgentCore(identity, timing, Connection("head:29400", failover=failover),
-                              AgentMetrics(self.registry, "job", "n1"), self.clock, pick_port=lambda host: 5555)
+                              AgentMetrics(self.registry, "job", "n1"), self.clock, pick_port=lambda host: 5555,
+                              step_mark=step_mark)
 
     def running(self, generation: int = 1, rank: int = 0) -> None:
         """Session open, assignment received, worker started."""
@@ -1114,3 +1117,39 @@ def test_a_leaving_parameter_server_stops_after_stop_grace_or_when_the_coordinat
 def test_a_leaving_chief_stops_its_trainer_at_once() -> None:
     h = PsHarness(rank=0)
     assert stops(h.core.signal_received(signal.SIGTERM)) == [Stop("agent stopping", planned=True)]
+
+
+# ------------------------------------------------------------------------------------------- the step file
+
+
+def test_a_trainer_that_dies_between_reports_is_reported_at_the_step_it_marked() -> None:
+    marks: dict[int, int] = {}
+    h = Harness(step_mark=marks.get)
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, 120))
+    marks[1] = 124  # four steps after its last report, then SIGKILL
+    [failed] = reports(h.core.worker_exited(1, -9))
+    assert failed.status is api.WorkerStatus.FAILED and failed.progress is not None
+    assert failed.progress.step == 124  # the coordinator counts the next generation's redone steps from here
+
+
+def test_a_stop_ordered_reports_the_steps_marked_since_the_last_report_first() -> None:
+    marks: dict[int, int] = {}
+    h = Harness(step_mark=marks.get)
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, 120))
+    h.core.tick()  # the report goes out with a heartbeat
+    marks[1] = 121
+    actions = h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    [unsent] = reports(actions)
+    assert unsent.progress is not None and unsent.progress.step == 121
+    assert stops(actions)
+
+
+def test_a_mark_behind_the_last_report_or_of_no_report_changes_nothing() -> None:
+    marks = {1: 100}
+    h = Harness(step_mark=marks.get)
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, 120))
+    [failed] = reports(h.core.worker_exited(1, -9))
+    assert failed.progress is not None and failed.progress.step == 120

@@ -233,6 +233,35 @@ def test_reporter_sends_what_was_reported(server: socket.socket, fake_time: Fake
     ]
 
 
+def test_every_step_given_is_marked_in_the_step_file_also_between_reports(server: socket.socket,
+                                                                          fake_time: FakeTime, tmp_path: Path) -> None:
+    mark = str(tmp_path / "step")
+    progress.reset_step_mark(mark)
+    assert progress.read_step_mark(mark, 3) is None  # nothing marked before a launch's trainer writes
+    reporter = ProgressReporter(server.getsockname(), generation=3, min_interval=1.0, step_file=mark)
+    assert reporter.marks_steps
+    assert reporter.report(5) is True
+    assert reporter.report(6) is False  # throttled, but marked: the agent reads it if the trainer dies now
+    assert progress.read_step_mark(mark, 3) == 6
+    reporter.reached(9)  # a step with no report at all
+    assert progress.read_step_mark(mark, 3) == 9
+    assert progress.read_step_mark(mark, 2) is None  # another generation's trainer wrote it
+    assert received(server) == [ProgressMessage(3, os.getpid(), 5)]
+    progress.reset_step_mark(mark)  # the next launch
+    assert progress.read_step_mark(mark, 3) is None
+
+
+def test_without_a_step_file_the_reporter_marks_nothing_and_reports_on(server: socket.socket,
+                                                                      tmp_path: Path) -> None:
+    reporter = ProgressReporter(server.getsockname(), generation=1, step_file=str(tmp_path / "missing"))
+    assert not reporter.marks_steps  # an agent older than the step file sets none: advisory
+    reporter.reached(4)
+    assert reporter.report(4) is True
+    assert progress.read_step_mark(str(tmp_path / "missing"), 1) is None
+    (tmp_path / "short").write_bytes(b"\x01")  # torn or foreign: never a step
+    assert progress.read_step_mark(str(tmp_path / "short"), 1) is None
+
+
 def test_reporter_throttles_unless_forced_or_checkpointed(server: socket.socket, fake_time: FakeTime) -> None:
     reporter = ProgressReporter(server.getsockname(), generation=1, min_interval=1.0)
     pid = os.getpid()
