@@ -2,7 +2,7 @@
 run-to-run noise of this machine, where two runs of the same thing differ by up to 2x in steps/s).
 
 Trains examples/keras_fit's CNN for ``--steps`` with ``fit_callbacks`` (BackupAndRestore, progress reports, the
-graceful stop) and a live progress socket, timing every hook of tfelastic's own callbacks (not tf_keras'
+graceful stop) and a live progress socket and step file, timing every hook of tfelastic's own callbacks (not tf_keras'
 BackupAndRestore, which a plain script pays too). The implied steps/s ratio in training is 1 - per-step hook
 time / fit time without the one-off hooks (the handler's set-up at the start, the final save at the end); the
 whole-fit ratio counts those too.
@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from tfelastic.trainer.progress import reset_step_mark
 
 from bench.trainer_overhead import ProgressSink
 from tests.cluster import ROOT
@@ -53,7 +55,9 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp())
     sink = ProgressSink(str(work / "progress.sock"))
-    os.environ.update(TFELASTIC_PROGRESS_SOCKET=sink.path, TFELASTIC_GENERATION="0")
+    step_file = str(work / "step")  # as an agent sets it: every batch's step is marked there
+    reset_step_mark(step_file)
+    os.environ.update(TFELASTIC_PROGRESS_SOCKET=sink.path, TFELASTIC_STEP_FILE=step_file, TFELASTIC_GENERATION="1")
     sys.path.insert(0, str(ROOT / "examples"))
     import mnist_like as common  # type: ignore[import-not-found]
     import tensorflow as tf

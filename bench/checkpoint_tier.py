@@ -17,6 +17,7 @@ Bounded: every run has a timeout; files stay under a temporary directory and /de
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import re
@@ -44,6 +45,30 @@ def run(variant: str, steps: int, work: Path, local: Path, timeout: float = 900)
     return result.stdout
 
 
+VMSTAT_KEYS = ("pgmajfault", "workingset_refault_file")
+
+
+def vmstat() -> dict[str, int]:
+    """The kernel's counters of major faults and refaulted file pages: pages the kernel (or a proactive reclaimer
+    such as a VM's DAMON pageout scheme) took away, then read back from disk when touched again."""
+    try:
+        lines = Path("/proc/vmstat").read_text().splitlines()
+    except OSError:
+        return {}
+    values = dict(line.split() for line in lines)
+    return {k: int(values[k]) for k in VMSTAT_KEYS if k in values}
+
+
+def slow_steps(output: str, warmup: int) -> int:
+    """Steps after the warm-up that took more than 1.5 times the run's median step."""
+    times = sorted((int(s), float(t)) for s, t in STEP_LINE.findall(output))
+    gaps = [b[1] - a[1] for a, b in itertools.pairwise(times) if a[0] >= warmup]
+    if not gaps:
+        return 0
+    median = statistics.median(gaps)
+    return sum(1 for g in gaps if g > 1.5 * median)
+
+
 def seconds_per_step(output: str, warmup: int) -> float:
     times = {int(s): float(t) for s, t in STEP_LINE.findall(output)}
     last = max(times)
@@ -56,12 +81,16 @@ def overhead(variants: list[str], rounds: int, steps: int, warmup: int, root: Pa
     for round_number in range(1, rounds + 1):
         for variant in variants:
             work, local = root / variant, local_root / variant
+            before = vmstat()
             output = run(variant, steps, work, local)
+            faults = {k: v - before.get(k, v) for k, v in vmstat().items()}
             samples[variant].append(seconds_per_step(output, warmup))
             done = json.loads(output.strip().splitlines()[-1])
             extra = (f"  stalls {done['stalls']} interval {done['interval']} interference per save "
                      f"{done['interference']}" if done["stalls"] else "")
-            print(f"round {round_number} {variant:>7}: {samples[variant][-1]:.3f} s/step{extra}", flush=True)
+            kernel = ", ".join(f"{k} {v}" for k, v in faults.items())
+            print(f"round {round_number} {variant:>7}: {samples[variant][-1]:.3f} s/step; slow steps "
+                  f"{slow_steps(output, warmup)}; {kernel}{extra}", flush=True)
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(local, ignore_errors=True)
     return samples

@@ -339,7 +339,9 @@ class AgentCore:
     def worker_stopped(self, result: StopResult) -> list[Action]:
         """Every process of the worker is gone."""
         planned, was_running = self._stopping
-        actions: list[Action] = []
+        # A step in flight when the stop was ordered may have ended since: the coordinator counts from the last one.
+        last = self.trainer.progress_report(stopping=True) if was_running else None
+        actions: list[Action] = [last] if last is not None else []
         if planned and was_running:
             self.trainer.count_graceful_stop(result)
         if was_running and self.trainer.completed(result):

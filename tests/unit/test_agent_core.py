@@ -1153,3 +1153,17 @@ def test_a_mark_behind_the_last_report_or_of_no_report_changes_nothing() -> None
     h.core.progress(ProgressMessage(1, 4001, 120))
     [failed] = reports(h.core.worker_exited(1, -9))
     assert failed.progress is not None and failed.progress.step == 120
+
+
+def test_a_step_that_ends_while_the_trainer_is_being_stopped_is_reported_before_the_join() -> None:
+    marks: dict[int, int] = {}
+    h = Harness(step_mark=marks.get)
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, 120))
+    h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    marks[1] = 121  # the step in flight at the order finished before SIGTERM took effect
+    actions = h.core.worker_stopped(StopResult(-15, False))
+    [last] = reports(actions)
+    assert last.progress is not None and last.progress.step == 121
+    messages = sent(actions)
+    assert messages.index(last) < messages.index(joins(actions)[0])  # counted for the old generation first
