@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from tfelastic.trainer._tf import keras
+from tfelastic.trainer._tf import WorkerTrainingState, keras
 from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.fast_backup import FastBackupAndRestore
 from tfelastic.trainer.preemption import STOP, preemption_guard
@@ -57,6 +57,18 @@ class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
         self._last_checkpoint = latest
         return True
 
+    def _keras_restore(self) -> tuple[str, int | None] | None:
+        """(tier, step) of the restore that a tf_keras ``BackupAndRestore`` earlier in this ``fit`` just made:
+        ("shared", the step restored), or ("none", None) when it found no checkpoint. None where no such callback
+        came first, or where the restorer is tfelastic's, which reports its restore itself (its training state is a
+        subclass)."""
+        state = getattr(self.model, "_training_state", None)
+        if state is None or type(state) is not WorkerTrainingState:
+            return None
+        if state.read_checkpoint_manager.latest_checkpoint is None:
+            return "none", None
+        return "shared", self._step()
+
     def _per_batch_loss_scale(self) -> float:
         """tf_keras reduces each batch's logs with the model's ``distribute_reduction_method``; "auto" means "sum"
         off TPUs, so under MultiWorkerMirroredStrategy a batch's loss is the sum of every replica's. The mean is
@@ -83,6 +95,10 @@ class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
         if self._reporter.enabled:
             self._batch_loss_scale = self._per_batch_loss_scale()
             self._saved_checkpoint()  # a checkpoint restored at start is not a new save
+            restore = self._keras_restore()
+            if restore is not None:  # the agent takes the step resumed from here, not from the first step's report
+                self._reporter.report(self._step(), restored_tier=restore[0], restored_step=restore[1],
+                                      phase=Phase.SETUP)
             self._send(None, force=True, phase=Phase.SETUP)  # the first step traces and compiles
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:

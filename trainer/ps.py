@@ -282,6 +282,11 @@ class PsTrainLoop:
             return None  # the step returned something other than a scalar loss
 
 
+class PsTrainingState(WorkerTrainingState):  # type: ignore[misc]
+    """tf_keras' training state, under a type of its own: :class:`PsBackupAndRestore` reports its restore, and a
+    ProgressCallback that finds this type leaves that report to it."""
+
+
 class PsBackupAndRestore(keras.callbacks.BackupAndRestore):  # type: ignore[misc]
     """tf_keras's ``BackupAndRestore`` for ``Model.fit`` under ParameterServerStrategy: saves every ``save_every``
     steps (or at each epoch's end with ``"epoch"``) after joining the coordinator, so that a checkpoint holds the
@@ -312,7 +317,7 @@ class PsBackupAndRestore(keras.callbacks.BackupAndRestore):  # type: ignore[misc
             model.optimizer.build(model.trainable_variables)  # slots exist before the restore fills them
         # save_freq=1 whatever ours: only its type matters to tf_keras, whose resume logic then starts at the batch
         # after the one saved (after an epoch's last: the next epoch) instead of at the next epoch.
-        self._training_state = model._training_state = WorkerTrainingState(model, self.backup_dir, save_freq=1)
+        self._training_state = model._training_state = PsTrainingState(model, self.backup_dir, save_freq=1)
         self._reporter.report(self._step(), phase=Phase.SETUP)
         self._training_state.restore()
         step = self._step()

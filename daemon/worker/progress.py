@@ -11,7 +11,7 @@ import socket
 import tempfile
 from collections.abc import Callable
 
-from tfelastic.trainer.progress import MAX_DATAGRAM, ProgressMessage, decode, reset_step_mark
+from tfelastic.trainer.progress import MAX_DATAGRAM, ProgressMessage, decode
 
 log = logging.getLogger("tfelastic.progress")
 
@@ -20,8 +20,8 @@ class ProgressListener:
     def __init__(self, on_message: Callable[[ProgressMessage], None], runtime_dir: str | None = None) -> None:
         self._dir = tempfile.mkdtemp(prefix="tfelastic-", dir=runtime_dir)  # mkdtemp makes it 0700
         self.path = os.path.join(self._dir, "progress.sock")
-        self.step_file = os.path.join(self._dir, "step")  # the trainer's step mark (trainer/progress.py)
-        reset_step_mark(self.step_file)
+        # The trainer's step mark (trainer/progress.py), made anew by the agent before each launch.
+        self.step_file = os.path.join(self._dir, "step")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self.path)
         self._sock.setblocking(False)

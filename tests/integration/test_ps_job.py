@@ -137,7 +137,12 @@ def test_workers_killed_and_hung_are_replaced_alone_while_the_chief_trains_on(
     assert {g for g, _ in steps.steps} == {1}
     chief_steps = [s for _, s in steps.steps]
     assert chief_steps == sorted(chief_steps), "the chief's step went back"
-    assert math.isfinite(done["train_loss"]) and steps.losses and done["train_loss"] < steps.losses[0]
+    # The model learned: its final checkpoint, evaluated alone, is far above chance (0.1 for 10 classes) and the last
+    # batch's loss far below an untrained model's (ln 10). Not "below the first loss seen": the chief reports a loss
+    # with each save, and by the first one (step 50) this model is often converged, so two single-batch losses of
+    # a converged model compare at random.
+    assert steps.losses and math.isfinite(done["train_loss"]) and done["train_loss"] < math.log(10) / 4, done
+    assert done["accuracy"] > 0.5, done
     log = cluster.logs()
     assert "relaunching worker 0 alone" in log and "relaunching worker 1 alone" in log
     assert "is hung: its server did not answer" in log

@@ -288,7 +288,8 @@ FIT_REPORTING = """
         from tfelastic.trainer.callbacks import fit_callbacks  # first: it sets TF_USE_LEGACY_KERAS
         import numpy as np
         import tensorflow as tf
-        model = tf.keras.Sequential([tf.keras.layers.Dense(4, activation="relu"), tf.keras.layers.Dense(1)])
+        model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(4, activation="relu"),
+                                     tf.keras.layers.Dense(1)])  # built: BackupAndRestore can restore it
         model.compile(optimizer="sgd", loss="mse")
         x, y = np.random.default_rng(0).normal(size=(2, 800, 8)).astype("float32")
         history = model.fit(x, y[:, :1], batch_size=16, epochs=2, verbose=0,
@@ -300,8 +301,10 @@ FIT_REPORTING = """
         for message in map(decode, received):
             reports.append({"step": message.step, "examples": message.examples, "loss": message.loss,
                             "ckpt": message.checkpoint_step, "done": message.done, "phase": message.phase.value,
-                            "stall": message.stall, "restored": message.restored_tier})
-        print(json.dumps({"reports": reports, "last_loss": history.history["loss"][-1]}))
+                            "stall": message.stall, "restored": message.restored_tier,
+                            "restored_step": message.restored_step})
+        losses = history.history.get("loss", [None])  # none when it resumed at the end
+        print(json.dumps({"reports": reports, "last_loss": losses[-1]}))
 """
 
 
@@ -342,7 +345,9 @@ def test_fit_reports_step_examples_loss_and_each_saved_checkpoint_to_the_agent(t
     assert [r["step"] for r in reports if r["phase"] == "save"] == [20, 40, 60, 80, 100, 100], reports
     # The end of each epoch (validation, epoch-end savers, the next epoch's input) is announced at its last
     # batch: step 50; at step 100 the save announced there covers it.
-    assert [r["step"] for r in reports if r["phase"] == "setup"] == [0, 50], reports
+    # The restore (none: a fresh directory) and the start of training, then the first epoch's end.
+    assert [r["step"] for r in reports if r["phase"] == "setup"] == [0, 0, 50], reports
+    assert [(r["restored"], r["restored_step"]) for r in reports if r["restored"]] == [("none", None)], reports
     assert all(r["examples"] == 16 * r["step"] for r in reports if r["examples"] is not None), reports
     # BackupAndRestore saves every 20 of the 100 steps, and the final state is saved at the end of fit.
     assert sorted({r["ckpt"] for r in reports if r["ckpt"] is not None}) == [20, 40, 60, 80, 100], reports
@@ -351,10 +356,24 @@ def test_fit_reports_step_examples_loss_and_each_saved_checkpoint_to_the_agent(t
     # after fit (evaluation, export) for a hang.
     assert [r for r in reports if r["done"]] == [
         {"step": 100, "examples": 1600, "loss": pytest.approx(outcome["last_loss"], rel=1e-5), "ckpt": None,
-         "done": True, "phase": "train", "stall": None, "restored": None},
+         "done": True, "phase": "train", "stall": None, "restored": None, "restored_step": None},
         {"step": 100, "examples": None, "loss": None, "ckpt": 100, "done": True, "phase": "train", "stall": None,
-         "restored": None}], reports
+         "restored": None, "restored_step": None}], reports
     assert reports[-1]["done"], reports
+
+
+def test_fit_reports_the_step_tf_keras_backup_and_restore_resumed_from(tmp_path: Path) -> None:
+    """The agent's resume point (steps redone, the goodput ledger) is the step restored, reported before the
+    first step: not the first step's report, one step later."""
+    for _ in range(2):  # the second fit restores the first one's final save, at step 100
+        (tmp_path / "progress.sock").unlink(missing_ok=True)  # the first one's agent socket
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(FIT_REPORTING), "synchronous"],
+                                cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=240)
+        assert result.returncode == 0, result.stdout + result.stderr
+    reports = json.loads(result.stdout.splitlines()[-1])["reports"]
+    assert [(r["restored"], r["restored_step"], r["phase"]) for r in reports if r["restored"]] == [
+        ("shared", 100, "setup")], reports
+    assert reports[0]["restored"] == "shared", reports  # its first report, before any step of this fit
 
 
 # ---------------------------------------------------------------------------------------------- Keras-3 guard
