@@ -8,7 +8,9 @@ trainer's saves held it up and how long it spent in announced phases (evaluation
 * the trainer's own save and phase time is ``checkpoint`` and ``other``;
 * the rest is split by steps: steps beyond the furthest step the job had reached are ``training``, steps below it
   ``redone``;
-* from a generation's formation to its chief's first report that counts is ``startup``;
+* from a generation's formation to its chief's first report of a step past the one it resumed at (its first
+  report that counts: the restore's, or its first step's) is ``startup``: the first step traces, compiles and
+  waits for every worker's first collective, which is start-up too;
 * from the chief's last report to a failure's restart decision is ``detection`` (a hang until its verdict, a lost
   node until its timeout; the fault came after that report); a planned restart's is still training;
 * from the decision until every old worker is gone is ``stopping``; then ``waiting`` until the next formation
@@ -53,7 +55,7 @@ class GenerationLine:
     size: int
     members: tuple[str, ...]  # the first MEMBERS_LISTED, in rank order
     restored_step: int | None = None  # where its chief resumed (its first report that counts)
-    startup_seconds: float | None = None  # formation to that report
+    startup_seconds: float | None = None  # formation to its first report of a step past restored_step
     steps_redone: int = 0
     ended: str = ""  # why it ended ("" while it runs)
     seconds: dict[str, float] = field(default_factory=_zero)  # every category, while it was the last formed
@@ -124,17 +126,26 @@ class GoodputLedger:
         now = self._clock() if report.at is None else min(self._clock(), max(self._since, report.at))
         line = self.lines[-1]
         if self._activity == "startup":
-            line.startup_seconds = now - self._since
-            line.restored_step = report.step
-            line.steps_redone = max(0, self.furthest_step - report.step)
-            self.steps_redone += line.steps_redone
-            self._add("startup", now - self._since)
-            self._last = report
-            self._open("training", now)
+            self._start_up(line, report, now)
             return
         self._split(report, now)
         self._since, self._last = now, report
         self.furthest_step = max(self.furthest_step, report.step)
+
+    def _start_up(self, line: GenerationLine, report: ChiefReport, now: float) -> None:
+        """A report during the start-up: the first sets where the chief resumed; the first past that step ends it."""
+        if line.restored_step is None:
+            line.restored_step = report.step
+            line.steps_redone = max(0, self.furthest_step - report.step)
+            self.steps_redone += line.steps_redone
+            self._exported = self._export_now(0.0)  # a successor must not take a later report for the resume point
+        if report.step <= line.restored_step:
+            return
+        line.startup_seconds = now - self._since
+        self._add("startup", now - self._since)
+        self._last = report
+        self.furthest_step = max(self.furthest_step, report.step)
+        self._open("training", now)
 
     def reached(self, step: int) -> None:
         """The chief's last step before its generation stopped, reported after the restart decision."""

@@ -20,11 +20,19 @@ def totals(book: GoodputLedger) -> dict[str, float]:
     return {c: round(v, 6) for c, v in book.now_totals().items() if v}
 
 
+def started(book: GoodputLedger, step: int) -> None:
+    """The chief resumed at ``step`` and its first step ended at once: the start-up ends now."""
+    book.reported(ChiefReport(step))
+    book.reported(ChiefReport(step + 1))
+
+
 def test_startup_then_training() -> None:
     book, clock = ledger()
     book.formed(1, ["a", "b"])
-    clock.now += 4.0
-    book.reported(ChiefReport(0))  # its first step: start-up was 4 s
+    clock.now += 3.0
+    book.reported(ChiefReport(0))  # restored (or not): where it resumes
+    clock.now += 1.0
+    book.reported(ChiefReport(1))  # its first step: start-up was 4 s
     clock.now += 10.0
     book.reported(ChiefReport(100))
     assert totals(book) == {"startup": 4.0, "training": 10.0}
@@ -33,11 +41,35 @@ def test_startup_then_training() -> None:
     assert book.goodput() == pytest.approx(10 / 14)
 
 
+def test_the_first_step_after_the_restore_is_startup_and_the_restore_is_the_resume_point() -> None:
+    """Its first step traces, compiles and waits for every worker's first collective: start-up, as the reference
+    run's training time leaves it out; the step the restore reported is where the generation resumed."""
+    book, clock = ledger()
+    book.formed(1, ["a"])
+    started(book, 0)
+    clock.now += 10.0
+    book.reported(ChiefReport(100))
+    book.restarting("worker_exit: a: exit 1", planned=False)
+    book.stopped()
+    book.formed(2, ["a"])
+    clock.now += 2.0
+    book.reported(ChiefReport(60))  # the restore's report, before any step
+    clock.now += 0.5
+    book.reported(ChiefReport(60))  # the setup report: still the start-up
+    clock.now += 3.0
+    book.reported(ChiefReport(61))  # the first step, 3 s of tracing and waiting
+    clock.now += 3.9
+    book.reported(ChiefReport(100))  # 39 redone
+    assert totals(book) == {"training": 10.0, "startup": 5.5, "redone": 3.9}
+    second = book.lines[-1]
+    assert (second.restored_step, second.steps_redone, second.startup_seconds) == (60, 40, 5.5)
+
+
 def test_a_failure_costs_detection_stopping_waiting_startup_and_the_redone_steps() -> None:
     book, clock = ledger()
     book.formed(1, ["a", "b"])
     clock.now += 2.0
-    book.reported(ChiefReport(0))
+    started(book, 0)
     clock.now += 10.0
     book.reported(ChiefReport(100))  # the furthest step: 100
     clock.now += 20.0  # a hang: no report until the verdict
@@ -47,9 +79,9 @@ def test_a_failure_costs_detection_stopping_waiting_startup_and_the_redone_steps
     clock.now += 1.0  # backoff
     book.formed(2, ["a", "b"])
     clock.now += 3.0
-    book.reported(ChiefReport(60))  # resumed at the checkpoint of step 60
+    started(book, 60)  # resumed at the checkpoint of step 60
     clock.now += 4.0
-    book.reported(ChiefReport(100))  # 40 steps redone
+    book.reported(ChiefReport(100))  # 40 steps redone (the first one in the start-up)
     clock.now += 1.0
     book.reported(ChiefReport(110))  # 10 new
     assert totals(book) == {"startup": 5.0, "training": 11.0, "detection": 20.0, "stopping": 0.3, "waiting": 1.0,
@@ -63,13 +95,13 @@ def test_a_failure_costs_detection_stopping_waiting_startup_and_the_redone_steps
 def test_a_report_that_crosses_the_furthest_step_is_split_by_steps() -> None:
     book, clock = ledger()
     book.formed(1, ["a"])
-    book.reported(ChiefReport(0))
+    started(book, 0)
     clock.now += 10.0
     book.reported(ChiefReport(100))
     book.restarting("worker_exit: a: exit 1", planned=False)
     book.stopped()
     book.formed(2, ["a"])
-    book.reported(ChiefReport(90))
+    started(book, 89)
     clock.now += 4.0
     book.reported(ChiefReport(130))  # 10 steps redone, 30 new: a quarter of the 4 s redone
     assert totals(book) == {"training": 13.0, "redone": 1.0}
@@ -78,7 +110,7 @@ def test_a_report_that_crosses_the_furthest_step_is_split_by_steps() -> None:
 def test_checkpoint_stalls_and_evaluation_are_their_own() -> None:
     book, clock = ledger()
     book.formed(1, ["a"])
-    book.reported(ChiefReport(0))
+    started(book, 0)
     clock.now += 10.0
     book.reported(ChiefReport(100, save_seconds=0.5, other_seconds=2.0))
     assert totals(book) == {"training": 7.5, "checkpoint": 0.5, "other": 2.0}
@@ -87,7 +119,7 @@ def test_checkpoint_stalls_and_evaluation_are_their_own() -> None:
 def test_a_planned_restart_is_not_detection() -> None:
     book, clock = ledger()
     book.formed(1, ["a"])
-    book.reported(ChiefReport(0))
+    started(book, 0)
     clock.now += 5.0
     book.reported(ChiefReport(50))
     clock.now += 1.0
@@ -112,7 +144,7 @@ def test_a_generation_that_never_trains_is_all_startup_then_its_end() -> None:
 def test_the_end_closes_the_ledger() -> None:
     book, clock = ledger()
     book.formed(1, ["a"])
-    book.reported(ChiefReport(0))
+    started(book, 0)
     clock.now += 5.0
     book.finished("succeeded: every trainer of generation 1 exited 0")
     clock.now += 100.0  # nothing counts after the end
@@ -134,7 +166,7 @@ def test_a_successor_continues_the_ledger_and_its_open_interval() -> None:
     book, clock = ledger()
     book.formed(1, ["a", "b"])
     clock.now += 2.0
-    book.reported(ChiefReport(0))
+    started(book, 0)
     clock.now += 8.0
     book.reported(ChiefReport(80))
     exported = book.export(wall_offset=1_000_000.0)  # written at the last change of the job's state
@@ -197,8 +229,9 @@ def test_the_coordinator_keeps_the_ledger_of_its_job() -> None:
     rv = running(clock, ["a", "b"])  # formed at 1.0, after the last call of a first formation
     formed = clock.now
     at(clock, rv, formed + 3.0)
-    rv.progress("a", 1, WorkerProgress(step=0, reported_at=clock.now))  # the chief: start-up ends
-    rv.progress("b", 1, WorkerProgress(step=0, reported_at=clock.now))  # not the chief: not counted
+    rv.progress("a", 1, WorkerProgress(step=0, reported_at=clock.now))  # the chief: where it resumed
+    rv.progress("b", 1, WorkerProgress(step=1, reported_at=clock.now))  # not the chief: not counted
+    rv.progress("a", 1, WorkerProgress(step=1, reported_at=clock.now))  # its first step: start-up ends
     at(clock, rv, formed + 13.0)
     rv.progress("a", 1, WorkerProgress(step=100, save_seconds=1.0, reported_at=clock.now))
     at(clock, rv, formed + 23.0)  # silent: a hang
@@ -206,6 +239,7 @@ def test_the_coordinator_keeps_the_ledger_of_its_job() -> None:
     at(clock, rv, formed + 23.5)
     rejoin_all(rv, "a", "b")  # every old worker gone; the next generation forms at once
     at(clock, rv, formed + 26.5)
+    rv.progress("a", 2, WorkerProgress(step=89, reported_at=clock.now))
     rv.progress("a", 2, WorkerProgress(step=90, reported_at=clock.now))
     at(clock, rv, formed + 27.5)
     rv.progress("a", 2, WorkerProgress(step=110, reported_at=clock.now))  # 10 redone, 10 new
@@ -220,7 +254,7 @@ def test_the_coordinator_keeps_the_ledger_of_its_job() -> None:
     first, second = goodput.generations
     assert (first.ended, first.restored_step, first.startup_seconds) == ("stalled: b: no progress for 10.0s", 0, 3.0)
     assert (second.restored_step, second.steps_redone, second.ended) == (
-        90, 10, "succeeded: every trainer of generation 2 exited 0")
+        89, 11, "succeeded: every trainer of generation 2 exited 0")
 
 
 def test_the_ledger_goes_to_the_durable_state_and_a_successor_continues_it() -> None:
@@ -233,6 +267,7 @@ def test_the_ledger_goes_to_the_durable_state_and_a_successor_continues_it() -> 
     rv = running(clock, ["a", "b"])
     at(clock, rv, clock.now + 2.0)
     rv.progress("a", 1, WorkerProgress(step=0, reported_at=clock.now))
+    rv.progress("a", 1, WorkerProgress(step=1, reported_at=clock.now))
     at(clock, rv, clock.now + 8.0)
     rv.progress("a", 1, WorkerProgress(step=80, reported_at=clock.now))
     recorded = rv.durable(wall_offset=1_700_000_000.0)

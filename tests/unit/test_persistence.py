@@ -108,7 +108,8 @@ def test_a_refused_write_deposes_the_coordinator_and_nothing_it_held_goes_out() 
 
 def test_progress_after_a_failure_writes_nothing_even_as_the_wall_clock_moves() -> None:
     """Only changes of state are written: the failure times must not be re-derived (and jitter) per write. The
-    chief's first report ends the generation's start-up in the goodput ledger: that change is written once."""
+    chief's first report sets where the generation resumed, and its next step ends the start-up, in the goodput
+    ledger: those two changes are written once each, and the 17 reports after them nothing."""
     async def scenario() -> None:
         store = InMemoryStore()
         clock = FakeClock()
@@ -125,7 +126,9 @@ def test_progress_after_a_failure_writes_nothing_even_as_the_wall_clock_moves() 
             rv.progress("a", 2, WorkerProgress(step=step))
             writer.dispatch([])
             await settle()
-        assert len(store.saved) == saved + 1
+        assert len(store.saved) == saved + 2
+        assert store.saved[-2].goodput is not None and store.saved[-2].goodput["activity"] == "startup"
+        assert store.saved[-2].goodput["lines"][-1]["restored_step"] == 1
         assert store.saved[-1].goodput is not None and store.saved[-1].goodput["activity"] == "training"
 
     asyncio.run(scenario())
