@@ -95,8 +95,8 @@ class Agent:
         self._metrics_server: MetricsServer | None = None
         self._session: CoordinatorSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._leaving = asyncio.Event()  # SIGTERM, SIGINT or a drain: cut the wait between retries short
-        self._signalled = asyncio.Event()  # SIGTERM or SIGINT: stop everything, a hosted coordinator too
+        self._leaving = asyncio.Event()  # a LEAVE_SIGNALS signal or a drain: cut the wait between retries short
+        self._signalled = asyncio.Event()  # a LEAVE_SIGNALS signal: stop everything, a hosted coordinator too
         self._ticked_at = clock()  # the control loop's last turn, for systemd's watchdog
         self.hooks = ServiceHooks()
 
@@ -304,6 +304,8 @@ class Agent:
         self.core.worker_gone(result.pids)
         if self.core.rejoins_after_stop:
             await self._before_join()
+        elif self.core.relaunches_after_stop:
+            await self._release_worker()
 
     def _on_progress(self, message: ProgressMessage) -> None:
         self._apply(self.core.progress(message))
@@ -312,6 +314,10 @@ class Agent:
         """Before a Join that may start a generation: the snapshot steps this node can restore (snapshot_scan.py),
         the GPU memory of the old worker given back, and a fixed worker port free of the old trainer."""
         self.core.node_read(restorable=await self._node.snapshots.restorable())
+        await self._release_worker()
+
+    async def _release_worker(self) -> None:
+        """Before the next trainer starts here: the old worker's GPU memory given back, and its port free."""
         if pids := self.core.gpu_holders:
             self.core.gpus_released(*await self._node.wait_gpus_released(pids))
         if (port := self.core.port_to_free) is not None:

@@ -50,7 +50,7 @@ class Connection:
 @dataclass(frozen=True)
 class Leaving:
     reason: str  # sent in the Leave
-    drained: bool  # an operator drained this node (else SIGTERM or SIGINT)
+    drained: bool  # an operator drained this node (else one of the agent's LEAVE_SIGNALS)
     # A parameter server's or worker's task serves on until the coordinator orders its stop (after the chief's),
     # or until this monotonic time: the chief's last save reads the variables and runs the steps it scheduled.
     serve_until: float | None = None

@@ -132,9 +132,19 @@ class AgentCore:
         return self._contact.open and self.worker.state is WorkerState.WAITING and not self.winding_down
 
     @property
+    def relaunches_after_stop(self) -> bool:
+        """The stop under way ends in this worker task's relaunch alone (a parameter-server job): the shell waits
+        for what the old worker held, its GPU memory and its port, before it reports the stop done."""
+        return self.serving.replacing and not self.winding_down and self._rejoin_session is None
+
+    @property
     def port_to_free(self) -> int | None:
-        """A fixed worker port, which the next generation's trainer binds again: the shell waits until the old
-        trainer has let it go before a Join that may start a generation (a fresh port per Join is free)."""
+        """A port the next trainer binds again, which the shell waits for the old one to let go of: a fixed
+        worker port before a Join that may start a generation (a fresh port per Join is free), and the task's
+        own port before it is relaunched alone at the same address."""
+        a = self.assignment
+        if self.relaunches_after_stop and a is not None:
+            return a.members[a.rank].worker_port
         return self.identity.worker_port or None
 
     @property

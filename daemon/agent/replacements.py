@@ -172,6 +172,11 @@ class ServingTask:
                                            detail=f"{self.task_name()} {ended.detail}: replaced alone")
         return self._report
 
+    @property
+    def replacing(self) -> bool:
+        """A failed worker task is being stopped, to be relaunched alone."""
+        return self._report is not None
+
     def stopped(self) -> api.WorkerReport | None:
         """The failed worker's processes are gone: the replacement's report, once; its launch waits until
         :meth:`due`."""

@@ -985,6 +985,29 @@ def test_a_ps_worker_that_dies_is_replaced_alone_with_the_same_assignment() -> N
     assert not joins(actions)  # no Join: the generation goes on
 
 
+def test_a_replaced_workers_gpu_memory_and_port_are_awaited_before_its_relaunch() -> None:
+    """Relaunched alone at the same address, the task binds the same port, on GPUs a killed process may still hold:
+    the shell waits for both before it reports the stop done, as it does before a Join."""
+    h = PsHarness(rank=3)
+    assert not h.core.relaunches_after_stop and h.core.port_to_free is None  # a fresh port per Join
+    actions = h.core.worker_exited(1, -9)
+    assert stops(actions)
+    assert h.core.relaunches_after_stop and not h.core.rejoins_after_stop
+    assert h.core.port_to_free == 5555  # its own task's port
+    h.core.worker_gone((4001, 4010))
+    assert h.core.gpu_holders == (4001, 4010)
+    h.core.gpus_released(0.4, "")
+    assert h.core.gpu_holders == ()
+    assert Launch(h.assignment) in h.core.worker_stopped(StopResult(-9, True, (4001, 4010)))
+    assert not h.core.relaunches_after_stop and h.core.port_to_free is None
+
+
+def test_a_stop_ordered_by_the_coordinator_is_no_relaunch() -> None:
+    h = PsHarness(rank=3)
+    h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    assert h.core.rejoins_after_stop and not h.core.relaunches_after_stop
+
+
 def test_replacements_in_a_row_back_off_and_a_spent_budget_is_reported_as_a_failure() -> None:
     h = PsHarness(rank=2, budget=3)
     h.killed()

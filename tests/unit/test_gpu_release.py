@@ -29,10 +29,10 @@ DEAD, ALSO_DEAD, SOMEONE_ELSES = 5_000_001, 5_000_002, 5_000_003
 GIB = 2**30
 
 
-def make_agent(tmp_path: Path, nvml: FakeNvml) -> Agent:
+def make_agent(tmp_path: Path, nvml: FakeNvml, **values: object) -> Agent:
     return Agent(from_values({"command": ("python",), "rendezvous": Endpoint("127.0.0.1", 29400), "node_id": "a",
                               "job": "mnist", "backup_dir": str(tmp_path / "backup"), "local_checkpoint_dir": "",
-                              "metrics_port": None}), nvml=nvml)
+                              "metrics_port": None, **values}), nvml=nvml)
 
 
 def one_gpu(*processes: FakeGpuProcess) -> FakeNvml:
@@ -120,3 +120,23 @@ def test_graphics_contexts_count_too_and_only_the_trainers_gpus_are_looked_at(
     nvml.gpus[1].graphics_processes = [FakeGpuProcess(ALSO_DEAD, None, frees_at=started + 0.3)]
     asyncio.run(agent._before_join())
     assert 0.25 <= time.monotonic() - started < 5 and agent.core.gpu_holders == ()
+
+
+def test_a_parameter_server_jobs_worker_relaunched_alone_waits_for_the_memory_too(tmp_path: Path) -> None:
+    """No Join comes between a worker task's kill and its relaunch at the same address: the wait comes before the
+    stop is reported done, which is when the core relaunches it."""
+    nvml = one_gpu()
+    agent = make_agent(tmp_path, nvml, strategy="parameter-server", ps=1, min_nodes=3, max_nodes=3)
+    tasks = (("chief", 0), ("ps", 0), ("worker", 0))
+    members = tuple(api.Member(node, rank, "127.0.0.1", 5555 + rank, *tasks[rank])
+                    for rank, node in enumerate(("c", "p", "a")))
+    agent.core.session_opened()
+    agent.core.received(api.Assignment(1, 2, 3, members, 0))
+    agent.core.worker_started(1, DEAD)
+    agent.core.worker_exited(1, -9)
+    assert agent.core.relaunches_after_stop
+    started = time.monotonic()
+    nvml.gpus[0].processes = [FakeGpuProcess(DEAD, 8 * GIB, frees_at=started + 0.4)]
+    stopped(agent, DEAD)
+    assert time.monotonic() - started >= 0.4 and agent.core.gpu_holders == ()
+    assert agent.registry.get_sample_value("tfelastic_gpu_release_wait_seconds_count") == 1.0
