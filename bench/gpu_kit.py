@@ -59,11 +59,9 @@ ROOT = Path(__file__).resolve().parent.parent
 STANDIN = ROOT / "bench" / "gpu_standin_trainer.py"
 BUDGET_SECONDS = 450.0  # the kit's own deadline: 7.5 of the 8 minutes, the rest for start-up and the summary
 POLL = 0.01  # how often the kit asks NVML whether the old trainers' memory is back
-# What tfelastic imports that a machine may lack: (module, distribution, lowest version). The floors are
-# pyproject.toml's (grpcio and protobuf those of the generated code).
-REQUIREMENTS = (("grpc", "grpcio", "1.76.0"), ("grpc_health", "grpcio-health-checking", "1.76.0"),
-                ("google.protobuf", "protobuf", "6.31.1"), ("psutil", "psutil", "5.9"),
-                ("prometheus_client", "prometheus-client", "0.20"), ("pynvml", "nvidia-ml-py", "12.535"))
+# What tfelastic imports that a machine may lack, by distribution: its floor is read from pyproject.toml.
+IMPORTED_AS = {"grpcio": "grpc", "grpcio-health-checking": "grpc_health", "protobuf": "google.protobuf",
+               "psutil": "psutil", "prometheus-client": "prometheus_client", "nvidia-ml-py": "pynvml"}
 HIDDEN = ("tensorflow", "tf_keras", "keras")  # the dry mode hides these, as the GPU machine has none
 NOT_CHECKED = (
     "TensorFlow on a GPU: the GPU machines have no TensorFlow and its GPU wheel is far larger than what can be "
@@ -230,16 +228,29 @@ print(json.dumps(found))
 """
 
 
+def requirements(pyproject: Path = ROOT / "pyproject.toml") -> list[tuple[str, str, str]]:
+    """(module, distribution, lowest version) of what tfelastic imports that a machine may lack: the floors
+    pyproject.toml declares (grpcio's and protobuf's are those of the generated code)."""
+    import tomllib
+
+    floors = {}
+    for requirement in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
+        if found := re.match(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", requirement):
+            floors[found[1]] = found[2]
+    return [(module, distribution, floors[distribution]) for distribution, module in IMPORTED_AS.items()]
+
+
 def _missing_requirements(path: list[str]) -> list[str]:
     """The requirements a Python with ``path`` first on its own lacks, or has too old."""
-    pairs = json.dumps([[module, distribution] for module, distribution, _ in REQUIREMENTS])
+    needed = requirements()
+    pairs = json.dumps([[module, distribution] for module, distribution, _ in needed])
     done = subprocess.run([sys.executable, "-c", _VERSIONS, pairs], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)))
     if done.returncode != 0:
         raise KitError(f"cannot read this Python's modules: {done.stderr.strip()[-300:]}")
     found = json.loads(done.stdout)
     missing = []
-    for _, distribution, lowest in REQUIREMENTS:
+    for _, distribution, lowest in needed:
         version = found[distribution]
         if version is None:
             missing.append(f"{distribution}>={lowest}")

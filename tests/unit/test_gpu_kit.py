@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from bench.gpu_kit import SMI_FIELDS, SMI_OPTIONAL, NvidiaSmi, Tolerance, compare
+from bench.gpu_kit import SMI_FIELDS, SMI_OPTIONAL, NvidiaSmi, Tolerance, compare, requirements
 
 MIB = 2**20
 SMI = {"memory.total": "81559", "memory.used": "9000", "memory.reserved": "511", "utilization.gpu": "97",
@@ -70,3 +70,14 @@ def test_fields_an_older_nvidia_smi_does_not_know_are_left_out(tmp_path: Path) -
     smi = NvidiaSmi([str(script)], dict(os.environ))
     assert smi.fields == [*SMI_FIELDS, *(f for f in SMI_OPTIONAL if f != "clocks_event_reasons.active")]
     assert smi.query()["0"]["clocks_throttle_reasons.active"] == "0"
+
+
+def test_the_kit_asks_for_the_floors_pyproject_declares(tmp_path: Path) -> None:
+    """Not floors of its own, which went stale once already (the generated code's grpcio moved)."""
+    floors = {distribution: lowest for _, distribution, lowest in requirements()}
+    assert floors["grpcio"] == "1.65.5" and floors["protobuf"] == "4.21.6", floors  # pyproject.toml today
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\ndependencies = ["grpcio>=9.1", "grpcio-health-checking>=9.1", '
+                         '"protobuf>=9.2,<10", "psutil>=9", "prometheus-client>=9", "nvidia-ml-py>=9"]\n')
+    assert dict((d, v) for _, d, v in requirements(pyproject))["protobuf"] == "9.2"
+    assert ("google.protobuf", "protobuf", "9.2") in requirements(pyproject)
