@@ -28,13 +28,61 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tests.cluster import wait_for
 from tests.workers import worker_env
 
 TRAINER = [sys.executable, str(Path(__file__).resolve().parent / "tier_trainer.py")]
-STEP_LINE = re.compile(r"^step (\d+) ([\d.]+)$", re.M)
+STEP_LINE = re.compile(r"^step (\d+) ([\d.]+) ([\d.]+) ([\d.]+) ([01]) ([01]) (-?\d+)$", re.M)
+SLOW = 1.5  # a step over this many times the run's median is slow
+
+
+@dataclass(frozen=True, order=True)
+class Step:
+    """One line of tier_trainer's per-step log: when the step ended and what ran beside it."""
+    step: int
+    end: float  # monotonic seconds
+    cpu: float  # the trainer's CPU seconds so far
+    stolen: float  # the host's stolen CPU seconds so far
+    writing: bool  # a snapshot written in the background at the step's end
+    copying: bool  # a snapshot copied to the shared tier at the step's end
+    saved: int  # the newest snapshot begun (-1: none)
+
+
+def parse_steps(output: str) -> list[Step]:
+    return sorted(Step(int(n), float(t), float(c), float(st), w == "1", k == "1", int(sv))
+                  for n, t, c, st, w, k, sv in STEP_LINE.findall(output))
+
+
+@dataclass(frozen=True)
+class SlowStep:
+    step: Step
+    seconds: float
+    cpu: float  # the trainer's CPU seconds during the step
+    stolen: float
+
+    def line(self, median: float, median_cpu: float) -> str:
+        since = self.step.step - self.step.saved if self.step.saved >= 0 else None
+        beside = [what for what, on in (("writing", self.step.writing), ("copying", self.step.copying)) if on]
+        return (f"step {self.step.step}: {self.seconds:.2f} s ({self.seconds / median:.1f}x), cpu {self.cpu:.2f} s "
+                f"(median {median_cpu:.2f}), stolen {self.stolen:.2f} s, "
+                f"{'no save yet' if since is None else f'{since} after the save of step {self.step.saved}'}"
+                f"{', ' + ' and '.join(beside) if beside else ''}")
+
+
+def slow_steps(output: str, warmup: int) -> tuple[list[SlowStep], float, float]:
+    """Steps after the warm-up that took more than SLOW times the run's median step, with the median step and the
+    median CPU time of a step."""
+    pairs = [(a, b) for a, b in itertools.pairwise(parse_steps(output)) if a.step >= warmup]
+    if not pairs:
+        return [], 0.0, 0.0
+    median = statistics.median(b.end - a.end for a, b in pairs)
+    median_cpu = statistics.median(b.cpu - a.cpu for a, b in pairs)
+    slow = [SlowStep(b, b.end - a.end, b.cpu - a.cpu, b.stolen - a.stolen) for a, b in pairs
+            if b.end - a.end > SLOW * median]
+    return slow, median, median_cpu
 
 
 def run(variant: str, steps: int, work: Path, local: Path, timeout: float = 900) -> str:
@@ -59,18 +107,8 @@ def vmstat() -> dict[str, int]:
     return {k: int(values[k]) for k in VMSTAT_KEYS if k in values}
 
 
-def slow_steps(output: str, warmup: int) -> int:
-    """Steps after the warm-up that took more than 1.5 times the run's median step."""
-    times = sorted((int(s), float(t)) for s, t in STEP_LINE.findall(output))
-    gaps = [b[1] - a[1] for a, b in itertools.pairwise(times) if a[0] >= warmup]
-    if not gaps:
-        return 0
-    median = statistics.median(gaps)
-    return sum(1 for g in gaps if g > 1.5 * median)
-
-
 def seconds_per_step(output: str, warmup: int) -> float:
-    times = {int(s): float(t) for s, t in STEP_LINE.findall(output)}
+    times = {s.step: s.end for s in parse_steps(output)}
     last = max(times)
     return (times[last] - times[warmup]) / (last - warmup)
 
@@ -89,8 +127,11 @@ def overhead(variants: list[str], rounds: int, steps: int, warmup: int, root: Pa
             extra = (f"  stalls {done['stalls']} interval {done['interval']} interference per save "
                      f"{done['interference']}" if done["stalls"] else "")
             kernel = ", ".join(f"{k} {v}" for k, v in faults.items())
+            slow, median, median_cpu = slow_steps(output, warmup)
             print(f"round {round_number} {variant:>7}: {samples[variant][-1]:.3f} s/step; slow steps "
-                  f"{slow_steps(output, warmup)}; {kernel}{extra}", flush=True)
+                  f"{len(slow)}; {kernel}{extra}", flush=True)
+            for step in slow:
+                print(f"    {step.line(median, median_cpu)}", flush=True)
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(local, ignore_errors=True)
     return samples
@@ -141,7 +182,7 @@ def steps_redone(kills: int, warmup: int, root: Path, local: Path, rng: random.R
             time.sleep(rng.uniform(0, 30))
             trainer.send_signal(signal.SIGKILL)
             trainer.wait()
-            last = max(int(s) for s, _ in STEP_LINE.findall(out.read_text()))
+            last = max(s.step for s in parse_steps(out.read_text()))
         finally:
             if trainer.poll() is None:
                 trainer.kill()

@@ -6,8 +6,11 @@ Adam: weights and two slots), trained with ``model.fit`` on random data, on one 
 VARIANT: ``none`` (no checkpoints), ``sync20`` (tf_keras ``BackupAndRestore(save_freq=20)``), ``fast``
 (``fit_callbacks()`` with its defaults: the fast tier, adaptive interval), ``fastN`` (the fast tier every N
 steps). Prints one JSON line when training
-starts (``initial_step``, the restored tier) and, after every step, ``step N T`` (T: monotonic seconds), then a
-summary line with the snapshot stalls and the adaptive interval.
+starts (``initial_step``, the restored tier) and, after every step, ``step N T CPU STEAL WRITING COPYING SAVED``
+(T: monotonic seconds; CPU: this process's CPU seconds; STEAL: the host's stolen CPU seconds, what the hypervisor
+gave to others; WRITING, COPYING: 1 while a snapshot is written in the background, or copied to the shared tier;
+SAVED: the step of the newest snapshot begun, -1 before one), then a summary line with the snapshot stalls and the
+adaptive interval.
 """
 
 from __future__ import annotations
@@ -37,7 +40,22 @@ class StepClock(keras.callbacks.Callback):  # type: ignore[misc]
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self.step += 1
-        print(f"step {self.step} {time.monotonic():.4f}", flush=True)
+        cpu = sum(os.times()[:2])
+        tier = restorer.tier if restorer is not None else None
+        writing, copying = (int(tier.writing), int(tier.copying_step is not None)) if tier else (0, 0)
+        saved = tier.last_save_step if tier and tier.last_save_step is not None else -1
+        print(f"step {self.step} {time.monotonic():.4f} {cpu:.3f} {stolen_seconds():.2f} {writing} {copying} {saved}",
+              flush=True)
+
+
+def stolen_seconds() -> float:
+    """The host's CPU time stolen by the hypervisor (/proc/stat's 8th field): a VM's neighbours, not us."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return 0.0
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
 
 
 model = keras.Sequential([keras.layers.Input((64,)), keras.layers.Dense(4096, activation="relu"),

@@ -287,6 +287,16 @@ class TieredCheckpoint:
         return max(steps) if steps else None
 
     @property
+    def copying_step(self) -> int | None:
+        """The snapshot being copied to the shared tier in the background now (the chief's), if any."""
+        return self._persister.copying if self._persister else None
+
+    @property
+    def last_save_step(self) -> int | None:
+        """The step of the newest snapshot begun."""
+        return self._last_started
+
+    @property
     def writing(self) -> bool:
         """Whether a snapshot is being written in the background (the copy to the shared tier aside: it comes
         at most every ``persist_seconds`` whatever the interval between snapshots)."""
