@@ -7,6 +7,7 @@ subcommand, a missing argument) exits 2, as every command-line tool does."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -294,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _dispatch(args, slurm)
     except ConfigError as e:
+        if args.command_name == "status" and getattr(args, "json", False):  # a script reads stdout: JSON there too
+            print(json.dumps({"error": f"configuration error: {e}"}, indent=2))
         print(f"tfelastic: configuration error: {e}", file=sys.stderr)
         return ExitCode.CONFIG
     except commands.OperatorError as e:

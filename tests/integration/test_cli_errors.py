@@ -227,6 +227,14 @@ def test_status_json_with_nothing_listening_prints_an_error_object(tmp_path: Pat
     assert "Traceback" not in result.stderr, result.stderr
 
 
+def test_status_json_with_a_bad_setting_prints_an_error_object_and_exits_78(tmp_path: Path) -> None:
+    result = tfelastic("status", "--json", "--job", "j7", cwd=tmp_path)  # no rendezvous from any source
+    assert result.returncode == 78, result
+    document = json.loads(result.stdout)
+    assert document["error"].startswith("configuration error: ") and "rendezvous" in document["error"], document
+    assert "Traceback" not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize(("args", "start"), [
     (["run", "--rendezvous", "127.0.0.1:29400", "--advertise-address", "192.0.2.1", "--", "true"],
      "--advertise-address: '192.0.2.1' is not an address of this machine"),
