@@ -128,8 +128,8 @@ def overhead(variants: list[str], rounds: int, steps: int, warmup: int, root: Pa
                      f"{done['interference']}" if done["stalls"] else "")
             kernel = ", ".join(f"{k} {v}" for k, v in faults.items())
             slow, median, median_cpu = slow_steps(output, warmup)
-            print(f"round {round_number} {variant:>7}: {samples[variant][-1]:.3f} s/step; slow steps "
-                  f"{len(slow)}; {kernel}{extra}", flush=True)
+            print(f"round {round_number} {variant:>7}: {samples[variant][-1]:.3f} s/step (median {median:.3f} s, "
+                  f"cpu {median_cpu:.2f} s); slow steps {len(slow)}; {kernel}{extra}", flush=True)
             for step in slow:
                 print(f"    {step.line(median, median_cpu)}", flush=True)
             shutil.rmtree(work, ignore_errors=True)
