@@ -265,7 +265,8 @@ def test_an_unmodified_scripts_own_savers_are_announced_before_they_save(
     # BackupAndRestore saves at steps 2, 4, 6, 8, 10, 12; ModelCheckpoint at 3, 6, 9, 12 (one report per batch
     # where either saves). The start of fit is a setup phase; each epoch ends on a save here, which covers it.
     assert [m["step"] for m in messages if m.get("ph") == "save"] == [2, 3, 4, 6, 8, 9, 10, 12], messages
-    assert [m["step"] for m in messages if m.get("ph") == "setup"] == [0], messages
+    # The script's BackupAndRestore found nothing to restore (reported), then fit starts: both at step 0.
+    assert [(m["step"], m.get("rt")) for m in messages if m.get("ph") == "setup"] == [(0, "none"), (0, None)], messages
 
 
 
