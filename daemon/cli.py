@@ -43,6 +43,7 @@ from tfelastic.daemon.options import (
     OnOff,
     Switch,
     flags_of,
+    options_of,
     parse_rendezvous,
 )
 from tfelastic.daemon.secret_file import read_token
@@ -192,7 +193,7 @@ def config_from_run_args(args: argparse.Namespace, slurm: SlurmStep | None = Non
     flags = _given(args, flags_of(AGENT))
     if command:
         flags["command"] = tuple(command)
-    values = gather(flags, [*flags_of(AGENT), "max_nodes", "command", "env"], environ, args.config)
+    values = gather(flags, options_of(AGENT), environ, args.config)
     if slurm is not None:
         values = slurm.complete(values)  # flags win; SLURM fills the rest; the configuration's defaults after that
     if "rendezvous" not in values:
@@ -206,7 +207,7 @@ def config_from_coordinator_args(args: argparse.Namespace,
                                  environ: Mapping[str, str] = os.environ) -> CoordinatorConfig:
     """``--rendezvous etcd://...`` makes the coordinator a head-node candidate of that job; without it, the job's
     one coordinator on ``--listen`` (by default the job file's rendezvous endpoint)."""
-    given = gather(_given(args, flags_of(COORDINATOR)), flags_of(COORDINATOR), environ, args.config)
+    given = gather(_given(args, flags_of(COORDINATOR)), options_of(COORDINATOR), environ, args.config)
     endpoint = given.get("rendezvous")
     listen_text, listen_source = (args.listen, "--listen") if args.listen else (environ.get(LISTEN_ENV), LISTEN_ENV)
     if not listen_text and not isinstance(endpoint, Endpoint):
@@ -223,7 +224,7 @@ def config_from_coordinator_args(args: argparse.Namespace,
 
 def _operator_config(args: argparse.Namespace,
                      environ: Mapping[str, str] = os.environ) -> tuple[OperatorConfig, str | None]:
-    values = gather(_given(args, flags_of(OPERATOR)), flags_of(OPERATOR), environ, args.config)
+    values = gather(_given(args, flags_of(OPERATOR)), options_of(OPERATOR), environ, args.config)
     if "rendezvous" not in values:
         raise ConfigError("--rendezvous: required; give the coordinator's HOST:PORT or the job's etcd://..., or "
                           "--config JOB.toml, or $TFELASTIC_RENDEZVOUS")
@@ -242,7 +243,7 @@ def _operator_target(args: argparse.Namespace) -> tuple[Endpoint, str | None, Tl
 def config_from_file(path: str, slurm: SlurmStep | None = None,
                      environ: Mapping[str, str] = os.environ) -> AgentConfig:
     """``tfelastic agent --config JOB.toml``: the file, with TFELASTIC_* variables over it."""
-    environment = environment_values(environ, [*flags_of(AGENT), "max_nodes"])
+    environment = environment_values(environ, options_of(AGENT))
     return load_toml(path, lambda values: _completed({**values, **environment}, slurm))
 
 

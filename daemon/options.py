@@ -425,6 +425,11 @@ def default_of(name: str) -> Any:
     return OPTIONS[name].default_value()
 
 
+def options_of(command: str) -> tuple[str, ...]:
+    """Every option ``command`` takes, from a flag, the environment or the job file, in the table's order."""
+    return tuple(option.name for option in _OPTIONS if command in option.commands)
+
+
 def flags_of(command: str) -> tuple[str, ...]:
     """The options ``command`` takes as flags, in the table's order; an option that shares its flag with the one
     before it (max_nodes, the MAX of --nodes) has none of its own."""

@@ -57,17 +57,15 @@ class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
         self._last_checkpoint = latest
         return True
 
-    def _keras_restore(self) -> tuple[str, int | None] | None:
-        """(tier, step) of the restore that a tf_keras ``BackupAndRestore`` earlier in this ``fit`` just made:
-        ("shared", the step restored), or ("none", None) when it found no checkpoint. None where no such callback
+    def _keras_restore_tier(self) -> str | None:
+        """The tier of the restore that a tf_keras ``BackupAndRestore`` earlier in this ``fit`` just made: "shared"
+        (its step is the model's step now), or "none" when it found no checkpoint. None where no such callback
         came first, or where the restorer is tfelastic's, which reports its restore itself (its training state is a
         subclass)."""
         state = getattr(self.model, "_training_state", None)
         if state is None or type(state) is not WorkerTrainingState:
             return None
-        if state.read_checkpoint_manager.latest_checkpoint is None:
-            return "none", None
-        return "shared", self._step()
+        return "none" if state.read_checkpoint_manager.latest_checkpoint is None else "shared"
 
     def _per_batch_loss_scale(self) -> float:
         """tf_keras reduces each batch's logs with the model's ``distribute_reduction_method``; "auto" means "sum"
@@ -95,9 +93,10 @@ class ProgressCallback(keras.callbacks.Callback):  # type: ignore[misc]
         if self._reporter.enabled:
             self._batch_loss_scale = self._per_batch_loss_scale()
             self._saved_checkpoint()  # a checkpoint restored at start is not a new save
-            restore = self._keras_restore()
-            if restore is not None:  # the agent takes the step resumed from here, not from the first step's report
-                self._reporter.report(self._step(), restored_tier=restore[0], restored_step=restore[1],
+            tier = self._keras_restore_tier()
+            if tier is not None:  # the agent takes the step resumed from here, not from the first step's report
+                step = self._step()
+                self._reporter.report(step, restored_tier=tier, restored_step=step if tier == "shared" else None,
                                       phase=Phase.SETUP)
             self._send(None, force=True, phase=Phase.SETUP)  # the first step traces and compiles
 

@@ -25,26 +25,7 @@ Two ways to train on the chief:
 Both stop gracefully on SIGTERM (:mod:`tfelastic.trainer.preemption`'s signal): the chief waits for the steps in
 flight, saves, and exits 42; a ps or worker task ends at once (it holds nothing that the chief's checkpoint lacks).
 
-What the mirrored job's helpers cannot do here, and why these exist:
-
-- ``fit_callbacks()``'s ``GracefulStopCallback`` is refused by tf_keras (a batch-level callback that does not take
-  ``RemoteValue`` logs), and it and ``TrainLoop`` agree on a stop step through TensorFlow's
-  ``PreemptionCheckpointHandler``, which raises ``NotImplementedError`` for a cluster with a "ps" job; only the
-  chief saves here, so it needs no agreement and stops on the signal alone.
-- tf_keras's ``BackupAndRestore`` skips its per-batch saves under ParameterServerStrategy (``save_freq=N`` never
-  saves; only ``"epoch"`` does). The fast tier's ``FastBackupAndRestore`` saves in the batch hook too, where
-  under this strategy the step has only been *scheduled*: its snapshot records batch N with the variables of
-  fewer steps (measured: batch 9 saved with step 0 applied, batch 19 with step 1), and a resumed ``fit`` would
-  skip the difference. :class:`PsBackupAndRestore` joins the coordinator before each save instead. The fast
-  tier's node-local snapshots and the agreement on a restore step serve workers that each hold a copy of the
-  state; here the state is on the parameter servers and only the chief writes it, once, to
-  ``TFELASTIC_BACKUP_DIR``.
-- ``TrainLoop`` runs ``strategy.run`` on every worker with all-reduces; here steps go through
-  ``ClusterCoordinator.schedule`` and workers never talk to each other.
-- ``ProgressCallback`` reads the loss from a batch's logs, which under this strategy are a ``RemoteValue`` (not a
-  dict): ``fit`` fails with a TypeError (the automatic instrumentation catches it and turns its ProgressCallback
-  off for the process: the chief of an unmodified script then reports only a "setup" phase at each epoch's end).
-  :class:`PsProgressCallback` reports the step alone within an epoch, and the loss at its end.
+Why the mirrored job's helpers do not serve here: docs/parameter-server.md, "Why the trainer library has its own".
 
 Under this strategy a step is applied at least once: a worker that dies after its update reached the parameter
 servers but before its result reached the chief has the step retried elsewhere, so the optimizer's step (what is

@@ -18,6 +18,7 @@ from tfelastic.daemon.agent import server_probe
 from tfelastic.daemon.agent.api import (
     Action,
     Announce,
+    CoordinatorLost,
     DropSession,
     FatalSessionError,
     HangUp,
@@ -139,7 +140,6 @@ class Agent:
             if endpoint is not None and self.core.check_owed:
                 await self._start_check()
             if endpoint is not None:
-                attached_before = self.core.sessions_opened
                 try:
                     await self._session_once(endpoint)
                     problem = None if self.core.winding_down else "the coordinator closed the session"
@@ -152,8 +152,6 @@ class Agent:
                     log.exception("the session with the coordinator failed")
                     problem = f"{type(e).__name__}: {e}"
                 self._apply(self.core.session_ended(problem))
-                if problem is not None and self.core.sessions_opened > attached_before:
-                    self._placement.lost()
             if isinstance(self._placement, EtcdPlacement):
                 self._apply(self.core.etcd_observed(*await self._placement.observe_within(self.core.etcd_patience())))
             await self.runner.idle()  # a fenced worker is gone before we try again
@@ -236,6 +234,8 @@ class Agent:
                     self.runner.prepare_standby(self._launched[1])
             elif isinstance(action, StopRetrying):
                 self._leaving.set()
+            elif isinstance(action, CoordinatorLost):
+                self._placement.lost()
             elif isinstance(action, ProbeServer):
                 self._spawn(self._probe_server(action))
             elif isinstance(action, Announce):
@@ -337,9 +337,8 @@ class Agent:
             self.hooks.status("drained: hosting the coordinator until the job ends")
             await self._placement.serve_after_drain(self._signalled)
         linger = self.config.metrics.linger
-        verdict = host.verdict if host is not None else None
-        if (self.core.exit_code is ExitCode.FAILED or verdict is not None) and self._metrics_server is not None \
-                and linger:
+        verdict_hosted = host is not None and host.verdict is not None
+        if self.core.keeps_metrics_up(verdict_hosted) and self._metrics_server is not None and linger:
             if host is not None:
                 await host.wait_agents_gone()
             log.info("job %s: keeping /metrics up for %gs", "failed" if self.core.exit_code is ExitCode.FAILED

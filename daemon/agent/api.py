@@ -7,7 +7,7 @@ the asyncio shell (:mod:`tfelastic.daemon.agent.agent`) performs them in order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tfelastic.daemon.agent.replacements import ReplacementPolicy
 from tfelastic.daemon.exit_codes import ExitCode
@@ -34,8 +34,14 @@ class Timing:
     join_timeout: float
     stall: StallLimits
     stop_grace: float
+
+
+@dataclass(frozen=True)
+class WorkerPolicy:
+    """How this node runs its worker, beyond its timings."""
+
     standby_at_launch: bool = False  # the node has cores to spare: the next standby is built at each launch
-    replacement: ReplacementPolicy = ReplacementPolicy()  # noqa: RUF009 (frozen) a parameter-server job's worker task
+    replacement: ReplacementPolicy = field(default_factory=ReplacementPolicy.defaults)  # a parameter-server job's
 
 
 @dataclass(frozen=True)
@@ -138,8 +144,14 @@ class StopRetrying:
     """The agent is leaving: end the wait between attempts to reach the coordinator now."""
 
 
+@dataclass(frozen=True)
+class CoordinatorLost:
+    """A session that had opened broke: the coordinator it reached may be gone, so where it is is looked up anew
+    (with etcd, its key may linger a lease TTL and no longer names a known coordinator: agent/placement.py)."""
+
+
 Action = (Send | Launch | Stop | HangUp | DropSession | Announce | RunNodeCheck | ListenForProbe | PrepareStandby |
-          StopRetrying | ProbeServer)
+          StopRetrying | ProbeServer | CoordinatorLost)
 
 
 @dataclass(frozen=True)

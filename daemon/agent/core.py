@@ -3,7 +3,8 @@
 Every input (a session opened or lost, a message from the coordinator, a worker that started, exited or was
 stopped, a progress report, a tick, a signal, what the shell read of the node) is a method call that returns the
 :mod:`actions <tfelastic.daemon.agent.api>` to carry out; the asyncio shell (:mod:`tfelastic.daemon.agent.agent`)
-does the I/O and reports back.
+does the I/O and reports back. This module holds the coordinator's side (the session, the Join, fencing, leaving,
+the verdict); :mod:`~tfelastic.daemon.agent.worker_core` the worker's.
 
 The agent obeys the coordinator: it launches a worker on an Assignment, stops it on StopWorkers and joins again
 (the Join confirms that every process of the old worker is gone, and that the GPUs gave back their memory: GPUs
@@ -18,70 +19,53 @@ from __future__ import annotations
 import logging
 import signal
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from tfelastic.daemon.agent.api import (
     Action,
     Announce,
     Connection,
+    CoordinatorLost,
     DropSession,
     HangUp,
     Identity,
-    Launch,
     Leaving,
     ListenForProbe,
-    PrepareStandby,
-    ProbeServer,
     RunNodeCheck,
     Send,
-    Stop,
-    StopResult,
     StopRetrying,
     Timing,
+    WorkerPolicy,
 )
 from tfelastic.daemon.agent.check_ledger import NodeCheckLedger
 from tfelastic.daemon.agent.contact import CoordinatorContact
 from tfelastic.daemon.agent.failover import fence_reason
-from tfelastic.daemon.agent.progress_tracker import ProgressTracker
-from tfelastic.daemon.agent.replacements import ReplacementPolicy, ServingTask
-from tfelastic.daemon.agent.standby_schedule import StandbySchedule
-from tfelastic.daemon.agent.trainer_watch import StepMarkReader, TrainerWatch
+from tfelastic.daemon.agent.replacements import ReplacementPolicy
+from tfelastic.daemon.agent.trainer_watch import StepMarkReader
+from tfelastic.daemon.agent.worker_core import Clock, WorkerCore
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.netutil import free_port
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.version import PROTOCOL, VERSION
-from tfelastic.daemon.worker.states import WorkerState, WorkerStateMachine
-from tfelastic.trainer.progress import ProgressMessage
+from tfelastic.daemon.worker.states import WorkerState
 
 log = logging.getLogger("tfelastic.agent")
 
-Clock = Callable[[], float]
+__all__ = ["AgentCore", "Clock"]
 
 
-class AgentCore:
+class AgentCore(WorkerCore):
     def __init__(self, identity: Identity, timing: Timing, connection: Connection, metrics: AgentMetrics,
-                 clock: Clock, pick_port: Callable[[str], int], step_mark: StepMarkReader | None = None) -> None:
-        self.identity, self.timing = identity, timing
-        self._failover = connection.failover
-        self._metrics, self._pick_port = metrics, pick_port
-        self.worker = WorkerStateMachine(on_change=metrics.set_worker_state)
-        self.assignment: api.Assignment | None = None
-        self.exit_code: ExitCode | None = None
-        self.leaving: Leaving | None = None
-        self.trainer = TrainerWatch(timing.stall, timing.stop_grace, metrics, clock, step_mark)
-        metrics.stall_limit.set_function(self._stall_limit)
+                 clock: Clock, pick_port: Callable[[str], int], step_mark: StepMarkReader | None = None,
+                 policy: WorkerPolicy | None = None) -> None:
+        super().__init__(identity, timing, policy or WorkerPolicy(), metrics, clock, step_mark)
+        self._failover, self._pick_port = connection.failover, pick_port
         self._contact = CoordinatorContact(clock, connection.coordinator, heartbeat_interval=timing.heartbeat_interval,
                                            node_timeout=timing.node_timeout, join_timeout=timing.join_timeout,
                                            tls=connection.tls)
         self._checks = NodeCheckLedger()
-        self._standby = StandbySchedule(clock, timing.standby_at_launch)
-        self._rejoin_session: int | None = None  # the session to send a Join on once the stop is done
-        self._gpu_holders: tuple[int, ...] = ()  # a stopped worker's processes whose GPU memory is not seen back
-        self._stopping: tuple[bool, bool] = (False, False)  # the stop under way: (planned, it was running)
-        self.serving = ServingTask(timing.replacement, clock)  # a parameter-server job's task on this node
-        self._clock = clock
 
     @classmethod
     def of(cls, config: AgentConfig, host: str, failover: bool, metrics: AgentMetrics, clock: Clock,
@@ -93,18 +77,9 @@ class AgentCore:
         replacement = ReplacementPolicy(config.job.worker_replacements, config.job.restart_window,
                                         rdzv.restart_backoff, rdzv.restart_backoff_max)
         timing = Timing(rdzv.heartbeat_interval, rdzv.node_timeout, rdzv.join_timeout, config.stall_limits(),
-                        node.stop_grace, standby_at_launch, replacement)
+                        node.stop_grace)
         return cls(identity, timing, Connection(str(rdzv.endpoint), rdzv.tls.enabled, failover), metrics, clock,
-                   free_port, step_mark)
-
-    @property
-    def tracker(self) -> ProgressTracker:
-        return self.trainer.tracker
-
-    @property
-    def winding_down(self) -> bool:
-        """The job is over for this agent, or it is leaving: a session that ends now ends as planned."""
-        return self.exit_code is not None or self.leaving is not None
+                   free_port, step_mark, WorkerPolicy(standby_at_launch, replacement))
 
     # ------------------------------------------------------------------------------------------- session
 
@@ -132,12 +107,6 @@ class AgentCore:
         return self._contact.open and self.worker.state is WorkerState.WAITING and not self.winding_down
 
     @property
-    def relaunches_after_stop(self) -> bool:
-        """The stop under way ends in this worker task's relaunch alone (a parameter-server job): the shell waits
-        for what the old worker held, its GPU memory and its port, before it reports the stop done."""
-        return self.serving.replacing and not self.winding_down and self._rejoin_session is None
-
-    @property
     def port_to_free(self) -> int | None:
         """A port the next trainer binds again, which the shell waits for the old one to let go of: a fixed
         worker port before a Join that may start a generation (a fresh port per Join is free), and the task's
@@ -146,33 +115,6 @@ class AgentCore:
         if self.relaunches_after_stop and a is not None:
             return a.members[a.rank].worker_port
         return self.identity.worker_port or None
-
-    @property
-    def gpu_holders(self) -> tuple[int, ...]:
-        """The stopped worker's processes that may still hold GPU memory: before a Join that may start a
-        generation the shell waits (bounded) until NVML lists none of them, and reports with :meth:`gpus_released`
-        (a trainer started into memory a killed one still holds fails with out-of-memory)."""
-        return self._gpu_holders
-
-    @property
-    def restorable(self) -> tuple[int, ...]:
-        """The snapshot steps the next Join reports."""
-        return self.trainer.node.restorable
-
-    def describe(self) -> str:
-        """The worker's state and generation, for an operator's SIGUSR1."""
-        a = self.assignment
-        return (f"worker {self.worker.state.value}, generation {a.generation if a else '-'}"
-                f"{f' as rank {a.rank}' if a else ''}")
-
-    def node_read(self, *, gpus: tuple[int, float] | None = None, restorable: tuple[int, ...] | None = None) -> None:
-        """What the shell read of the node: its GPU count and mean utilization, the snapshot steps it can
-        restore (newest first)."""
-        node = self.trainer.node
-        if gpus is not None:
-            node.gpus, node.gpu_utilization = gpus
-        if restorable is not None:
-            node.restorable = restorable
 
     def gpus_released(self, waited: float | None, held: str) -> None:
         """The shell's wait for :attr:`gpu_holders` ended: after ``waited`` seconds (None: NVML lists no process
@@ -257,17 +199,19 @@ class AgentCore:
     def session_ended(self, problem: str | None) -> list[Action]:
         """The session is over: as planned (``problem`` None), or lost. A lost one fences this node: the others
         move on without it, so its worker must be gone first."""
+        was_open = self._contact.open
         self._contact.closed()
-        if problem is not None:
-            first = not self._contact.outage
-            tls_problem = self._contact.lost(problem)
-            if tls_problem is not None:  # a certificate that cannot be verified does not fix itself
-                log.error("%s", tls_problem)
-                self.exit_code = ExitCode.CONFIG
-            if first:
-                return [Announce(f"retrying the coordinator at {self._contact.coordinator} (unreachable: "
-                                 f"{problem})"), *self._fence()]
-        return self._fence()
+        if problem is None:
+            return self._fence()
+        lost: list[Action] = [CoordinatorLost()] if was_open else []
+        first = not self._contact.outage
+        tls_problem = self._contact.lost(problem)
+        if tls_problem is not None:  # a certificate that cannot be verified does not fix itself
+            log.error("%s", tls_problem)
+            self.exit_code = ExitCode.CONFIG
+        if first:
+            lost.append(Announce(f"retrying the coordinator at {self._contact.coordinator} (unreachable: {problem})"))
+        return lost + self._fence()
 
     def etcd_observed(self, recorded: int | None, leader_known_for: float | None,
                       recorded_running: bool = True) -> list[Action]:
@@ -283,15 +227,17 @@ class AgentCore:
                            recorded_running=recorded_running)
         return self._stop(why, planned=False) if why is not None else []
 
-    @property
-    def sessions_opened(self) -> int:
-        return self._contact.session
-
     def etcd_patience(self) -> float:
         """Between sessions, with etcd: how long to wait for etcd's answer. The coordinator counts this node lost
         after node_timeout of silence; rule 2 of failover.py must be decided half a heartbeat before that."""
         contact = self._contact
         return max(0.1, contact.fence_after + contact.heartbeat_interval / 2 - contact.silent())
+
+    def keeps_metrics_up(self, verdict_hosted: bool) -> bool:
+        """After a failure, and on the node that hosted the coordinator after any verdict (``verdict_hosted``),
+        /metrics stays up a while before the exit: Prometheus then records the verdict, and the alerts tell a
+        finished job from a dead daemon by it."""
+        return self.exit_code is ExitCode.FAILED or verdict_hosted
 
     def refused(self, message: str, exit_code: ExitCode) -> None:
         """The coordinator refused this agent for good (wrong token, another job's settings, a duplicate id)."""
@@ -310,96 +256,11 @@ class AgentCore:
             return ExitCode.FAILED
         return None
 
-    # -------------------------------------------------------------------------------------------- worker
-
-    def worker_started(self, generation: int, pid: int, *, warm: bool = False) -> list[Action]:
-        a = self.assignment
-        self._metrics.launches.labels(start="warm" if warm else "cold").inc()
-        if a is None or a.generation != generation:
-            return []
-        log.info("generation %d: started worker pid %d as rank %d of %d", generation, pid, a.rank, a.world_size)
-        return [Announce(f"running generation {generation} as rank {a.rank} of {a.world_size}")]
-
-    def trainer_pid(self, generation: int, pid: int) -> list[Action]:
-        """The trainer itself (the keeper's child) is running: status shows its pid."""
-        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
-            return []
-        return [self.trainer.trainer_started(pid)]
-
-    def launch_failed(self, generation: int, error: str) -> list[Action]:
-        """The agent could not start the worker: a failure of this node's worker, reported as such."""
-        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
-            return []
-        self.worker.to(WorkerState.FAILED)  # RUNNING -> FAILED
-        return [self.trainer.launch_failed(error)]
-
-    def worker_exited(self, generation: int, code: int, output: Sequence[str] = ()) -> list[Action]:
-        """``output``: the trainer's last lines; the exception it died of goes into the report."""
-        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
-            return []  # we stopped it on purpose
-        self.worker.to(WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED)  # RUNNING -> SUCCEEDED|FAILED
-        ended = self.trainer.exited(code, list(output))
-        return self._replace(ended) if code != 0 and self.serving.replaceable else [ended]
-
-    def worker_gone(self, pids: tuple[int, ...]) -> None:
-        """Every process of the stopped worker is gone, before the stop is reported done: their GPU memory is
-        awaited before the next Join that may start a generation (:attr:`gpu_holders`)."""
-        self._gpu_holders = tuple(sorted({*self._gpu_holders, *pids}))
-
-    def worker_stopped(self, result: StopResult) -> list[Action]:
-        """Every process of the worker is gone."""
-        planned, was_running = self._stopping
-        # A step in flight when the stop was ordered may have ended since: the coordinator counts from the last one.
-        last = self.trainer.progress_report(stopping=True) if was_running else None
-        actions: list[Action] = [last] if last is not None else []
-        if planned and was_running:
-            self.trainer.count_graceful_stop(result)
-        if was_running and self.trainer.completed(result):
-            # It finished training while we stopped it: the coordinator must know (see rendezvous/state.py).
-            log.info("the trainer completed (exit 0) while stopping")
-            actions.append(self.trainer.report(api.WorkerStatus.SUCCEEDED))
-        self.worker.to(WorkerState.STOPPED)  # STOPPING -> STOPPED
-        replaced = self.serving.stopped()
-        if replaced is not None and not self.winding_down and self._rejoin_session is None:
-            return [*actions, Send(replaced), *self._serving_due()]
-        return actions + self._after_stop()
-
     def final_stop(self) -> list[Action]:
         """The agent exits: nothing of its worker may outlive it."""
         self.serving.cancel()
         clean = self.exit_code is ExitCode.SUCCEEDED or self.leaving is not None
         return self._stop("agent exiting", planned=clean)
-
-    def progress(self, message: ProgressMessage) -> list[Action]:
-        if not self._current(message.generation):
-            return []  # a report from an older generation's worker
-        if message.done:
-            self.tracker.done = True
-        if self.worker.state is not WorkerState.RUNNING:
-            return []
-        self._standby.progressed(message.generation)
-        # The first report that counts goes out at once: where the generation resumed tells the coordinator what
-        # a restart cost (steps redone or lost), and status shows the new generation training.
-        first = [self.trainer.report(api.WorkerStatus.RUNNING, pid=message.pid)] \
-            if self.trainer.progressed(message) else []
-        return first + self._standby_due()
-
-    def server_probed(self, generation: int, answered: bool) -> list[Action]:
-        """The answer to ProbeServer: a worker task whose server stopped answering is replaced like one that
-        exited (agent/replacements.py)."""
-        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
-            return []
-        probe = self.serving.probe
-        first = probe.serving_after is None
-        hung = probe.answered(answered)
-        if first and probe.serving_after is not None:
-            log.info("generation %d: %s serves, %.1fs after its launch", generation, self.serving.task_name(),
-                     probe.serving_after)
-            self._standby.progressed(generation)  # it reports no steps: serving is its progress (standby timing)
-        if hung is None:
-            return []
-        log.warning("generation %d: %s is hung: %s", generation, self.serving.task_name(), hung)
-        return self._replace(self.trainer.ending(api.WorkerStatus.STALLED, detail=f"hung: {hung}"))
 
     # ------------------------------------------------------------------------------------- local requests
 
@@ -408,20 +269,6 @@ class AgentCore:
         return self._leave(f"agent stopped ({signal.Signals(signum).name})")
 
     # -------------------------------------------------------------------------------------------- orders
-
-    def _assigned(self, assignment: api.Assignment) -> list[Action]:
-        if self.worker.state is not WorkerState.WAITING or self.leaving is not None:
-            log.warning("ignored the assignment to generation %d: worker is %s", assignment.generation,
-                        self.worker.state.value)
-            return []
-        self.assignment = assignment
-        self.serving.assigned(assignment, self.identity.node_id, self.identity.spec)
-        self.serving.launched()
-        self.trainer.launched(assignment.generation)
-        self._standby.launched(assignment.generation)
-        self.worker.to(WorkerState.RUNNING)  # WAITING -> RUNNING: the shell launches it now
-        self._metrics.new_generation(assignment.generation, assignment.rank, assignment.world_size)
-        return [Launch(assignment)]
 
     def _stop_ordered(self, order: api.StopWorkers) -> list[Action]:
         reason = order.reason
@@ -469,20 +316,7 @@ class AgentCore:
         return [StopRetrying(), Announce("stopping: draining the worker"), Send(api.Leave(reason)),
                 *self._stop("agent stopping", planned=True)]
 
-    def _served_long_enough(self) -> list[Action]:
-        """A leaving parameter server or worker that no stop order reached within stop_grace stops anyway."""
-        leaving = self.leaving
-        if leaving is None or leaving.serve_until is None or self.worker.state is not WorkerState.RUNNING or \
-                self._clock() < leaving.serve_until:
-            return []
-        log.warning("no stop order within stop_grace=%gs of leaving: stopping %s now", self.timing.stop_grace,
-                    self.serving.task_name())
-        return self._stop("leaving: stop_grace passed", planned=True)
-
     # ------------------------------------------------------------------------------------------ internals
-
-    def _current(self, generation: int) -> bool:
-        return self.assignment is not None and self.assignment.generation == generation
 
     def _fence(self) -> list[Action]:
         if self.leaving is not None and self.leaving.serve_until is not None:
@@ -490,16 +324,6 @@ class AgentCore:
         if self.winding_down or self._failover:  # with etcd, etcd_observed decides
             return []
         return self._stop("fencing: the coordinator is unreachable", planned=False)
-
-    def _stop(self, why: str, *, planned: bool) -> list[Action]:
-        state = self.worker.state
-        if state is WorkerState.STOPPING:
-            return []  # one stop at a time: the end of the one under way covers this request too
-        if not state.has_live_worker:
-            return self._after_stop()
-        was_running = self.worker.to(WorkerState.STOPPING) is WorkerState.RUNNING  # RUNNING|FAILED|SUCCEEDED ->
-        self._stopping = (planned, was_running)
-        return [Stop(why, planned)]
 
     def _after_stop(self) -> list[Action]:
         if self.leaving is not None:
@@ -526,45 +350,3 @@ class AgentCore:
                             a.rank if a else -1, self.trainer.node.restorable, a.world_size if a else 0, VERSION,
                             PROTOCOL, ident.role)
         return api.Join(node, ident.spec, a.restart_count if a else 0, checked=checked)
-
-    def _stall_limit(self) -> float:
-        return self.trainer.stall.limit_in_force() if self.worker.state is WorkerState.RUNNING else 0.0
-
-    def _check_stall(self) -> list[Action]:
-        if self.worker.state is not WorkerState.RUNNING or self.serving.serves_only:
-            return []
-        report = self.trainer.stalled()
-        return [report] if report is not None else []
-
-    def _replace(self, ended: Send) -> list[Action]:
-        """A parameter-server job's worker task ended or hung: stop what is left of it and relaunch it alone, or,
-        its budget spent, report it (the coordinator restarts the job)."""
-        assert isinstance(ended.message, api.WorkerReport)
-        report = self.serving.failed(ended.message)
-        if report.status is not api.WorkerStatus.REPLACED:
-            log.error("%s", report.detail)
-            return [Send(report)]
-        return self._stop(f"replacing {self.serving.task_name()}", planned=False)
-
-    def _serving_due(self) -> list[Action]:
-        """A replacement whose backoff is over, or a probe of the worker task's server."""
-        a = self.assignment
-        if a is None or self.winding_down:
-            return []
-        if self.worker.state is WorkerState.STOPPED and self._rejoin_session is None and self.serving.due():
-            self.worker.to(WorkerState.RUNNING)  # STOPPED -> RUNNING: the same assignment, at the same address
-            self.serving.launched()
-            self.trainer.launched(a.generation)
-            self._standby.launched(a.generation)
-            self._metrics.restarts.labels(reason=api.RestartReason.WORKER_REPLACED.value).inc()
-            log.info("generation %d: relaunching %s alone", a.generation, self.serving.task_name())
-            return [Announce(f"relaunching {self.serving.task_name()}"), Launch(a)]
-        if self.worker.state is WorkerState.RUNNING and self.serving.replaceable and self.serving.probe.due():
-            return [ProbeServer(a.generation, a.members[a.rank].address)]
-        return []
-
-    def _standby_due(self) -> list[Action]:
-        generation = self._standby.due()
-        if generation is None or self.winding_down or not self._current(generation):
-            return []
-        return [PrepareStandby(generation)]

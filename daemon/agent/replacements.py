@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tfelastic.daemon.options import default_of
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.rendezvous.roles import PS, WORKER
 
@@ -123,10 +124,16 @@ class ServerProbe:
 
 @dataclass(frozen=True)
 class ReplacementPolicy:
-    budget: int = 10  # --worker-replacements
-    window: float = 3600.0  # --restart-window
-    backoff: float = 1.0  # --restart-backoff
-    backoff_max: float = 30.0  # --restart-backoff-max
+    budget: int  # --worker-replacements
+    window: float  # --restart-window
+    backoff: float  # --restart-backoff
+    backoff_max: float  # --restart-backoff-max
+
+    @classmethod
+    def defaults(cls) -> ReplacementPolicy:
+        """The options' built-in values (daemon/options.py)."""
+        return cls(default_of("worker_replacements"), default_of("restart_window"), default_of("restart_backoff"),
+                   default_of("restart_backoff_max"))
 
 
 class ServingTask:

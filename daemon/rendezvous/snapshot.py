@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 from tfelastic.daemon.rendezvous.api import ClusterSnapshot, GenerationSummary, GoodputView, NodeSnapshot, NodeState
 
 if TYPE_CHECKING:
-    from tfelastic.daemon.rendezvous.state import Rendezvous
+    from tfelastic.daemon.rendezvous.rounds import RoundKeeper
 
 
-def cluster_snapshot(rv: Rendezvous) -> ClusterSnapshot:
+def cluster_snapshot(rv: RoundKeeper) -> ClusterSnapshot:
     nodes = sorted((_node(rv, node_id) for node_id in rv.nodes), key=lambda n: (n.rank < 0, n.rank, n.node_id))
     spec = rv.spec
     resumes = rv.restarts.resumes
@@ -35,12 +35,12 @@ def cluster_snapshot(rv: Rendezvous) -> ClusterSnapshot:
     )
 
 
-def rank_shown(rv: Rendezvous) -> bool:
+def rank_shown(rv: RoundKeeper) -> bool:
     """A parameter-server job's tasks are shown while its generation runs (or has just succeeded)."""
     return rv.world_size > 0 and rv.spec is not None and rv.spec.parameter_server
 
 
-def _goodput(rv: Rendezvous) -> GoodputView:
+def _goodput(rv: RoundKeeper) -> GoodputView:
     ledger = rv.goodput
     return GoodputView(ledger.now_totals(), tuple(
         GenerationSummary(line.generation, line.formed_at + rv.wall_offset, line.size, line.members,
@@ -48,7 +48,7 @@ def _goodput(rv: Rendezvous) -> GoodputView:
         for line in ledger.lines_now()), ledger.steps_redone)
 
 
-def _node(rv: Rendezvous, node_id: str) -> NodeSnapshot:
+def _node(rv: RoundKeeper, node_id: str) -> NodeSnapshot:
     node, rank = rv.nodes[node_id], rv.rank_of(node_id)
     held = rv.quarantine.held.get(node_id) if node.state is NodeState.QUARANTINED else None
     return NodeSnapshot(

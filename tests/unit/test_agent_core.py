@@ -12,6 +12,7 @@ from tfelastic.daemon.agent.api import (
     Action,
     Announce,
     Connection,
+    CoordinatorLost,
     DropSession,
     HangUp,
     Identity,
@@ -25,6 +26,7 @@ from tfelastic.daemon.agent.api import (
     StopResult,
     StopRetrying,
     Timing,
+    WorkerPolicy,
 )
 from tfelastic.daemon.agent.core import AgentCore
 from tfelastic.daemon.agent.replacements import ReplacementPolicy
@@ -50,11 +52,10 @@ class Harness:
         self.clock = FakeClock(100.0)
         self.registry = CollectorRegistry()
         identity = Identity("n1", "10.0.0.1", SPEC, "incarnation-1")
-        timing = Timing(HEARTBEAT, NODE_TIMEOUT, join_timeout, stall, stop_grace=10.0,
-                        standby_at_launch=standby_at_launch)
+        timing = Timing(HEARTBEAT, NODE_TIMEOUT, join_timeout, stall, stop_grace=10.0)
         self.core = AgentCore(identity, timing, Connection("head:29400", failover=failover),
                               AgentMetrics(self.registry, "job", "n1"), self.clock, pick_port=lambda host: 5555,
-                              step_mark=step_mark)
+                              step_mark=step_mark, policy=WorkerPolicy(standby_at_launch=standby_at_launch))
 
     def running(self, generation: int = 1, rank: int = 0) -> None:
         """Session open, assignment received, worker started."""
@@ -584,6 +585,27 @@ def test_without_etcd_a_lost_coordinator_fences_at_once() -> None:
     assert h.core.etcd_observed(recorded=1, leader_known_for=None) == []  # etcd plays no part
 
 
+def test_only_a_session_that_had_opened_and_broke_makes_the_shell_look_for_the_coordinator_anew() -> None:
+    h = Harness(failover=True)
+    h.running()
+    assert CoordinatorLost() in h.core.session_ended("UNAVAILABLE: connection reset")
+    assert CoordinatorLost() not in h.core.session_ended("UNAVAILABLE: connection refused")  # it never opened
+    h.core.session_opened()
+    assert CoordinatorLost() not in h.core.session_ended(None)  # ended as planned
+
+
+def test_metrics_stay_up_after_a_failure_or_a_hosted_verdict_not_after_a_plain_success() -> None:
+    h = Harness()
+    h.running()
+    h.core.received(api.Finished(api.JobState.SUCCEEDED, "every trainer exited 0"))
+    assert not h.core.keeps_metrics_up(verdict_hosted=False)
+    assert h.core.keeps_metrics_up(verdict_hosted=True)
+    failed = Harness()
+    failed.running()
+    failed.core.received(api.Finished(api.JobState.FAILED, "restart budget exhausted"))
+    assert failed.core.keeps_metrics_up(verdict_hosted=False)
+
+
 def test_with_etcd_the_agent_waits_for_etcd_only_until_it_must_decide_whether_to_fence() -> None:
     """The coordinator counts a silent node lost at node_timeout (2 s): with 1.5 s of silence already, etcd has a
     quarter of a second to answer, not the seconds its client would retry."""
@@ -953,9 +975,9 @@ class PsHarness(Harness):
         node_id = f"n{rank + 1}"
         identity = Identity(node_id, f"10.0.0.{rank + 1}", PS_SPEC, "incarnation-1", role="any")
         policy = ReplacementPolicy(budget=budget, window=3600.0, backoff=1.0, backoff_max=30.0)
-        timing = Timing(HEARTBEAT, NODE_TIMEOUT, 600.0, FIXED_STALL, stop_grace=10.0, replacement=policy)
+        timing = Timing(HEARTBEAT, NODE_TIMEOUT, 600.0, FIXED_STALL, stop_grace=10.0)
         self.core = AgentCore(identity, timing, Connection("head:29400"), AgentMetrics(self.registry, "job", node_id),
-                              self.clock, pick_port=lambda host: 5555)
+                              self.clock, pick_port=lambda host: 5555, policy=WorkerPolicy(replacement=policy))
         self.rank = rank
         self.assignment = api.Assignment(1, rank, 4, tuple(
             api.Member(f"n{i + 1}", i, f"10.0.0.{i + 1}", 5555, *PS_TASKS[i]) for i in range(4)), 0)

@@ -26,6 +26,17 @@ def started(book: GoodputLedger, step: int) -> None:
     book.reported(ChiefReport(step + 1))
 
 
+def trained_then_failed(book: GoodputLedger, clock: FakeClock, furthest: int) -> None:
+    """Generation 1 of one node trained 10 s to ``furthest``, failed at once, and generation 2 formed."""
+    book.formed(1, ["a"])
+    started(book, 0)
+    clock.now += 10.0
+    book.reported(ChiefReport(furthest))
+    book.restarting("worker_exit: a: exit 1", planned=False)
+    book.stopped()
+    book.formed(2, ["a"])
+
+
 def test_startup_then_training() -> None:
     book, clock = ledger()
     book.formed(1, ["a", "b"])
@@ -45,13 +56,7 @@ def test_the_first_step_after_the_restore_is_startup_and_the_restore_is_the_resu
     """Its first step traces, compiles and waits for every worker's first collective: start-up, as the reference
     run's training time leaves it out; the step the restore reported is where the generation resumed."""
     book, clock = ledger()
-    book.formed(1, ["a"])
-    started(book, 0)
-    clock.now += 10.0
-    book.reported(ChiefReport(100))
-    book.restarting("worker_exit: a: exit 1", planned=False)
-    book.stopped()
-    book.formed(2, ["a"])
+    trained_then_failed(book, clock, 100)
     clock.now += 2.0
     book.reported(ChiefReport(60))  # the restore's report, before any step
     clock.now += 0.5
@@ -94,13 +99,7 @@ def test_a_failure_costs_detection_stopping_waiting_startup_and_the_redone_steps
 
 def test_a_report_that_crosses_the_furthest_step_is_split_by_steps() -> None:
     book, clock = ledger()
-    book.formed(1, ["a"])
-    started(book, 0)
-    clock.now += 10.0
-    book.reported(ChiefReport(100))
-    book.restarting("worker_exit: a: exit 1", planned=False)
-    book.stopped()
-    book.formed(2, ["a"])
+    trained_then_failed(book, clock, 100)
     started(book, 89)
     clock.now += 4.0
     book.reported(ChiefReport(130))  # 10 steps redone, 30 new: a quarter of the 4 s redone

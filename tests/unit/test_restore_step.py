@@ -1,5 +1,5 @@
 """The snapshot step a generation restores: what agents report in their Join (``restorable_steps``), the
-coordinator's choice (:func:`~tfelastic.daemon.rendezvous.state.common_restore_step`), the wire both ways, the
+coordinator's choice (:func:`~tfelastic.daemon.rendezvous.restore_point.common_restore_step`), the wire both ways, the
 bounds, what the agent's core puts in its Joins and what the trainer gets (``TFELASTIC_RESTORE_STEP``,
 ``TFELASTIC_LOCAL_CHECKPOINT_DIR``). Pure: a fake clock, no sockets."""
 
@@ -24,7 +24,8 @@ from tfelastic.daemon.rendezvous.api import (
     RendezvousSettings,
     RestartReason,
 )
-from tfelastic.daemon.rendezvous.state import NEWER_SNAPSHOTS_LOGGED, Rendezvous, common_restore_step
+from tfelastic.daemon.rendezvous.restore_point import NEWER_SNAPSHOTS_LOGGED, common_restore_step
+from tfelastic.daemon.rendezvous.state import Rendezvous
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.worker.stall import StallLimits
 from tfelastic.trainer import snapshots

@@ -69,6 +69,14 @@ def test_the_trainer_command_after_dashes_wins_over_the_files(job_file: str) -> 
     assert config.job.command == ("python", "other.py")
 
 
+def test_run_takes_every_option_of_the_job_file_even_those_without_a_flag(tmp_path: Path) -> None:
+    path = tmp_path / "env.toml"
+    path.write_text(JOB.replace('max_nodes = 4\n', 'max_nodes = 4\nenv = { DATA_DIR = "/data" }\n'))
+    config = config_from_run_args(parse("run", "--config", str(path)), environ={})
+    assert config.job.env == (("DATA_DIR", "/data"),)  # no flag: the job file alone gives it
+    assert (config.job.min_nodes, config.job.max_nodes) == (2, 4)  # max_nodes shares --nodes
+
+
 def test_tfelastic_config_names_the_file(job_file: str) -> None:
     config = config_from_run_args(parse("run"), environ={"TFELASTIC_CONFIG": job_file})
     assert config.job.name == "mnist"

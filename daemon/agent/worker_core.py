@@ -1,0 +1,271 @@
+"""This node's worker, as plain code over an injected clock: its launch on an assignment, its start, exits and
+progress, its stop, a parameter-server task relaunched alone, its standby and its stalls.
+:class:`~tfelastic.daemon.agent.core.AgentCore` puts the coordinator's session on top; every input returns the
+:mod:`actions <tfelastic.daemon.agent.api>` to carry out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from tfelastic.daemon.agent.api import (
+    Action,
+    Announce,
+    Identity,
+    Launch,
+    Leaving,
+    PrepareStandby,
+    ProbeServer,
+    Send,
+    Stop,
+    StopResult,
+    Timing,
+    WorkerPolicy,
+)
+from tfelastic.daemon.agent.progress_tracker import ProgressTracker
+from tfelastic.daemon.agent.replacements import ServingTask
+from tfelastic.daemon.agent.standby_schedule import StandbySchedule
+from tfelastic.daemon.agent.trainer_watch import StepMarkReader, TrainerWatch
+from tfelastic.daemon.exit_codes import ExitCode
+from tfelastic.daemon.metrics.agent import AgentMetrics
+from tfelastic.daemon.rendezvous import api
+from tfelastic.daemon.worker.states import WorkerState, WorkerStateMachine
+from tfelastic.trainer.progress import ProgressMessage
+
+log = logging.getLogger("tfelastic.agent")
+
+Clock = Callable[[], float]
+
+
+class WorkerCore:
+    """The worker's side of the agent. A stop ends in :meth:`_after_stop`, which the session's side decides."""
+
+    def __init__(self, identity: Identity, timing: Timing, policy: WorkerPolicy, metrics: AgentMetrics, clock: Clock,
+                 step_mark: StepMarkReader | None = None) -> None:
+        self.identity, self.timing = identity, timing
+        self._metrics, self._clock = metrics, clock
+        self.worker = WorkerStateMachine(on_change=metrics.set_worker_state)
+        self.assignment: api.Assignment | None = None
+        self.exit_code: ExitCode | None = None
+        self.leaving: Leaving | None = None
+        self.trainer = TrainerWatch(timing.stall, timing.stop_grace, metrics, clock, step_mark)
+        metrics.stall_limit.set_function(self._stall_limit)
+        self._standby = StandbySchedule(clock, policy.standby_at_launch)
+        self._rejoin_session: int | None = None  # the session to send a Join on once the stop is done
+        self._gpu_holders: tuple[int, ...] = ()  # a stopped worker's processes whose GPU memory is not seen back
+        self._stopping: tuple[bool, bool] = (False, False)  # the stop under way: (planned, it was running)
+        self.serving = ServingTask(policy.replacement, clock)  # a parameter-server job's task on this node
+
+    @property
+    def tracker(self) -> ProgressTracker:
+        return self.trainer.tracker
+
+    @property
+    def winding_down(self) -> bool:
+        """The job is over for this agent, or it is leaving: a session that ends now ends as planned."""
+        return self.exit_code is not None or self.leaving is not None
+
+    @property
+    def relaunches_after_stop(self) -> bool:
+        """The stop under way ends in this worker task's relaunch alone (a parameter-server job): the shell waits
+        for what the old worker held, its GPU memory and its port, before it reports the stop done."""
+        return self.serving.replacing and not self.winding_down and self._rejoin_session is None
+
+    @property
+    def gpu_holders(self) -> tuple[int, ...]:
+        """The stopped worker's processes that may still hold GPU memory: before a Join that may start a
+        generation the shell waits (bounded) until NVML lists none of them, and reports with :meth:`gpus_released`
+        (a trainer started into memory a killed one still holds fails with out-of-memory)."""
+        return self._gpu_holders
+
+    @property
+    def restorable(self) -> tuple[int, ...]:
+        """The snapshot steps the next Join reports."""
+        return self.trainer.node.restorable
+
+    def describe(self) -> str:
+        """The worker's state and generation, for an operator's SIGUSR1."""
+        a = self.assignment
+        return (f"worker {self.worker.state.value}, generation {a.generation if a else '-'}"
+                f"{f' as rank {a.rank}' if a else ''}")
+
+    def node_read(self, *, gpus: tuple[int, float] | None = None, restorable: tuple[int, ...] | None = None) -> None:
+        """What the shell read of the node: its GPU count and mean utilization, the snapshot steps it can
+        restore (newest first)."""
+        node = self.trainer.node
+        if gpus is not None:
+            node.gpus, node.gpu_utilization = gpus
+        if restorable is not None:
+            node.restorable = restorable
+
+    # -------------------------------------------------------------------------------------------- worker
+
+    def worker_started(self, generation: int, pid: int, *, warm: bool = False) -> list[Action]:
+        a = self.assignment
+        self._metrics.launches.labels(start="warm" if warm else "cold").inc()
+        if a is None or a.generation != generation:
+            return []
+        log.info("generation %d: started worker pid %d as rank %d of %d", generation, pid, a.rank, a.world_size)
+        return [Announce(f"running generation {generation} as rank {a.rank} of {a.world_size}")]
+
+    def trainer_pid(self, generation: int, pid: int) -> list[Action]:
+        """The trainer itself (the keeper's child) is running: status shows its pid."""
+        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
+            return []
+        return [self.trainer.trainer_started(pid)]
+
+    def launch_failed(self, generation: int, error: str) -> list[Action]:
+        """The agent could not start the worker: a failure of this node's worker, reported as such."""
+        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
+            return []
+        self.worker.to(WorkerState.FAILED)  # RUNNING -> FAILED
+        return [self.trainer.launch_failed(error)]
+
+    def worker_exited(self, generation: int, code: int, output: Sequence[str] = ()) -> list[Action]:
+        """``output``: the trainer's last lines; the exception it died of goes into the report."""
+        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
+            return []  # we stopped it on purpose
+        self.worker.to(WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED)  # RUNNING -> SUCCEEDED|FAILED
+        ended = self.trainer.exited(code, list(output))
+        return self._replace(ended) if code != 0 and self.serving.replaceable else [ended]
+
+    def worker_gone(self, pids: tuple[int, ...]) -> None:
+        """Every process of the stopped worker is gone, before the stop is reported done: their GPU memory is
+        awaited before the next Join that may start a generation (:attr:`gpu_holders`)."""
+        self._gpu_holders = tuple(sorted({*self._gpu_holders, *pids}))
+
+    def worker_stopped(self, result: StopResult) -> list[Action]:
+        """Every process of the worker is gone."""
+        planned, was_running = self._stopping
+        # A step in flight when the stop was ordered may have ended since: the coordinator counts from the last one.
+        last = self.trainer.progress_report(stopping=True) if was_running else None
+        actions: list[Action] = [last] if last is not None else []
+        if planned and was_running:
+            self.trainer.count_graceful_stop(result)
+        if was_running and self.trainer.completed(result):
+            # It finished training while we stopped it: the coordinator must know (see rendezvous/state.py).
+            log.info("the trainer completed (exit 0) while stopping")
+            actions.append(self.trainer.report(api.WorkerStatus.SUCCEEDED))
+        self.worker.to(WorkerState.STOPPED)  # STOPPING -> STOPPED
+        relaunches = self.relaunches_after_stop  # read before serving.stopped() hands the report over
+        replaced = self.serving.stopped()
+        if relaunches and replaced is not None:
+            return [*actions, Send(replaced), *self._serving_due()]
+        return actions + self._after_stop()
+
+    def progress(self, message: ProgressMessage) -> list[Action]:
+        if not self._current(message.generation):
+            return []  # a report from an older generation's worker
+        if message.done:
+            self.tracker.done = True
+        if self.worker.state is not WorkerState.RUNNING:
+            return []
+        self._standby.progressed(message.generation)
+        # The first report that counts goes out at once: where the generation resumed tells the coordinator what
+        # a restart cost (steps redone or lost), and status shows the new generation training.
+        first = [self.trainer.report(api.WorkerStatus.RUNNING, pid=message.pid)] \
+            if self.trainer.progressed(message) else []
+        return first + self._standby_due()
+
+    def server_probed(self, generation: int, answered: bool) -> list[Action]:
+        """The answer to ProbeServer: a worker task whose server stopped answering is replaced like one that
+        exited (agent/replacements.py)."""
+        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
+            return []
+        probe = self.serving.probe
+        first = probe.serving_after is None
+        hung = probe.answered(answered)
+        if first and probe.serving_after is not None:
+            log.info("generation %d: %s serves, %.1fs after its launch", generation, self.serving.task_name(),
+                     probe.serving_after)
+            self._standby.progressed(generation)  # it reports no steps: serving is its progress (standby timing)
+        if hung is None:
+            return []
+        log.warning("generation %d: %s is hung: %s", generation, self.serving.task_name(), hung)
+        return self._replace(self.trainer.ending(api.WorkerStatus.STALLED, detail=f"hung: {hung}"))
+
+    def _assigned(self, assignment: api.Assignment) -> list[Action]:
+        if self.worker.state is not WorkerState.WAITING or self.leaving is not None:
+            log.warning("ignored the assignment to generation %d: worker is %s", assignment.generation,
+                        self.worker.state.value)
+            return []
+        self.assignment = assignment
+        self.serving.assigned(assignment, self.identity.node_id, self.identity.spec)
+        self.serving.launched()
+        self.trainer.launched(assignment.generation)
+        self._standby.launched(assignment.generation)
+        self.worker.to(WorkerState.RUNNING)  # WAITING -> RUNNING: the shell launches it now
+        self._metrics.new_generation(assignment.generation, assignment.rank, assignment.world_size)
+        return [Launch(assignment)]
+
+    def _served_long_enough(self) -> list[Action]:
+        """A leaving parameter server or worker that no stop order reached within stop_grace stops anyway."""
+        leaving = self.leaving
+        if leaving is None or leaving.serve_until is None or self.worker.state is not WorkerState.RUNNING or \
+                self._clock() < leaving.serve_until:
+            return []
+        log.warning("no stop order within stop_grace=%gs of leaving: stopping %s now", self.timing.stop_grace,
+                    self.serving.task_name())
+        return self._stop("leaving: stop_grace passed", planned=True)
+
+    # ------------------------------------------------------------------------------------------ internals
+
+    def _current(self, generation: int) -> bool:
+        return self.assignment is not None and self.assignment.generation == generation
+
+    def _stop(self, why: str, *, planned: bool) -> list[Action]:
+        state = self.worker.state
+        if state is WorkerState.STOPPING:
+            return []  # one stop at a time: the end of the one under way covers this request too
+        if not state.has_live_worker:
+            return self._after_stop()
+        was_running = self.worker.to(WorkerState.STOPPING) is WorkerState.RUNNING  # RUNNING|FAILED|SUCCEEDED ->
+        self._stopping = (planned, was_running)
+        return [Stop(why, planned)]
+
+    def _stall_limit(self) -> float:
+        return self.trainer.stall.limit_in_force() if self.worker.state is WorkerState.RUNNING else 0.0
+
+    def _check_stall(self) -> list[Action]:
+        if self.worker.state is not WorkerState.RUNNING or self.serving.serves_only:
+            return []
+        report = self.trainer.stalled()
+        return [report] if report is not None else []
+
+    def _replace(self, ended: Send) -> list[Action]:
+        """A parameter-server job's worker task ended or hung: stop what is left of it and relaunch it alone, or,
+        its budget spent, report it (the coordinator restarts the job)."""
+        assert isinstance(ended.message, api.WorkerReport)
+        report = self.serving.failed(ended.message)
+        if report.status is not api.WorkerStatus.REPLACED:
+            log.error("%s", report.detail)
+            return [Send(report)]
+        return self._stop(f"replacing {self.serving.task_name()}", planned=False)
+
+    def _serving_due(self) -> list[Action]:
+        """A replacement whose backoff is over, or a probe of the worker task's server."""
+        a = self.assignment
+        if a is None or self.winding_down:
+            return []
+        if self.worker.state is WorkerState.STOPPED and self._rejoin_session is None and self.serving.due():
+            self.worker.to(WorkerState.RUNNING)  # STOPPED -> RUNNING: the same assignment, at the same address
+            self.serving.launched()
+            self.trainer.launched(a.generation)
+            self._standby.launched(a.generation)
+            self._metrics.restarts.labels(reason=api.RestartReason.WORKER_REPLACED.value).inc()
+            log.info("generation %d: relaunching %s alone", a.generation, self.serving.task_name())
+            return [Announce(f"relaunching {self.serving.task_name()}"), Launch(a)]
+        if self.worker.state is WorkerState.RUNNING and self.serving.replaceable and self.serving.probe.due():
+            return [ProbeServer(a.generation, a.members[a.rank].address)]
+        return []
+
+    def _standby_due(self) -> list[Action]:
+        generation = self._standby.due()
+        if generation is None or self.winding_down or not self._current(generation):
+            return []
+        return [PrepareStandby(generation)]
+
+    def _after_stop(self) -> list[Action]:
+        """What follows a stop that is done: a Join, a hang-up, or nothing (the session's side decides)."""
+        raise NotImplementedError
