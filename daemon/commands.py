@@ -142,7 +142,7 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     try:
         if rdzv.etcd is not None:
             return asyncio.run(_serve_elected(config, setup, rdzv.etcd, etcd or EtcdCredentials(), registry,
-                                              notifier))
+                                              notifier, lingers=server is not None))
         return asyncio.run(_serve_alone(config, setup, registry, notifier, lingers=server is not None))
     finally:
         notifier.close()
@@ -172,15 +172,17 @@ async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, regis
 
 
 async def _serve_elected(config: CoordinatorConfig, setup: CoordinatorSetup, target: EtcdTarget,
-                         credentials: EtcdCredentials, registry: CollectorRegistry, notifier: Notifier) -> int:
+                         credentials: EtcdCredentials, registry: CollectorRegistry, notifier: Notifier, *,
+                         lingers: bool) -> int:
     """Campaigns until the job ends (it then exits 0 or 1 as the job did) or SIGTERM (0)."""
     from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdUnavailable
     from tfelastic.daemon.etcd.coordinator import Candidate, candidate_for
     from tfelastic.daemon.etcd.election import BadJobState
     from tfelastic.daemon.etcd.reach import EtcdTlsError, first_contact
 
-    candidate = candidate_for(config.job, Candidate(setup, config.listen, head_node=True), target=target,
-                              credentials=credentials, lease_ttl=config.rendezvous.lease_ttl, registry=registry)
+    head_node = Candidate(setup, config.listen, head_node=True, linger=config.metrics.linger if lingers else 0.0)
+    candidate = candidate_for(config.job, head_node, target=target, credentials=credentials,
+                              lease_ttl=config.rendezvous.lease_ttl, registry=registry)
     election = candidate.election
     try:  # wrong credentials or TLS settings: exit 78 now, not after join_timeout
         await first_contact(election.client, election.leader, config.rendezvous.join_timeout)

@@ -36,6 +36,7 @@ class Candidate:
     setup: CoordinatorSetup
     listen: Endpoint  # port 0: a free one for each term
     head_node: bool  # a standalone coordinator: wins over agents
+    linger: float = 0.0  # after the job it led ended: the job's metrics stay up this long (Prometheus records it)
 
 
 def candidate_for(job: str, candidate: Candidate, *, target: EtcdTarget, credentials: EtcdCredentials,
@@ -116,6 +117,9 @@ class ElectedCoordinator:
             if self.host.finished.is_set():
                 self.finished.set()
                 await self.host.wait_agents_gone()
+                if c.linger:  # the alerts tell a finished job from a dead daemon by the verdict
+                    log.info("the job ended: keeping its metrics up for %gs", c.linger)
+                    await first_of(stop.wait(), timeout=c.linger)
             elif not leadership.lost.is_set():  # stepping down on purpose: a drain, SIGTERM, a head node
                 await self.host.hand_over(c.setup.settings.node_timeout_seconds)
         finally:

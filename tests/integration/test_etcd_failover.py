@@ -4,16 +4,26 @@ real agents with the counter trainer, a standalone head-node coordinator where a
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.cluster import COUNTER, FORM_WITH_ALL, Cluster, assert_no_stale_workers, members, scrape, wait_for
+from tests.cluster import (
+    COUNTER,
+    FORM_WITH_ALL,
+    Cluster,
+    assert_no_stale_workers,
+    kill,
+    members,
+    scrape,
+    wait_for,
+)
 from tests.conftest import ClusterFactory
 from tests.etcd import EtcdCluster, leader_of
 
@@ -43,12 +53,12 @@ def watched_coordinators(output: Path) -> list[str | None]:
     return [(doc.get("coordinator") or {}).get("node") for doc in documents]
 
 
-def head_node(cluster: Cluster, etcd: EtcdCluster, name: str = "head-1") -> subprocess.Popen[bytes]:
+def head_node(cluster: Cluster, etcd: EtcdCluster, name: str = "head-1",
+              metrics: Sequence[str] = ("--metrics-port", "off")) -> subprocess.Popen[bytes]:
     log = open(cluster.tmp / f"coordinator-{name}.log", "ab")  # noqa: SIM115 (the process keeps it)
     return subprocess.Popen([sys.executable, "-m", "tfelastic.daemon", "coordinator", "--listen", "127.0.0.1:0",
-                             "--rendezvous", etcd.url, "--node-id", name, "--metrics-port", "off",
-                             "--last-call", "0.5", "--settle", "1"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=cluster.tmp)
+                             "--rendezvous", etcd.url, "--node-id", name, *metrics, "--last-call", "0.5", "--settle",
+                             "1"], stdout=log, stderr=subprocess.STDOUT, cwd=cluster.tmp)
 
 
 def test_a_job_runs_on_etcd_and_status_names_its_coordinator(make_cluster: ClusterFactory,
@@ -101,6 +111,38 @@ def test_the_head_node_coordinator_dies_and_training_goes_on_without_a_restart(
         assert cluster.wait_all(60) == [0, 0], cluster.logs()
         assert [e["generation"] for e in starts(cluster)] == [1, 1], starts(cluster)  # no worker restarted
         assert "fencing" not in cluster.logs()
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+
+
+def test_a_head_node_coordinator_keeps_a_failed_jobs_verdict_on_metrics_for_the_linger(
+        make_cluster: ClusterFactory, etcd: EtcdCluster) -> None:
+    """The agents exit at a failure; the standalone coordinator that led the job keeps /metrics up with the verdict
+    for --metrics-linger, so that a scrape records the failure (TfelasticJobFailed, not TfelasticDaemonDown), then
+    exits 1."""
+    cluster = make_cluster(TRAINER, extra_args=[*FAST, "--max-restarts", "0"],
+                           env={"COUNTER_STEPS": "100000", "COUNTER_STEP_SECONDS": "0.05"}, etcd=etcd.url)
+    coordinator = head_node(cluster, etcd, metrics=("--metrics-port", "0", "--metrics-linger", "30"))
+    log = cluster.tmp / "coordinator-head-1.log"
+    try:
+        wait_for(lambda: (leader := leader_of(etcd.url)) is not None and leader.node == "head-1", 30,
+                 "the head node to lead")
+        address = wait_for(lambda: re.search(r"metrics on http://(\S+)/metrics", log.read_text()), 20,
+                           "the coordinator's metrics address").group(1)
+        cluster.start("a")
+        cluster.start("b")
+        doc = cluster.wait_running(1, 2, step=5)
+        kill(members(doc)[1]["worker_pid"])  # with max_restarts 0, one failure fails the job
+        assert cluster.wait_all(60) == [1, 1], cluster.logs()
+        _, samples = scrape(f"http://{address}/metrics")  # every agent is gone: the coordinator still answers
+        failed = [value for (name, labels), value in samples.items()
+                  if name == "tfelastic_cluster_job_state" and ("state", "failed") in labels]
+        assert failed == [1.0], samples
+        assert coordinator.poll() is None
+        coordinator.send_signal(signal.SIGTERM)  # ends the linger, as systemd's stop would
+        assert coordinator.wait(30) == 1, log.read_text()[-3000:]
+        assert "keeping its metrics up for 30s" in log.read_text()
     finally:
         if coordinator.poll() is None:
             coordinator.kill()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +66,34 @@ def test_restart_reforms_the_same_nodes_without_spending_the_budget(make_cluster
     assert doc["restarts_by_reason"] == {"operator_restart": 1}
     assert cluster.wait_all(60) == [0, 0], cluster.logs()
     assert "operator restarts the job (new learning rate)" in cluster.agents[0].log()
+
+
+def test_operator_commands_find_their_job_from_its_file_or_the_environment(make_cluster: ClusterFactory,
+                                                                           tmp_path: Path) -> None:
+    """An operator on a node gives the job's own file (or TFELASTIC_* variables), not the rendezvous and token."""
+    token = write_token(tmp_path / "token", "s3cret-operator")
+    cluster = make_cluster(TRAINER, nodes="2", token="s3cret-operator",
+                           extra_args=[*FAST, "--token-file", token, "--max-restarts", "0"], env=SLOW_COUNTER)
+    cluster.start_host("a")
+    cluster.start("b")
+    cluster.wait_running(1, 2, step=1)
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(f'[job]\nname = "default"\ncommand = ["python", "train.py"]\nmin_nodes = 2\n\n'
+                        f'[rendezvous]\nendpoint = "{cluster.endpoint}"\ntoken_file = "{token}"\n')
+    tfelastic = [sys.executable, "-m", "tfelastic.daemon"]
+
+    status = subprocess.run([*tfelastic, "status", "--json", "--config", str(job_file)], capture_output=True,
+                            text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["job"] == "default"
+    environment = {**os.environ, "TFELASTIC_RENDEZVOUS": str(cluster.endpoint), "TFELASTIC_TOKEN_FILE": token}
+    restart = subprocess.run([*tfelastic, "restart", "--reason", "from the environment"], capture_output=True,
+                             text=True, timeout=60, env=environment)
+    assert restart.returncode == 0, restart.stderr
+    assert restart.stdout.startswith("restarting job default from generation 1"), restart.stdout
+    doc = cluster.wait_running(2, 2, step=1)
+    assert doc["restarts_by_reason"] == {"operator_restart": 1}
+    assert cluster.wait_all(60) == [0, 0], cluster.logs()
 
 
 def test_refusals_name_the_problem_and_change_nothing(make_cluster: ClusterFactory, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -18,7 +19,7 @@ import pytest
 
 from tests.cluster import COUNTER, Cluster, kill, members, wait_for
 from tests.conftest import ClusterFactory
-from tests.etcd import EtcdCluster
+from tests.etcd import EtcdCluster, leader_of
 from tests.prometheus import Prometheus
 
 pytestmark = [pytest.mark.integration,
@@ -110,6 +111,51 @@ def test_every_dashboard_query_returns_data(rendezvous: str, make_cluster: Clust
         if etcd is not None:
             cluster.stop()
             etcd.stop()
+
+
+def test_on_etcd_prometheus_finds_the_job_on_whichever_agent_leads_after_a_failover(make_cluster: ClusterFactory,
+                                                                                      tmp_path: Path) -> None:
+    """The scrape docs/alerts.md gives for a coordinator that moves: every agent in tfelastic-agents, no coordinator
+    target. The leading agent is SIGKILLed; the job's metrics, and the goodput rule over them, then come from the
+    agent that took the job over."""
+    (tmp_path / "etcd").mkdir()
+    etcd = EtcdCluster(tmp_path / "etcd", size=1).start()
+    cluster = make_cluster([sys.executable, COUNTER], nodes="2:3", extra_args=["--last-call", "30"],
+                           env={"COUNTER_STEPS": "100000", "COUNTER_STEP_SECONDS": "0.05"}, etcd=etcd.url)
+    prometheus = None
+    try:
+        agents = {name: cluster.start(name) for name in ("a", "b", "c")}
+        addresses = {name: agent.metrics_address() for name, agent in agents.items()}
+        prometheus = Prometheus(tmp_path / "prom", {"tfelastic-agents": list(addresses.values())},
+                                rule_files=[MONITORING / "alerts.yml"])
+        cluster.wait_running(1, 3, step=5)
+
+        def instances(expr: str) -> set[str]:
+            assert prometheus is not None
+            return {r["metric"]["instance"] for r in prometheus.query(expr)}
+
+        running, leading = 'tfelastic_cluster_job_state{state="running"} == 1', "tfelastic_coordinator_leading == 1"
+        first = wait_for(lambda: (leader := leader_of(etcd.url)) is not None and instances(running) == instances(
+            leading) == {addresses[leader.node]} and leader.node, 30, "Prometheus to see the job on its leader")
+
+        def ledger_seconds(node: str) -> float:
+            assert prometheus is not None
+            found = prometheus.query(f'sum(tfelastic_job_seconds_total{{instance="{addresses[node]}"}})')
+            return float(found[0]["value"][1]) if found else 0.0
+
+        before = wait_for(lambda: ledger_seconds(first), 30, "the leader's goodput ledger")
+        agents[first].proc.send_signal(signal.SIGKILL)
+        cluster.wait_running(2, 2, timeout=60, step=1)
+        second = wait_for(lambda: (leader := leader_of(etcd.url)) is not None and leader.node != first and
+                          instances(running) == instances(leading) == {addresses[leader.node]} and leader.node, 30,
+                          "Prometheus to see the job on the agent that took it over")
+        # The ledger lives in the job's state in etcd: the new leader's counters go on from the old one's.
+        wait_for(lambda: ledger_seconds(second) > before, 30, "the new leader's ledger to carry the old one's on")
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        cluster.stop()
+        etcd.stop()
 
 
 def _all_down(prometheus: Prometheus, targets: int) -> bool:
