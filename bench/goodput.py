@@ -24,7 +24,10 @@ Schedules (seconds from the launch; a fault falls wherever the job is then):
 The job's own goodput ledger (docs/goodput.md) is printed beside (a) and (b): its training / wall from the first
 formation to the end, next to the same ratio measured from outside, "training goodput": the fault-free run's
 training time (from its first step's end to its last step's, by hand, the example's own clock) over the run's time
-from its first generation's launch to the job's verdict (the agents' log lines).
+from its first generation's launch to the job's verdict (the agents' log lines). A second outside measure takes
+the fault-free training time from the run itself, so that the machine's drift between runs cancels: the
+seconds the example's chief spent on new steps (past the furthest any earlier chief reached, each from the
+previous step's end, a generation's first step left out), by its own clock, over the same window.
 A run that is not done ``--cap`` seconds after the fault-free time is stopped and reported as stalled (the
 loop of (c) has no hang detection: a live hang stalls it for good). Both variants (a) and (b) get
 --max-restarts 10 so that the budget, which is not what is measured, does not end a run. Traffic stays on
@@ -51,7 +54,7 @@ from typing import Any
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import free_port
 
-from bench.ledger_check import redone_from
+from bench.ledger_check import fresh_step_seconds, redone_from
 from tests.cluster import ROOT, Cluster, members
 
 EXAMPLE = str(ROOT / "examples" / "keras_fit.py")
@@ -79,11 +82,20 @@ def example_args(steps: int, plain: bool = False, fast_tier: bool = True, reache
             *(["--plain-keras"] if plain else []), *(["--reached-file", str(reached)] if reached else [])]
 
 
+def chief_starts(reached: Path) -> list[tuple[int, int]]:
+    """(generation, the step its chief resumed at), from the example's --reached-file."""
+    return [(int(g), int(s)) for g, s in (line.split() for line in reached.read_text().splitlines())] \
+        if reached.exists() else []
+
+
 def trainer_redone(reached: Path) -> int:
     """The example's own count of the steps its chiefs redid (its --reached-file)."""
-    starts = [(int(g), int(s)) for g, s in (line.split() for line in reached.read_text().splitlines())] \
-        if reached.exists() else []
-    return redone_from(starts, lambda generation: Path(f"{reached}.{generation}"))
+    return redone_from(chief_starts(reached), lambda generation: Path(f"{reached}.{generation}"))
+
+
+def trainer_fresh(reached: Path) -> float:
+    """The seconds the chiefs spent on new steps, by the example's own clock (FILE.GENERATION.times)."""
+    return fresh_step_seconds(chief_starts(reached), lambda generation: Path(f"{reached}.{generation}.times"))
 
 
 @dataclass
@@ -94,6 +106,7 @@ class Run:
     ledger: dict[str, Any] | None = None  # status's goodput object at the end (a job with us)
     window: float | None = None  # from the first generation's launch to the verdict, from the agents' logs
     trainer_redone: int | None = None  # the chiefs' own count of the steps they redid (a job with us)
+    trainer_fresh: float | None = None  # the seconds the chiefs spent on new steps, by their own clock
 
 
 @dataclass
@@ -249,7 +262,7 @@ def with_us(steps: int, schedule: list[tuple[float, str]], cap: float, defaults:
                 if all(a.proc.poll() is not None for a in cluster.agents):
                     finished = all(a.proc.returncode == 0 for a in cluster.agents)
                     return Run(time.monotonic() - faults.start, finished, faults.done, ledger,
-                               launch_to_verdict(cluster.logs()), trainer_redone(reached))
+                               launch_to_verdict(cluster.logs()), trainer_redone(reached), trainer_fresh(reached))
                 time.sleep(0.05)
             return Run(time.monotonic() - faults.start, False, faults.done)
         finally:
@@ -271,8 +284,10 @@ def ledger_line(run: Run, reference: Reference) -> str:
     outside = reference.train_seconds / run.window
     ledger = run.ledger["ratio"]
     top = ", ".join(f"{b['category']} {100 * b['share']:.1f}%" for b in run.ledger["badput"][:4])
+    own = f"{run.trainer_fresh / run.window:.3f} ({100 * (ledger - run.trainer_fresh / run.window):+.1f} pp)" \
+        if run.trainer_fresh is not None else "-"
     return (f"ledger goodput {ledger:.3f} vs training goodput from outside {outside:.3f} "
-            f"({100 * (ledger - outside):+.1f} pp); ledger's badput: {top}\n"
+            f"({100 * (ledger - outside):+.1f} pp), by the trainer's own step clock {own}; ledger's badput: {top}\n"
             f"      steps redone: report {run.ledger.get('steps_redone')}, "
             f"the trainer's own count {run.trainer_redone}")
 

@@ -4,6 +4,7 @@ count (tests/trainers/ledger.py keeps the furthest step each rank applied in eac
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -44,6 +45,23 @@ def report_of(etcd_url: str, job: str = "default") -> dict[str, Any]:
                              "--job", job], capture_output=True, text=True, timeout=60, check=True)
     doc: dict[str, Any] = json.loads(result.stdout)
     return doc
+
+
+def fresh_step_seconds(starts: list[tuple[int, int]], times: Callable[[int], Path]) -> float:
+    """The seconds the chiefs spent on new steps, by their own clock: each step past the furthest step an earlier
+    chief reached, from the previous step's end to its own. A generation's first step has no previous end in it
+    (it follows the restore, traces and compiles): start-up, as in the ledger. ``times(generation)``: the file of
+    'STEP SECONDS' lines its chief wrote at each step's end."""
+    furthest, fresh = -1, 0.0
+    for generation, start in sorted(starts):
+        path = times(generation)
+        rows = [(int(step), float(at)) for step, at in (line.split() for line in path.read_text().splitlines()
+                                                        if len(line.split()) == 2)] if path.exists() else []
+        for (_, before), (step, at) in itertools.pairwise(rows):
+            if step > furthest:
+                fresh += at - before
+        furthest = max([furthest, start, *(step for step, _ in rows)])
+    return fresh
 
 
 def redone_from(starts: list[tuple[int, int]], reached: Callable[[int], Path]) -> int:

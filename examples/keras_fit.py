@@ -39,9 +39,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fast-tier", choices=["on", "off"], default="on",
                         help="fit_callbacks' fast checkpoint tier (asynchronous snapshots in the node's memory, "
                              "default), or tf_keras' synchronous BackupAndRestore on the backup directory")
-    parser.add_argument("--reached-file", help="the chief appends 'GENERATION STEP' here when fit starts, and keeps "
-                                               "the step it reached, counted by itself, in FILE.GENERATION "
-                                               "(benchmarks count the steps redone after a restart from them)")
+    parser.add_argument("--reached-file", help="the chief appends 'GENERATION STEP' here when fit starts, keeps "
+                                               "the step it reached, counted by itself, in FILE.GENERATION, and "
+                                               "appends 'STEP SECONDS' (the monotonic clock) at each step's end to "
+                                               "FILE.GENERATION.times (benchmarks count the steps redone after a "
+                                               "restart, and the time of new steps, from them)")
     common.add_common_arguments(parser)
     args = parser.parse_args(argv)
     if args.save_every is None and (args.plain_keras or args.fast_tier == "off"):
@@ -74,6 +76,7 @@ class StepProbe(keras.callbacks.Callback):  # type: ignore[misc]
         self.last_step_end: float | None = None
         self._reached_file, self._generation = reached_file, generation
         self._reached_fd: int | None = None
+        self._times_fd: int | None = None
         self._steps = 0
 
     @property
@@ -90,6 +93,8 @@ class StepProbe(keras.callbacks.Callback):  # type: ignore[misc]
             with open(self._reached_file, "a") as starts:
                 starts.write(f"{self._generation} {self.initial_step}\n")
             self._reached_fd = os.open(f"{self._reached_file}.{self._generation}", os.O_WRONLY | os.O_CREAT, 0o644)
+            self._times_fd = os.open(f"{self._reached_file}.{self._generation}.times",
+                                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._steps += 1
@@ -100,6 +105,8 @@ class StepProbe(keras.callbacks.Callback):  # type: ignore[misc]
         self.last_step_end = time.monotonic()
         if self.first_step_end is None:
             self.first_step_end = self.last_step_end
+        if self._times_fd is not None:  # unbuffered: a SIGKILL loses no step that ended
+            os.write(self._times_fd, f"{self._steps} {self.last_step_end:.6f}\n".encode())
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         print(f"training done at step {int(self.model.optimizer.iterations.numpy())}", flush=True)
