@@ -85,6 +85,24 @@ def slow_steps(output: str, warmup: int) -> tuple[list[SlowStep], float, float]:
     return slow, median, median_cpu
 
 
+def phase_of(before: Step, step: Step) -> str:
+    """What ran beside a step: a save begun in it (its stall), a snapshot written or copied in the background,
+    or nothing (quiet)."""
+    if step.saved != before.saved:
+        return "save"
+    return "writing" if step.writing else "copying" if step.copying else "quiet"
+
+
+def phases(output: str, warmup: int) -> str:
+    """The steps after the warm-up by what ran beside them: how many, their mean seconds and CPU seconds."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for a, b in itertools.pairwise(parse_steps(output)):
+        if a.step >= warmup:
+            groups.setdefault(phase_of(a, b), []).append((b.end - a.end, b.cpu - a.cpu))
+    return "; ".join(f"{name} {len(rows)} x {statistics.fmean(s for s, _ in rows):.3f} s "
+                     f"(cpu {statistics.fmean(c for _, c in rows):.2f})" for name, rows in sorted(groups.items()))
+
+
 def run(variant: str, steps: int, work: Path, local: Path, timeout: float = 900) -> str:
     result = subprocess.run([*TRAINER, variant, str(steps), str(work / "backup")], capture_output=True, text=True,
                             env=worker_env({"TFELASTIC_LOCAL_CHECKPOINT_DIR": str(local)}), timeout=timeout)
@@ -132,6 +150,7 @@ def overhead(variants: list[str], rounds: int, steps: int, warmup: int, root: Pa
                   f"cpu {median_cpu:.2f} s); slow steps {len(slow)}; {kernel}{extra}", flush=True)
             for step in slow:
                 print(f"    {step.line(median, median_cpu)}", flush=True)
+            print(f"    steps by what ran beside them: {phases(output, warmup)}", flush=True)
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(local, ignore_errors=True)
     return samples

@@ -14,28 +14,14 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from tests.environments import PROJECT, supported_tensorflow_minors
 
-ROOT = Path(__file__).resolve().parent.parent
-PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # Distributions that must all come at the pinned minor version: two TensorFlows of different versions in one
 # environment overwrite each other's files.
 TENSORFLOW_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tf-keras")
-
-
-def supported_minor_versions() -> list[str]:
-    """The minor versions `2.A` .. `2.(B-1)` of the trainer extra's `tensorflow>=2.A,<2.B`."""
-    requirement = next(r for r in PROJECT["optional-dependencies"]["trainer"] if re.match(r"tensorflow\s*>=", r))
-    match = re.fullmatch(r"tensorflow\s*>=\s*2\.(\d+)\s*,\s*<\s*2\.(\d+)", requirement)
-    assert match is not None, f"expected tensorflow>=2.A,<2.B in the trainer extra, found {requirement!r}"
-    return [f"2.{minor}" for minor in range(int(match.group(1)), int(match.group(2)))]
 
 
 def requirements_of(extra: str) -> list[str]:
@@ -62,14 +48,14 @@ def resolve(requirements: list[str]) -> tuple[dict[str, str] | None, str]:
 
 
 def test_the_supported_range_is_read_from_the_trainer_extra() -> None:
-    assert supported_minor_versions()[0] == "2.16"
+    assert supported_tensorflow_minors()[0] == "2.16"
     assert requirements_of("trainer-cpu") == requirements_of("trainer")
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("extra", ["trainer", "trainer-cpu"])
 def test_every_supported_tensorflow_resolves_with_our_requirements(extra: str) -> None:
-    minors = supported_minor_versions()
+    minors = supported_tensorflow_minors()
     with ThreadPoolExecutor(max_workers=len(minors)) as pool:
         outcomes = dict(zip(minors, pool.map(lambda minor: resolve([*requirements_of(extra),
                                                                      f"tensorflow=={minor}.*"]), minors), strict=True))
