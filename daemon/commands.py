@@ -174,7 +174,8 @@ async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, regis
 async def _serve_elected(config: CoordinatorConfig, setup: CoordinatorSetup, target: EtcdTarget,
                          credentials: EtcdCredentials, registry: CollectorRegistry, notifier: Notifier, *,
                          lingers: bool) -> int:
-    """Campaigns until the job ends (it then exits 0 or 1 as the job did) or SIGTERM (0)."""
+    """Campaigns until the job ends (it then exits 0 or 1 as the job did) or a signal to stop (0): SIGTERM, SIGINT,
+    SIGHUP or SIGQUIT, as for an agent."""
     from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdUnavailable
     from tfelastic.daemon.etcd.coordinator import Candidate, candidate_for
     from tfelastic.daemon.etcd.election import BadJobState
@@ -194,7 +195,7 @@ async def _serve_elected(config: CoordinatorConfig, setup: CoordinatorSetup, tar
         raise OperatorError(str(e)) from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         loop.add_signal_handler(sig, stop.set)
     logging.getLogger("tfelastic.coordinator").info("a candidate for job %s's coordinator on %s (etcd %s)",
                                                     config.job, config.listen, target)

@@ -21,7 +21,7 @@ from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.etcd.url import EtcdTarget, is_etcd_url, parse_etcd_url
 from tfelastic.daemon.rendezvous import bounds
-from tfelastic.daemon.rendezvous.api import RendezvousSettings
+from tfelastic.daemon.rendezvous.api import HEARTBEAT_INTERVAL_SECONDS, RendezvousSettings
 from tfelastic.daemon.rendezvous.roles import Role, Strategy
 from tfelastic.daemon.worker.stall import STALL_AUTO, StallLimits, StallTimeout
 from tfelastic.trainer import snapshots
@@ -373,7 +373,7 @@ _OPTIONS: Sequence[Option] = (
     _timing("join_timeout", "how long to wait below min nodes (or for an unreachable coordinator) before failing",
             _RDZV.join_timeout_seconds),
     Option("heartbeat_interval", "rendezvous.heartbeat_interval", "--heartbeat-interval", "heartbeat period",
-           Seconds(positive=True), 0.5, "S", _SERVING),
+           Seconds(positive=True), HEARTBEAT_INTERVAL_SECONDS, "S", _SERVING),
     _timing("node_timeout", "silence after which a node is lost", _RDZV.node_timeout_seconds),
     _timing("restart_backoff", "wait before the generation after a second failed one in a row, doubling each time; "
             "0 never waits", _RDZV.restart_backoff_seconds),

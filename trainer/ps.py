@@ -1,35 +1,15 @@
 """ParameterServerStrategy jobs (``tfelastic run --strategy parameter-server --ps N``): one script for every task.
 
-The agent gives every task of the job the same command and its own ``TF_CONFIG`` (a ``chief``, N ``ps`` and the
-``worker`` tasks: :mod:`tfelastic.trainer.environment`). The parameter servers hold the variables and the workers
-run the steps the chief sends them; neither runs any training code, so the script's first line of work is::
+Every task gets the same command and its own ``TF_CONFIG`` (a chief, N ps and the workers). A ps or worker task
+only serves, so a script starts with :func:`serve_unless_chief` and only the chief goes on, to
+:func:`parameter_server_strategy` and either :class:`PsTrainLoop` (``ClusterCoordinator.schedule``, a checkpoint
+every ``save_every`` steps after a ``join``) or ``Model.fit`` with :func:`ps_fit_callbacks`
+(:class:`PsBackupAndRestore`, :class:`PsProgressCallback`). The chief alone reports progress, saves and ends the job
+by exiting 0; on SIGTERM it waits for the steps in flight, saves and exits 42, a ps or worker task ends at once.
 
-    serve_unless_chief()                    # a ps or worker task serves here and never returns
-    strategy = parameter_server_strategy()  # only the chief gets here
-
-A worker that dies is relaunched alone at the same address and the chief's ``ClusterCoordinator`` re-attaches it
-(the steps it was running are retried on the others meanwhile); a ps or chief failure restarts every task, and
-the chief resumes from its last checkpoint. The chief alone reports progress (the agent's hang detection watches
-it), saves checkpoints, and ends the job by exiting 0; the agents then stop the ps and workers.
-
-Two ways to train on the chief:
-
-- a custom loop (:class:`PsTrainLoop`): ``ClusterCoordinator.schedule`` one step at a time, a checkpoint every
-  ``save_every`` steps after a ``join`` (so that it holds exactly the steps counted) through
-  :class:`~tfelastic.trainer.checkpoint.ChiefCheckpointManager` (a ``tf.train.CheckpointManager`` whose restore
-  survives a torn newest checkpoint), restored by :meth:`PsTrainLoop.restore`;
-- ``Model.fit`` with a dataset function (``tf.keras.utils.experimental.DatasetCreator``) and
-  :func:`ps_fit_callbacks`: :class:`PsBackupAndRestore` (tf_keras's ``BackupAndRestore`` that can save within an
-  epoch under this strategy) and :class:`PsProgressCallback`.
-
-Both stop gracefully on SIGTERM (:mod:`tfelastic.trainer.preemption`'s signal): the chief waits for the steps in
-flight, saves, and exits 42; a ps or worker task ends at once (it holds nothing that the chief's checkpoint lacks).
-
-Why the mirrored job's helpers do not serve here: docs/parameter-server.md, "Why the trainer library has its own".
-
-Under this strategy a step is applied at least once: a worker that dies after its update reached the parameter
-servers but before its result reached the chief has the step retried elsewhere, so the optimizer's step (what is
-reported and checkpointed) may end a little past the target. It never goes back within a chief's life.
+Invariants: the checkpoint holds exactly the steps counted (a ``join`` before each save); the step reported never
+goes back within a chief's life, though a step may be applied more than once (a worker that died after its update
+reached the ps has it retried). Why the mirrored job's helpers do not serve here: docs/parameter-server.md.
 
 Importing this module imports TensorFlow and tf_keras (through :mod:`tfelastic.trainer._tf`).
 """

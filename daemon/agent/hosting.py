@@ -66,7 +66,7 @@ class EmbeddedCoordinator:
 
     async def serve_after_drain(self, signalled: asyncio.Event) -> None:
         """A drained node that hosts the coordinator keeps serving it: the other nodes still need it. It stops
-        when the job ends, or on SIGTERM."""
+        when the job ends, or on a signal to stop (agent.LEAVE_SIGNALS)."""
         if self.host is None or signalled.is_set():
             return
         log.info("drained, but this node hosts the coordinator: serving it until the job ends (SIGTERM stops it)")

@@ -67,6 +67,10 @@ class NodeState(enum.Enum):
 
 
 STALL_LEARNED = -1.0  # JobSpec.stall_timeout_seconds: hang detection learns its limit (daemon/worker/stall.py)
+# The heartbeat and the silence that loses a node, by default: the option table's defaults (daemon/options.py),
+# and what a job spec or a recorded state written without them means.
+HEARTBEAT_INTERVAL_SECONDS = 0.5
+NODE_TIMEOUT_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,8 @@ class JobSpec:
     restart_window_seconds: float
     stall_timeout_seconds: float
     backup_dir: str
-    heartbeat_interval_seconds: float = 0.5
-    node_timeout_seconds: float = 2.0
+    heartbeat_interval_seconds: float = HEARTBEAT_INTERVAL_SECONDS
+    node_timeout_seconds: float = NODE_TIMEOUT_SECONDS
     strategy: str = "mirrored"  # or "parameter-server" (rendezvous/roles.py)
     ps: int = 0  # parameter servers of a parameter-server job
 
@@ -355,7 +359,7 @@ class RendezvousSettings:
     last_call_seconds: float = 30.0  # after min_nodes joined, how long to wait for more (first round only)
     settle_seconds: float = 3.0  # after a node joins a running job below max_nodes, wait for more
     join_timeout_seconds: float = 600.0  # how long a round may stay below min_nodes before the job fails
-    node_timeout_seconds: float = 2.0  # silence after which a node is declared lost
+    node_timeout_seconds: float = NODE_TIMEOUT_SECONDS  # silence after which a node is declared lost
     restart_backoff_seconds: float = 1.0  # the wait before a generation after two failed ones in a row; doubles
     restart_backoff_max_seconds: float = 30.0  # the longest such wait
     quarantine_after: int = 2  # first failures of one node within the window that quarantine it (0: never)

@@ -16,7 +16,15 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tfelastic.daemon.rendezvous import bounds
-from tfelastic.daemon.rendezvous.api import STALL_LEARNED, JobSpec, JobState, Member, RestartReason
+from tfelastic.daemon.rendezvous.api import (
+    HEARTBEAT_INTERVAL_SECONDS,
+    NODE_TIMEOUT_SECONDS,
+    STALL_LEARNED,
+    JobSpec,
+    JobState,
+    Member,
+    RestartReason,
+)
 from tfelastic.daemon.rendezvous.goodput import CATEGORIES, MAX_GENERATIONS, MEMBERS_LISTED
 from tfelastic.daemon.rendezvous.quarantine import QUARANTINE_KINDS
 
@@ -196,8 +204,8 @@ def job_spec(spec: Fields) -> JobSpec:
         restart_window_seconds=spec.number("restart_window_seconds", 0.0, seconds),
         stall_timeout_seconds=spec.number("stall_timeout_seconds", STALL_LEARNED, seconds),
         backup_dir=spec.text("backup_dir", bounds.MAX_PATH_CHARS),
-        heartbeat_interval_seconds=spec.number("heartbeat_interval_seconds", 0.0, seconds, 0.5),
-        node_timeout_seconds=spec.number("node_timeout_seconds", 0.0, seconds, 2.0),
+        heartbeat_interval_seconds=spec.number("heartbeat_interval_seconds", 0.0, seconds, HEARTBEAT_INTERVAL_SECONDS),
+        node_timeout_seconds=spec.number("node_timeout_seconds", 0.0, seconds, NODE_TIMEOUT_SECONDS),
         strategy=spec.text("strategy", 32, "mirrored"), ps=spec.integer("ps", 0, nodes, 0))
     spec.no_others()
     problems = bounds.spec_problems(result)  # the same rules as a Join's spec: the stall timeout, the node range

@@ -1,29 +1,14 @@
 """The job's goodput ledger (pure): where every second of the job went, from its first formation to its end, in
-categories that add up to the wall time. Goodput is ``training / wall``.
+categories that add up to the wall time (docs/goodput.md defines them). Goodput is ``training / wall``.
 
-The coordinator feeds it its own events (a generation formed, a restart decided, the old workers all gone, the
-verdict) and the chief's progress reports, each with the step it reached and, per generation, how long the
-trainer's saves held it up and how long it spent in announced phases (evaluation). Between two reports:
+Fed by the coordinator's events (formed, restarting, stopped, finished) and the chief's progress reports. Between
+two reports, the trainer's own save and phase time is ``checkpoint`` and ``other``, the rest is split by steps into
+``training`` (past the furthest step reached) and ``redone``; start-up runs to the chief's first step past the
+one it resumed at.
 
-* the trainer's own save and phase time is ``checkpoint`` and ``other``;
-* the rest is split by steps: steps beyond the furthest step the job had reached are ``training``, steps below it
-  ``redone``;
-* from a generation's formation to its chief's first report of a step past the one it resumed at (its first
-  report that counts: the restore's, or its first step's) is ``startup``: the first step traces, compiles and
-  waits for every worker's first collective, which is start-up too;
-* from the chief's last report to a failure's restart decision is ``detection`` (a hang until its verdict, a lost
-  node until its timeout; the fault came after that report); a planned restart's is still training;
-* from the decision until every old worker is gone is ``stopping``; then ``waiting`` until the next formation
-  (backoff, too few nodes, quarantine, the last call).
-
-Every second is in exactly one category and one generation's line: a generation's line runs from its formation to
-the next one's. Times are the coordinator's clock; :meth:`GoodputLedger.export` turns them into wall-clock time so
-that a successor (etcd) continues the ledger.
-
-What it exports changes only when the activity does (a formation, the end of a start-up, a restart, the old
-workers gone, the end), so that the durable state is not written per progress report: it is the ledger as that
-change left it, with the open interval starting there. A successor splits that whole interval by steps at its
-first report, as the ledger splits the interval between two reports.
+Invariants: every second is in exactly one category and one generation's line (a line runs from its formation to
+the next one's); what :meth:`GoodputLedger.export` writes for a successor changes only when the activity does, never
+per report, and a successor splits the open interval by steps at its first report.
 """
 
 from __future__ import annotations

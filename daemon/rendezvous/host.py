@@ -103,7 +103,7 @@ async def create_server(
     token: str | None = None,
     tls: TlsConfig | None = None,
     spec: api.JobSpec | None = None,
-    heartbeat_interval: float = 0.5,
+    heartbeat_interval: float = api.HEARTBEAT_INTERVAL_SECONDS,
     clock: Clock = time.monotonic,
     limits: Limits | None = None,
     store: JobStore | None = None,
