@@ -55,8 +55,8 @@ def fresh_step_seconds(starts: list[tuple[int, int]], times: Callable[[int], Pat
     furthest, fresh = -1, 0.0
     for generation, start in sorted(starts):
         path = times(generation)
-        rows = [(int(step), float(at)) for step, at in (line.split() for line in path.read_text().splitlines()
-                                                        if len(line.split()) == 2)] if path.exists() else []
+        lines = path.read_text().split("\n")[:-1] if path.exists() else []  # the last, unended one may be torn
+        rows = [(int(step), float(at)) for step, at in (line.split() for line in lines)]
         for (_, before), (step, at) in itertools.pairwise(rows):
             if step > furthest:
                 fresh += at - before

@@ -174,8 +174,8 @@ async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, regis
 async def _serve_elected(config: CoordinatorConfig, setup: CoordinatorSetup, target: EtcdTarget,
                          credentials: EtcdCredentials, registry: CollectorRegistry, notifier: Notifier, *,
                          lingers: bool) -> int:
-    """Campaigns until the job ends (it then exits 0 or 1 as the job did) or a signal to stop (0): SIGTERM, SIGINT,
-    SIGHUP or SIGQUIT, as for an agent."""
+    """Campaigns until the job ends (it then exits 0 or 1 as the job did, once its metrics lingered) or a signal to
+    stop (0): SIGTERM, SIGINT, SIGHUP or SIGQUIT, as for an agent."""
     from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdUnavailable
     from tfelastic.daemon.etcd.coordinator import Candidate, candidate_for
     from tfelastic.daemon.etcd.election import BadJobState

@@ -24,6 +24,7 @@ TENSORFLOW_PACKAGES = ("tensorflow", "tf-keras", "tensorboard")
 
 @pytest.mark.integration
 @pytest.mark.tensorflow
+@pytest.mark.timeout(2400)  # the install of a 600 MB wheel and four test files: about 7 minutes on 2 cores
 def test_the_lowest_supported_tensorflow_runs_the_tensorflow_tests(tmp_path: Path) -> None:
     lowest = supported_tensorflow_minors()[0]
     grpc = [requirement(name) for name in ("protobuf", "grpcio", "grpcio-health-checking")]

@@ -144,7 +144,7 @@ class WorkerCore:
         if planned and was_running:
             self.trainer.count_graceful_stop(result)
         if was_running and self.trainer.completed(result):
-            # It finished training while we stopped it: the coordinator must know (see rendezvous/state.py).
+            # It finished training while we stopped it: the coordinator must know (see rendezvous/rounds.py).
             log.info("the trainer completed (exit 0) while stopping")
             actions.append(self.trainer.report(api.WorkerStatus.SUCCEEDED))
         self.worker.to(WorkerState.STOPPED)  # STOPPING -> STOPPED

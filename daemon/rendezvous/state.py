@@ -264,7 +264,7 @@ class Rendezvous(RoundKeeper):
         was_member = node.state in (NodeState.RUNNING, NodeState.SUCCEEDED) and node_id in self._ranks
         self.nodes.set_state(node, NodeState.LEAVING)  # RUNNING|SUCCEEDED|STOPPING -> LEAVING
         if was_member and self.state is JobState.RUNNING and self._vacated(node_id, f"left ({reason})"):
-            # The chief trains on without it: its agent, which serves until told (agent/core.py), stops now.
+            # The chief trains on without it: its agent, which serves until told (agent/worker_core.py), stops now.
             return [Send(node_id, StopWorkers(self.generation, RestartReason.NODE_LEFT))]
         if was_member and self.state is JobState.RUNNING:
             return self._restart(RestartReason.NODE_LEFT, f"{node_id}: {reason}")

@@ -143,14 +143,17 @@ def test_on_etcd_prometheus_finds_the_job_on_whichever_agent_leads_after_a_failo
             found = prometheus.query(f'sum(tfelastic_job_seconds_total{{instance="{addresses[node]}"}})')
             return float(found[0]["value"][1]) if found else 0.0
 
-        before = wait_for(lambda: ledger_seconds(first), 30, "the leader's goodput ledger")
+        wait_for(lambda: ledger_seconds(first) >= 20.0, 60, "the leader's ledger to hold 20 s of the job")
+        before = ledger_seconds(first)  # the last the old leader said, read just before its end
         agents[first].proc.send_signal(signal.SIGKILL)
         cluster.wait_running(2, 2, timeout=60, step=1)
         second = wait_for(lambda: (leader := leader_of(etcd.url)) is not None and leader.node != first and
                           instances(running) == instances(leading) == {addresses[leader.node]} and leader.node, 30,
                           "Prometheus to see the job on the agent that took it over")
-        # The ledger lives in the job's state in etcd: the new leader's counters go on from the old one's.
-        wait_for(lambda: ledger_seconds(second) > before, 30, "the new leader's ledger to carry the old one's on")
+        # The ledger lives in the job's state in etcd: the new leader's counters go on from the old one's, where a
+        # ledger begun afresh would show only the seconds since the take-over (a few, against 20 or more).
+        carried = wait_for(lambda: ledger_seconds(second), 30, "the new leader's ledger")
+        assert carried >= before, (carried, before)
     finally:
         if prometheus is not None:
             prometheus.stop()

@@ -27,7 +27,7 @@ SIGTERM the chief saves the step it reached, each rank records a "checkpointed" 
 CHECKPOINTED_AND_STOPPED: a trainer that loses no step on a planned stop; set before the start event is written).
 
 Unlike MWMS ranks, counters do not wait for each other. Faults hit the chief (rank 0) so that the other rank
-cannot finish the job alone: a chief's exit 0 completes a job (see rendezvous/state.py).
+cannot finish the job alone: a chief's exit 0 completes a job (see rendezvous/rounds.py).
 
 At start it records in its event every live process of the same job from an older generation ("stale"): the
 agents promise there is none (docs/facts.md, fact 4).

@@ -24,6 +24,6 @@ def test_only_steps_past_the_furthest_count_each_from_the_previous_steps_end(tmp
 
 def test_a_generation_killed_before_its_second_step_adds_nothing_and_a_torn_line_is_skipped(tmp_path: Path) -> None:
     chief_files(tmp_path, {1: [(1, 10.0), (2, 11.0)], 2: [(3, 30.0)]})
-    (tmp_path / "r.3.times").write_text("3 40.0\n4 41.0\n5")  # killed while writing step 5's line
+    (tmp_path / "r.3.times").write_text("3 40.0\n4 41.0\n5 4")  # killed while writing step 5's line
     starts = [(1, 0), (2, 2), (3, 2)]
     assert fresh_step_seconds(starts, lambda g: tmp_path / f"r.{g}.times") == 1.0 + 1.0
