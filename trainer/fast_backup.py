@@ -134,7 +134,7 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         assert self._state is not None
         self._state._ckpt_saved_batch.assign(batch)
         self._step += self._steps_per_call
-        self.schedule.step_done(time.monotonic(), self.tier.writing)
+        self.schedule.step_done(time.monotonic(), self.tier.writing, self.tier.copying_step is not None)
         self._report_sealed()
         if self.schedule.due(self._step):
             self.save()
@@ -161,6 +161,7 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         self.stalls.append(stall)
         proposal = self.schedule.saved(step, stall, began, self.tier.last_write_seconds)
         self.schedule.adopt(step, self._agreed(proposal))
+        self.tier.pace_copies(self.schedule.copy_seconds)
         self._reporter.report(step, phase=Phase.TRAIN, stall=stall, force=True)
         return step
 

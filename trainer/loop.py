@@ -170,6 +170,7 @@ class TrainLoop:
             self.stalls.append(stall)
             proposal = self.schedule.saved(self.step, stall, began, self.checkpoints.last_write_seconds)
             self.schedule.adopt(self.step, self._agreed(proposal))
+            self.checkpoints.pace_copies(self.schedule.copy_seconds)
             self._last_saved = self.step
             self._reporter.report(self.step, examples=self._examples_seen(), stall=stall, force=True)
         if final:
@@ -226,7 +227,7 @@ class TrainLoop:
         self._reporter.reached(self.step)  # the agent reads it if this process dies before the next report
         if self._on_step is not None:
             self._on_step(self.step, loss)
-        self.schedule.step_done(time.monotonic(), self.checkpoints.writing)
+        self.schedule.step_done(time.monotonic(), self.checkpoints.writing, self.checkpoints.copying_step is not None)
         self._report_sealed()
         if self.schedule.due(self.step):
             self.save()

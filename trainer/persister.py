@@ -1,6 +1,7 @@
 """The chief's copies of its local snapshots to the shared tier (:mod:`tfelastic.trainer.tiered`), in a thread of
-its own, at most every ``interval`` seconds: the copy competes with training where the CPUs train, and the local
-tier covers a worker's crash; the shared tier is for a lost node. Pure file operations, no TensorFlow.
+its own, at most every ``interval`` seconds (the save schedule paces it by its cost): the copy competes with
+training where the CPUs train, and the local tier covers a worker's crash; the shared tier is for a lost node. Pure
+file operations, no TensorFlow.
 
 A copy that fails is logged; the next snapshot offered tries again, and :meth:`Persister.copy_now` (a flush)
 copies the newest itself.
@@ -24,7 +25,8 @@ class Persister:
 
     def __init__(self, local_store: str, shared_store: str, keep: int, interval: float) -> None:
         self.local_store, self.shared_store = local_store, shared_store
-        self._keep, self._interval = keep, interval
+        self._keep = keep
+        self.interval = interval
         self._last_taken = -float("inf")  # when the last copy was taken on
         self._changed = threading.Condition()
         self._waiting: int | None = None  # the newest step offered and not taken on yet (_STOP: stop)
@@ -36,7 +38,7 @@ class Persister:
     def offer(self, step: int) -> bool:
         """A snapshot of ``step`` was sealed in the local tier: copies it in the background unless a copy was
         taken on less than ``interval`` seconds ago (then returns False)."""
-        if time.monotonic() - self._last_taken < self._interval:
+        if time.monotonic() - self._last_taken < self.interval:
             return False
         self._last_taken = time.monotonic()
         if self._thread is None:

@@ -6,7 +6,8 @@ Each save picks its :class:`Tier` once: the local tier; without one (or once it 
 chief and a scratch directory on the other workers, which keep nothing but must still write (a save may run
 collectives). The training thread writes, the :class:`~tfelastic.trainer.sealer.Sealer` seals and prunes, and on
 the chief the :class:`~tfelastic.trainer.persister.Persister` copies the newest sealed snapshot to the shared tier
-at most every ``persist_seconds``; :meth:`TieredCheckpoint.flush` copies the newest itself.
+at most every ``persist_seconds`` (or as :meth:`TieredCheckpoint.pace_copies` says); :meth:`TieredCheckpoint.flush`
+copies the newest itself.
 
 Invariants: every worker saves at the same step; the local tier keeps a snapshot until the persister has copied
 it; a worker whose local tier has no room (before a write, or a write ran out of space) leaves it for good, with a
@@ -26,6 +27,7 @@ from typing import Any
 from tfelastic.trainer import flash, snapshots
 from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.persister import Persister
+from tfelastic.trainer.save_schedule import MIN_COPY_SECONDS
 from tfelastic.trainer.scratch import process_temp_dir
 from tfelastic.trainer.sealer import Sealer
 from tfelastic.trainer.tier_restore import LOCAL, SHARED, TierRestore, TierRestorer
@@ -35,7 +37,7 @@ log = logging.getLogger(__name__)
 
 # The chief copies a snapshot to the shared tier at most this often: the copy competes with training where the
 # CPUs train, and the local tier covers a worker's crash; the shared tier is for a lost node.
-PERSIST_SECONDS = 30.0
+PERSIST_SECONDS = MIN_COPY_SECONDS
 # The room a local snapshot needs, as a multiple of the newest one's size: TensorFlow's temporary files, a model
 # that grew a little. The first snapshot's size is not known: its write shows whether it fits.
 LOCAL_HEADROOM = 1.1
@@ -85,6 +87,7 @@ class TieredCheckpoint:
         # The chief copies its local snapshots to the shared tier (without a local tier, it writes there).
         self._persister = Persister(self.local_store, self.shared_store, keep_shared, persist_seconds) \
             if is_chief and self.local_store else None
+        self._persist_floor = persist_seconds
         self.sealed_step: int | None = None  # the newest snapshot complete in this worker's write tier
         self._sealed_in_shared: int | None = None
         self.last_write_seconds: float | None = None  # save() to sealed: the latest
@@ -290,6 +293,11 @@ class TieredCheckpoint:
     def copying_step(self) -> int | None:
         """The snapshot being copied to the shared tier in the background now (the chief's), if any."""
         return self._persister.copying if self._persister else None
+
+    def pace_copies(self, seconds: float) -> None:
+        """Copies to the shared tier at most every ``seconds``, never more often than ``persist_seconds``."""
+        if self._persister:
+            self._persister.interval = max(self._persist_floor, seconds)
 
     @property
     def last_save_step(self) -> int | None:

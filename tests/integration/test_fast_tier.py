@@ -58,10 +58,26 @@ CASES = """
     throttled_shared = os.path.abspath("throttled/fit")
     throttled = TieredCheckpoint(checkpoint, throttled_shared, is_chief=True, env=TrainerEnvironment(
         progress_socket="agent.sock", local_checkpoint_dir=os.path.abspath("throttled-local")))
+    throttled.pace_copies(0)  # the schedule's pace never goes under persist_seconds
     for step in (1, 2, 3):
         throttled.save(step)
         throttled.flush() if step == 3 else throttled.checkpoint.sync()
-    report = {"throttled": snapshots.complete_steps(throttled_shared),
+    paced_shared = os.path.abspath("paced/fit")
+    paced = TieredCheckpoint(checkpoint, paced_shared, is_chief=True, persist_seconds=0, env=TrainerEnvironment(
+        progress_socket="agent.sock", local_checkpoint_dir=os.path.abspath("paced-local")))
+    paced.pace_copies(3600)  # copies dear enough for one an hour
+    for step in (1, 2):
+        paced.save(step)
+        paced.wait_sealed()
+        paced._persister.wait_idle()
+    paced_steps = snapshots.complete_steps(paced_shared)
+    paced.pace_copies(0)
+    paced.save(3)
+    paced.wait_sealed()
+    paced._persister.wait_idle()
+    paced_steps = [paced_steps, snapshots.complete_steps(paced_shared)]
+    paced.close()
+    report = {"throttled": snapshots.complete_steps(throttled_shared), "paced": paced_steps,
               "local": snapshots.complete_steps(os.path.join(local_root, "fit")),
               "shared": snapshots.complete_steps(shared),
               "sealed": writer.sealed_step, "persisted": writer.persisted_step,
@@ -151,6 +167,11 @@ def test_a_node_directory_another_user_owns_is_refused_and_the_snapshots_go_to_t
 def test_the_copy_to_the_shared_tier_is_throttled_and_flush_copies_the_newest(cases: dict[str, Any]) -> None:
     """Three snapshots within the 30 s: the first is copied in the background, the newest at flush()."""
     assert cases["throttled"] == [3, 1]
+
+
+def test_the_save_schedule_paces_the_copies_to_the_shared_tier(cases: dict[str, Any]) -> None:
+    """Paced to one an hour, the second snapshot is not copied; paced to the floor again (0 s), the third is."""
+    assert cases["paced"] == [[1], [3, 1]]
 
 
 def test_the_chosen_step_comes_from_the_local_tier_when_the_node_has_it(cases: dict[str, Any]) -> None:

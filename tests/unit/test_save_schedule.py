@@ -6,7 +6,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from tfelastic.trainer.save_schedule import FIRST_INTERVAL, MAX_INTERVAL, SaveSchedule
+from tfelastic.trainer.save_schedule import (
+    FIRST_INTERVAL,
+    MAX_COPY_SECONDS,
+    MAX_INTERVAL,
+    MIN_COPY_SECONDS,
+    SaveSchedule,
+)
 
 
 def run(schedule: SaveSchedule, steps: int, step_seconds: float, stall: float, start: int = 0) -> list[int]:
@@ -123,4 +129,70 @@ def test_without_interference_the_stall_alone_decides() -> None:
         if schedule.due(step):
             schedule.adopt(step, schedule.saved(step, stall=0.1, began=now))
             now += 0.1
-    assert schedule.mean_interference is None and schedule.interval == 20
+    assert schedule.mean_interference == pytest.approx(0.0, abs=1e-9) and schedule.interval == 20
+    assert schedule.mean_copy_cost is None and schedule.copy_seconds == MIN_COPY_SECONDS
+
+
+def test_the_step_after_a_save_is_charged_to_it() -> None:
+    """A flash snapshot writes nothing in the background, but the step after it pays for it (0.5 s steps take
+    0.6 s then): 0.1 s of interference and a 1 ms stall at 1 % is a save every 21 steps, not every step."""
+    schedule = SaveSchedule()
+    schedule.start(0)
+    now, last_saved = 0.0, -100
+    for step in range(1, 2000):
+        now += 0.6 if step == last_saved + 1 else 0.5
+        schedule.step_done(now, writing=False)
+        if schedule.due(step):
+            schedule.adopt(step, schedule.saved(step, stall=0.001, began=now))
+            now += 0.001
+            last_saved = step
+    assert schedule.mean_interference == pytest.approx(0.1)
+    assert schedule.interval == 21
+
+
+def train_with_copies(schedule: SaveSchedule, copy_steps: int, slowdown: float, stall: float = 0.1,
+                      steps: int = 20_000) -> list[float]:
+    """0.5 s steps; after a save, a copy to the shared tier when ``copy_seconds`` have passed since the last,
+    whose ``copy_steps`` steps take ``slowdown`` s more each. Returns when the copies began."""
+    schedule.start(0)
+    now, copies, copying_until = 0.0, [-1e9], -1
+    for step in range(1, steps):
+        copying = step <= copying_until
+        now += 0.5 + (slowdown if copying else 0.0)
+        schedule.step_done(now, writing=False, copying=copying)
+        if schedule.due(step):
+            schedule.adopt(step, schedule.saved(step, stall=stall, began=now))
+            now += stall
+            if now - copies[-1] >= schedule.copy_seconds:
+                copies.append(now)
+                copying_until = step + copy_steps
+    return copies[1:]
+
+
+def test_a_dear_copy_to_the_shared_tier_is_paced_by_half_the_budget_and_the_saves_get_the_rest() -> None:
+    """Copies that slow 3 steps by 0.4 s cost 1.2 s each: at half of 1 %, one every 240 s; the saves get the
+    other half, so a 0.1 s stall is a save every ceil(0.1 / (0.005 * 0.5)) = 40 steps, not 20."""
+    schedule = SaveSchedule()
+    copies = train_with_copies(schedule, copy_steps=3, slowdown=0.4)
+    assert schedule.mean_copy_cost == pytest.approx(1.2)
+    assert schedule.copy_seconds == pytest.approx(240.0)
+    assert schedule.interval == 40
+    late = [b - a for a, b in itertools.pairwise(copies) if a > 1000]
+    assert late and min(late) >= 240.0 and max(late) < 240.0 + 40 * 0.5 + 3 * 0.4 + 1  # the first save due after
+
+
+def test_a_cheap_copy_keeps_the_floor_and_takes_only_what_it_costs_from_the_saves() -> None:
+    """0.03 s per copy every 30 s is 0.1 %; the saves get 0.9 %: ceil(0.1 / (0.009 * 0.5)) = 23 steps."""
+    schedule = SaveSchedule()
+    train_with_copies(schedule, copy_steps=1, slowdown=0.03)
+    assert schedule.copy_seconds == MIN_COPY_SECONDS
+    assert schedule.interval == 23
+
+
+def test_copies_come_at_least_every_max_copy_seconds_however_dear() -> None:
+    """5 s per copy would be one every 1000 s at half the budget: a lost node would cost that much; capped."""
+    schedule = SaveSchedule()
+    train_with_copies(schedule, copy_steps=5, slowdown=1.0, steps=5000)
+    assert schedule.mean_copy_cost == pytest.approx(5.0)
+    assert schedule.copy_seconds == MAX_COPY_SECONDS
+    assert schedule.interval == 40  # the saves keep half the budget
