@@ -143,7 +143,8 @@ def overhead(variants: list[str], rounds: int, steps: int, warmup: int, root: Pa
             samples[variant].append(seconds_per_step(output, warmup))
             done = json.loads(output.strip().splitlines()[-1])
             extra = (f"  stalls {done['stalls']} interval {done['interval']} interference per save "
-                     f"{done['interference']}" if done["stalls"] else "")
+                     f"{done['interference']} cost per copy {done.get('copy_cost')} copies every "
+                     f"{done.get('copy_seconds')} s" if done["stalls"] else "")
             kernel = ", ".join(f"{k} {v}" for k, v in faults.items())
             slow, median, median_cpu = slow_steps(output, warmup)
             print(f"round {round_number} {variant:>7}: {samples[variant][-1]:.3f} s/step (median {median:.3f} s, "

@@ -79,4 +79,6 @@ elif variant != "none":
 model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[*callbacks, StepClock()])
 print(json.dumps({"done": True, "stalls": [round(s, 4) for s in getattr(restorer, "stalls", [])],
                   "interval": restorer.schedule.interval if restorer else None,
-                  "interference": restorer and restorer.schedule.mean_interference}), flush=True)
+                  "interference": restorer and restorer.schedule.mean_interference,
+                  "copy_cost": restorer and restorer.schedule.mean_copy_cost,
+                  "copy_seconds": restorer and restorer.schedule.copy_seconds}), flush=True)
