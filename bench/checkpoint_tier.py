@@ -47,7 +47,7 @@ class Step:
     cpu: float  # the trainer's CPU seconds so far
     stolen: float  # the host's stolen CPU seconds so far
     writing: bool  # a snapshot written in the background at the step's end
-    copying: bool  # a snapshot copied to the shared tier at the step's end
+    copying: bool  # a copy to the shared tier ran during the step
     saved: int  # the newest snapshot begun (-1: none)
 
 

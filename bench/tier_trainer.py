@@ -5,12 +5,11 @@ Adam: weights and two slots), trained with ``model.fit`` on random data, on one 
 
 VARIANT: ``none`` (no checkpoints), ``sync20`` (tf_keras ``BackupAndRestore(save_freq=20)``), ``fast``
 (``fit_callbacks()`` with its defaults: the fast tier, adaptive interval), ``fastN`` (the fast tier every N
-steps). Prints one JSON line when training
-starts (``initial_step``, the restored tier) and, after every step, ``step N T CPU STEAL WRITING COPYING SAVED``
-(T: monotonic seconds; CPU: this process's CPU seconds; STEAL: the host's stolen CPU seconds, what the hypervisor
-gave to others; WRITING, COPYING: 1 while a snapshot is written in the background, or copied to the shared tier;
-SAVED: the step of the newest snapshot begun, -1 before one), then a summary line with the snapshot stalls and the
-adaptive interval.
+steps). Prints one JSON line when training starts (``initial_step``, the restored tier) and, after every step,
+``step N T CPU STEAL WRITING COPYING SAVED`` (T: monotonic seconds; CPU: this process's CPU seconds; STEAL: the
+host's stolen CPU seconds, what the hypervisor gave to others; WRITING: 1 while a snapshot is written in the
+background; COPYING: 1 when a copy to the shared tier ran during the step; SAVED: the step of the newest snapshot
+begun, -1 before one), then a summary line with the snapshot stalls and the adaptive interval.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ BATCH = 256
 class StepClock(keras.callbacks.Callback):  # type: ignore[misc]
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self.step = int(self.model.optimizer.iterations.numpy())
+        self.copies = 0
         print(json.dumps({"initial_step": self.step, "tier": getattr(restorer, "restored", None) and
                           restorer.restored.tier}), flush=True)
 
@@ -42,7 +42,10 @@ class StepClock(keras.callbacks.Callback):  # type: ignore[misc]
         self.step += 1
         cpu = sum(os.times()[:2])
         tier = restorer.tier if restorer is not None else None
-        writing, copying = (int(tier.writing), int(tier.copying_step is not None)) if tier else (0, 0)
+        copies_begun = tier.copies_begun if tier else 0  # a copy may begin and end within the step
+        writing, copying = (int(tier.writing), int(tier.copying_step is not None or copies_begun != self.copies))\
+            if tier else (0, 0)
+        self.copies = copies_begun
         saved = tier.last_save_step if tier and tier.last_save_step is not None else -1
         print(f"step {self.step} {time.monotonic():.4f} {cpu:.3f} {stolen_seconds():.2f} {writing} {copying} {saved}",
               flush=True)

@@ -134,7 +134,7 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         assert self._state is not None
         self._state._ckpt_saved_batch.assign(batch)
         self._step += self._steps_per_call
-        self.schedule.step_done(time.monotonic(), self.tier.writing, self.tier.copying_step is not None)
+        self.schedule.step_done(time.monotonic(), self.tier.writing, self.tier.copied_beside_step())
         self._report_sealed()
         if self.schedule.due(self._step):
             self.save()

@@ -1,22 +1,10 @@
 """A custom training loop for MultiWorkerMirroredStrategy that survives restarts exactly.
 
-:func:`make_train_step` is the ``strategy.run`` step: the per-example loss is averaged over the *global* batch
-(``tf.nn.compute_average_loss``) and the regularization losses are divided by the replica count
-(``tf.nn.scale_regularization_loss``), so the all-reduced gradient sum is the gradient of the global mean loss
-whatever the number of replicas.
-
-:class:`TrainLoop` puts together the step, the fast checkpoint tier of :mod:`tfelastic.trainer.tiered`
-(asynchronous snapshots of the model, the optimizer with its step and slots, the epoch and the position in the
-epoch, in node-local memory and persisted to ``checkpoint_dir`` on shared storage), the data position of
-:mod:`tfelastic.trainer.data`, a snapshot every ``save_every`` steps (by default as often as an overhead budget
-of 1 % allows: :mod:`tfelastic.trainer.save_schedule`) and at the end, progress reports to the agent, and the
-graceful stop of :mod:`tfelastic.trainer.preemption`::
-
-    loop = TrainLoop(strategy, model, optimizer, loss_fn=per_example_loss, global_batch=plan.global_batch,
-                     examples=lambda epoch: shuffled(train, epoch, seed, n), examples_per_epoch=n,
-                     checkpoint_dir=env.backup_path("loop"))
-    loop.restore()
-    result = loop.run(steps=1000)
+:func:`make_train_step` averages the per-example loss over the *global* batch and divides the regularization
+losses by the replica count, so the all-reduced gradient is the global mean loss's whatever the replica count.
+:class:`TrainLoop` adds the fast checkpoint tier (:mod:`tfelastic.trainer.tiered`: the model, the optimizer, the
+epoch and the position in it), the data position (:mod:`tfelastic.trainer.data`), the save schedule, progress
+reports and the graceful stop. docs/trainer.md shows it in use.
 """
 
 from __future__ import annotations
@@ -227,7 +215,7 @@ class TrainLoop:
         self._reporter.reached(self.step)  # the agent reads it if this process dies before the next report
         if self._on_step is not None:
             self._on_step(self.step, loss)
-        self.schedule.step_done(time.monotonic(), self.checkpoints.writing, self.checkpoints.copying_step is not None)
+        self.schedule.step_done(time.monotonic(), self.checkpoints.writing, self.checkpoints.copied_beside_step())
         self._report_sealed()
         if self.schedule.due(self.step):
             self.save()

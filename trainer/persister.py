@@ -32,6 +32,7 @@ class Persister:
         self._waiting: int | None = None  # the newest step offered and not taken on yet (_STOP: stop)
         self._busy = False
         self.copying: int | None = None  # the step being copied: the local tier must keep it until then
+        self.copies_begun = 0  # a copy short enough to begin and end within one step is still seen by its count
         self.persisted_step: int | None = None  # the newest complete in the shared tier
         self._thread: threading.Thread | None = None
 
@@ -91,6 +92,7 @@ class Persister:
                     return
                 assert step is not None
                 self._busy, self.copying = True, step  # before the lock is released: the writer's reuse sees it
+                self.copies_begun += 1
             try:
                 self._copy(step)
             finally:

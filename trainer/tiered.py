@@ -88,6 +88,7 @@ class TieredCheckpoint:
         self._persister = Persister(self.local_store, self.shared_store, keep_shared, persist_seconds) \
             if is_chief and self.local_store else None
         self._persist_floor = persist_seconds
+        self._copies_seen = 0  # the persister's count of copies begun, at the last copied_beside_step()
         self.sealed_step: int | None = None  # the newest snapshot complete in this worker's write tier
         self._sealed_in_shared: int | None = None
         self.last_write_seconds: float | None = None  # save() to sealed: the latest
@@ -293,6 +294,18 @@ class TieredCheckpoint:
     def copying_step(self) -> int | None:
         """The snapshot being copied to the shared tier in the background now (the chief's), if any."""
         return self._persister.copying if self._persister else None
+
+    @property
+    def copies_begun(self) -> int:
+        """How many copies to the shared tier have begun (a copy can begin and end within one step)."""
+        return self._persister.copies_begun if self._persister else 0
+
+    def copied_beside_step(self) -> bool:
+        """Whether a copy to the shared tier ran beside the step that just ended: one under way now, or one begun
+        since the last call (call it once per step)."""
+        begun = self.copies_begun
+        new_copy, self._copies_seen = begun != self._copies_seen, begun
+        return new_copy or self.copying_step is not None
 
     def pace_copies(self, seconds: float) -> None:
         """Copies to the shared tier at most every ``seconds``, never more often than ``persist_seconds``."""

@@ -71,13 +71,14 @@ CASES = """
         paced.wait_sealed()
         paced._persister.wait_idle()
     paced_steps = snapshots.complete_steps(paced_shared)
+    beside = [paced.copied_beside_step(), paced.copied_beside_step()]  # step 1's copy began and ended: seen once
     paced.pace_copies(0)
     paced.save(3)
     paced.wait_sealed()
     paced._persister.wait_idle()
     paced_steps = [paced_steps, snapshots.complete_steps(paced_shared)]
     paced.close()
-    report = {"throttled": snapshots.complete_steps(throttled_shared), "paced": paced_steps,
+    report = {"throttled": snapshots.complete_steps(throttled_shared), "paced": paced_steps, "beside": beside,
               "local": snapshots.complete_steps(os.path.join(local_root, "fit")),
               "shared": snapshots.complete_steps(shared),
               "sealed": writer.sealed_step, "persisted": writer.persisted_step,
@@ -172,6 +173,11 @@ def test_the_copy_to_the_shared_tier_is_throttled_and_flush_copies_the_newest(ca
 def test_the_save_schedule_paces_the_copies_to_the_shared_tier(cases: dict[str, Any]) -> None:
     """Paced to one an hour, the second snapshot is not copied; paced to the floor again (0 s), the third is."""
     assert cases["paced"] == [[1], [3, 1]]
+
+
+def test_a_copy_that_began_and_ended_within_a_step_is_seen_beside_it_once(cases: dict[str, Any]) -> None:
+    """The save schedule charges a copy to the steps beside it, even one too short to be under way at a step's end."""
+    assert cases["beside"] == [True, False]
 
 
 def test_the_chosen_step_comes_from_the_local_tier_when_the_node_has_it(cases: dict[str, Any]) -> None:
