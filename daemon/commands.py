@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
+from tfelastic.daemon.aio import first_of
 from tfelastic.daemon.config import AgentConfig, CoordinatorConfig, OperatorConfig, RendezvousConfig
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
 from tfelastic.daemon.errors import ConfigError
@@ -166,7 +167,7 @@ async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, regis
     notifier.stopping(f"job {config.job} {'failed' if failed else 'succeeded'}")
     if lingers:  # let Prometheus scrape the verdict: the alerts tell a finished job from a dead daemon by it
         await host.wait_agents_gone()
-        await asyncio.sleep(config.metrics.linger)
+        await first_of(_stop_signalled().wait(), timeout=config.metrics.linger)  # as an elected coordinator does
     await host.close()
     return ExitCode.FAILED if failed else ExitCode.SUCCEEDED
 
@@ -193,10 +194,7 @@ async def _serve_elected(config: CoordinatorConfig, setup: CoordinatorSetup, tar
         raise ConfigError(str(e)) from None
     except EtcdUnavailable as e:
         raise OperatorError(str(e)) from None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_signalled()
     logging.getLogger("tfelastic.coordinator").info("a candidate for job %s's coordinator on %s (etcd %s)",
                                                     config.job, config.listen, target)
     notifier.ready(f"job {config.job}: a candidate for its coordinator on {config.listen}")
@@ -209,6 +207,15 @@ async def _serve_elected(config: CoordinatorConfig, setup: CoordinatorSetup, tar
     finally:
         await election.client.close()
     return ExitCode.FAILED if recorded is not None and recorded.state is JobState.FAILED else ExitCode.SUCCEEDED
+
+
+def _stop_signalled() -> asyncio.Event:
+    """Set by SIGTERM, SIGINT, SIGHUP or SIGQUIT from now on, as for an agent: the coordinator ends cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 def find_coordinator(config: OperatorConfig) -> Endpoint:

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.environments import PROJECT, supported_tensorflow_minors
+from tests.environments import PROJECT, name_of, supported_tensorflow_minors
 
 # Distributions that must all come at the pinned minor version: two TensorFlows of different versions in one
 # environment overwrite each other's files.
@@ -43,8 +43,8 @@ def resolve(requirements: list[str]) -> tuple[dict[str, str] | None, str]:
     if result.returncode != 0:
         return None, result.stderr
     report = json.loads(result.stdout)
-    return {re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower(): item["metadata"]["version"]
-            for item in report["install"]}, result.stderr
+    return {name_of(item["metadata"]["name"]): item["metadata"]["version"] for item in report["install"]}, \
+        result.stderr
 
 
 def test_the_supported_range_is_read_from_the_trainer_extra() -> None:

@@ -20,6 +20,7 @@ from tests.cluster import (
     assert_no_stale_workers,
     kill,
     members,
+    scrape,
     trainer_pids,
     wait_for,
 )
@@ -261,6 +262,36 @@ def test_standalone_coordinator_and_agents_from_job_files(make_cluster: ClusterF
         output = coordinator.stdout.read().decode() if coordinator.stdout else ""
         assert "job succeeded" in output and "hosting the coordinator" not in cluster.logs()
         assert {e["event"] for e in cluster.events()} == {"start", "end"}
+    finally:
+        coordinator.kill()
+        coordinator.wait()
+
+
+def test_a_standalone_coordinator_lingers_with_a_failed_verdict_until_a_stop_signal(
+        make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    """Without etcd, as with it: after a failure /metrics stays up with the verdict for --metrics-linger, and
+    SIGTERM (systemd's stop) ends the linger with the job's exit code, 1, not a death by the signal."""
+    cluster = make_cluster(TRAINER, nodes="2", extra_args=[*FAST, "--max-restarts", "0"],
+                           env={"COUNTER_STEPS": "100000", "COUNTER_STEP_SECONDS": "0.05"})
+    log_path = tmp_path / "coordinator.log"
+    with log_path.open("ab") as log:
+        coordinator = subprocess.Popen([sys.executable, "-m", "tfelastic.daemon", "coordinator", "--listen",
+                                        str(cluster.endpoint), "--metrics-port", "0", "--metrics-linger", "60"],
+                                       stdout=log, stderr=subprocess.STDOUT)
+    try:
+        address = wait_for(lambda: re.search(r"metrics on http://(\S+)/metrics", log_path.read_text()), 20,
+                           "the coordinator's metrics address").group(1)
+        cluster.start("a")
+        cluster.start("b")
+        doc = cluster.wait_running(1, 2, step=5)
+        kill(members(doc)[1]["worker_pid"])  # with max_restarts 0, one failure fails the job
+        assert cluster.wait_all(60) == [1, 1], cluster.logs()
+        _, samples = scrape(f"http://{address}/metrics")  # every agent is gone: the coordinator still answers
+        assert [value for (name, labels), value in samples.items()
+                if name == "tfelastic_cluster_job_state" and ("state", "failed") in labels] == [1.0], samples
+        assert coordinator.poll() is None
+        coordinator.send_signal(signal.SIGTERM)
+        assert coordinator.wait(30) == 1, log_path.read_text()[-3000:]
     finally:
         coordinator.kill()
         coordinator.wait()
