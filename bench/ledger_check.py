@@ -1,6 +1,7 @@
-"""The job's goodput ledger against what a soak sees from outside (bench/chaos.py): its goodput beside the training
-time the job's steps need without faults over the job's time, and its steps redone beside the ledger trainer's own
-count (tests/trainers/ledger.py keeps the furthest step each rank applied in each generation)."""
+"""The job's goodput ledger against what a soak sees from outside (bench/chaos.py): its goodput beside the seconds
+the ledger trainer's chiefs spent on new steps by their own clock, and beside the time the job's steps need without
+faults, each over the job's time; its steps redone beside the ledger trainer's own count (tests/trainers/ledger.py
+keeps the furthest step each rank applied, and each step's end, per generation)."""
 
 from __future__ import annotations
 
@@ -27,15 +28,18 @@ FAULT_FREE_STEPS = 200
 @dataclass(frozen=True)
 class LedgerCheck:
     ledger_goodput: float
-    outside_goodput: float
+    outside_goodput: float  # fault-free step time x final step, over the job's time
+    trainer_goodput: float  # the chiefs' seconds on new steps by their own clock, over the job's time
     ledger_redone: int
     trainer_redone: int
     badput: list[tuple[str, float]]
 
     def lines(self) -> list[str]:
         top = ", ".join(f"{c} {100 * s:.1f}%" for c, s in self.badput[:4])
-        return [f"goodput: ledger {self.ledger_goodput:.3f}, from outside {self.outside_goodput:.3f} "
-                f"({100 * (self.ledger_goodput - self.outside_goodput):+.1f} pp); ledger's badput: {top}",
+        return [f"goodput: ledger {self.ledger_goodput:.3f}; the trainer's clock {self.trainer_goodput:.3f} "
+                f"({100 * (self.ledger_goodput - self.trainer_goodput):+.1f} pp); fault-free step time x steps "
+                f"{self.outside_goodput:.3f} ({100 * (self.ledger_goodput - self.outside_goodput):+.1f} pp); "
+                f"ledger's badput: {top}",
                 f"steps redone: report {self.ledger_redone}, the trainer's own count {self.trainer_redone}"]
 
 
@@ -78,11 +82,19 @@ def redone_from(starts: list[tuple[int, int]], reached: Callable[[int], Path]) -
     return redone
 
 
+def chief_starts(events_path: Path) -> list[tuple[int, int]]:
+    """(generation, the step its chief started from) of every generation whose chief started."""
+    return [(e["generation"], e["step"]) for e in read_events(events_path) if e["event"] == "start" and e["rank"] == 0]
+
+
 def trainer_redone(events_path: Path) -> int:
     """The ledger trainer's own count of the steps redone (tests/trainers/ledger.py)."""
-    starts = [(e["generation"], e["step"]) for e in read_events(events_path)
-              if e["event"] == "start" and e["rank"] == 0]
-    return redone_from(starts, lambda generation: Path(f"{events_path}.reached-{generation}-0"))
+    return redone_from(chief_starts(events_path), lambda generation: Path(f"{events_path}.reached-{generation}-0"))
+
+
+def trainer_fresh_seconds(events_path: Path) -> float:
+    """The seconds the ledger trainer's chiefs spent on new steps, by their own clock."""
+    return fresh_step_seconds(chief_starts(events_path), lambda generation: Path(f"{events_path}.times-{generation}-0"))
 
 
 def fault_free_step_seconds(workers: int, step_seconds: float) -> float:
@@ -115,5 +127,6 @@ def check(etcd_url: str, events_path: Path, final_step: int, step_seconds: float
     first = min(e["time"] for e in events if e["event"] == "start" and e["generation"] == 1)
     last = max(e["time"] for e in events if e["event"] == "end")
     outside = final_step * fault_free_step_seconds(3, step_seconds) / (last - first)
-    return LedgerCheck(goodput["ratio"], outside, goodput["steps_redone"], trainer_redone(events_path),
+    own_clock = trainer_fresh_seconds(events_path) / (last - first)
+    return LedgerCheck(goodput["ratio"], outside, own_clock, goodput["steps_redone"], trainer_redone(events_path),
                        [(b["category"], b["share"]) for b in goodput["badput"]])

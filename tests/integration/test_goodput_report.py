@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.ledger_check import LEDGER_TRAINER, trainer_redone
+from bench.ledger_check import LEDGER_TRAINER, trainer_fresh_seconds, trainer_redone
 from tests.cluster import COUNTER, kill, members, scrape, wait_for
 from tests.conftest import ClusterFactory
 from tests.etcd import EtcdCluster
@@ -69,6 +70,7 @@ def test_steps_redone_count_the_steps_a_killed_chief_made_after_its_last_report(
     """The chief reports once a second, steps 50 times a second, and is SIGKILLed with steps its agent never heard
     of: the step file makes the coordinator's count of redone steps the trainer's own."""
     events = tmp_path / "ledger-events.jsonl"
+    began = time.time()
     cluster = make_cluster([sys.executable, LEDGER_TRAINER], extra_args=FAST, env={
         "LEDGER_EVENTS": str(events), "LEDGER_STEPS": "100000", "LEDGER_STEP_SECONDS": "0.02",
         "LEDGER_REPORT_INTERVAL": "1.0", "LEDGER_SAVE_EVERY": "100000"})
@@ -88,6 +90,8 @@ def test_steps_redone_count_the_steps_a_killed_chief_made_after_its_last_report(
     doc = cluster.wait_running(2, 2, step=5, timeout=60)
     furthest = int(reached.read_text())
     assert doc["goodput"]["steps_redone"] == trainer_redone(events) == furthest, doc["goodput"]  # restored 0
+    # The chief's own clock, which the chaos soak sets beside the ledger: every new step took its 0.02 s at least.
+    assert 0.02 * (furthest - 1) <= trainer_fresh_seconds(events) < time.time() - began
     cluster.stop()
 
 

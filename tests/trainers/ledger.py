@@ -27,7 +27,8 @@ line per start and end).
 Progress: a report per step, announcing start-up, the step it restored and saves as the library's trainers do (so
 that an agent with the default hang detection learns the step times: docs/configuration.md). Each rank keeps the
 furthest step it applied in LEDGER_EVENTS.reached-<generation>-<rank> (rewritten in place every step), so that a
-soak can count the steps redone after each restart itself.
+soak can count the steps redone after each restart itself, and appends 'STEP SECONDS' at each step's end (its save
+included) to LEDGER_EVENTS.times-<generation>-<rank>, the seconds it spent on each step by its own clock.
 """
 
 from __future__ import annotations
@@ -186,6 +187,8 @@ def main() -> int:
     reporter.report(step, phase=Phase.SETUP, restored_tier="shared", restored_step=step)  # where it resumes
     event("start", step=step, torn=torn)
     reached = os.open(f"{events}.reached-{generation}-{rank}", os.O_WRONLY | os.O_CREAT, 0o644) if events else -1
+    times = os.open(f"{events}.times-{generation}-{rank}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) \
+        if events else -1
     workers = json.loads(env["TF_CONFIG"])["cluster"]["worker"]
     try:
         ring = Ring(workers, rank, peer_timeout)
@@ -212,6 +215,8 @@ def main() -> int:
             save(backup, step, digest)
             event("saved", step=step)
         reporter.report(step, examples=step, loss=1.0 / step, checkpoint_step=step if saving else None)
+        if times >= 0:  # unbuffered: a SIGKILL loses no step that ended
+            os.write(times, f"{step} {time.time():.6f}\n".encode())
         if stopping:
             event("checkpointed", step=step)
             return CHECKPOINTED_AND_STOPPED
