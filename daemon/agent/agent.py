@@ -10,11 +10,10 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from tfelastic.daemon.agent import server_probe
 from tfelastic.daemon.agent.api import (
     Action,
     Announce,
@@ -30,15 +29,14 @@ from tfelastic.daemon.agent.api import (
     Send,
     SessionLost,
     Stop,
-    StopResult,
     StopRetrying,
 )
 from tfelastic.daemon.agent.core import AgentCore
 from tfelastic.daemon.agent.node import Node
 from tfelastic.daemon.agent.placement import EtcdPlacement, placement_for
-from tfelastic.daemon.agent.replacements import PROBE_TIMEOUT
-from tfelastic.daemon.agent.runner import WorkerRunner, agent_environment, worker_spec
+from tfelastic.daemon.agent.runner import agent_environment
 from tfelastic.daemon.agent.session import CoordinatorSession, open_session
+from tfelastic.daemon.agent.worker_shell import WorkerShell
 from tfelastic.daemon.aio import first_of, stacks, within
 from tfelastic.daemon.config import AgentConfig
 from tfelastic.daemon.endpoint import Endpoint
@@ -51,10 +49,7 @@ from tfelastic.daemon.netutil import host_port, route_address
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.rendezvous.host import AGENTS_GONE_SECONDS
 from tfelastic.daemon.sdnotify import ServiceHooks
-from tfelastic.daemon.worker.process import WorkerSpec
-from tfelastic.daemon.worker.progress import ProgressListener
 from tfelastic.daemon.worker.warm import StandbyPolicy
-from tfelastic.trainer.progress import ProgressMessage, read_step_mark, reset_step_mark
 
 log = logging.getLogger("tfelastic.agent")
 
@@ -81,18 +76,13 @@ class Agent:
         register_build_info(self.registry, "agent")
         standby = StandbyPolicy.of_this_node()
         self.core = AgentCore.of(config, host, self._placement.failover, metrics, clock, standby.at_launch,
-                                 self._read_step_mark)
-        self.runner = WorkerRunner(self, stop_grace=config.node.stop_grace,
-                                   failure_stop_grace=config.node.failure_stop_grace,
-                                   warm_start=config.node.warm_start, before_stopped=self._before_stopped,
-                                   standby_nice=standby.nice)
-        self._node = Node(config, self.registry, agent_environment(config.job.env), lambda: self.runner.live_pid,
+                                 lambda generation: self.worker.step_mark(generation))
+        self._node = Node(config, self.registry, agent_environment(config.job.env), lambda: self.worker.live_pid,
                           nvml)
-        metrics.standby_memory.set_function(self.runner.standby_memory)
-        metrics.standby_ready.set_function(lambda: float(self.runner.standby_ready()))
-        self._launched: tuple[int, WorkerSpec] | None = None  # the last launch: a standby is built for its like
+        self.worker = WorkerShell(config, self.core, self._node, self._apply, self._spawn, standby_nice=standby.nice)
+        metrics.standby_memory.set_function(self.worker.runner.standby_memory)
+        metrics.standby_ready.set_function(lambda: float(self.worker.runner.standby_ready()))
         self._checking: asyncio.Task[None] | None = None  # the node check under way: never two at once
-        self._listener: ProgressListener | None = None
         self._metrics_server: MetricsServer | None = None
         self._session: CoordinatorSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -109,8 +99,7 @@ class Agent:
             loop.add_signal_handler(sig, self._on_signal, sig)
         for sig in USER_SIGNALS:
             loop.add_signal_handler(sig, self._on_user_signal, sig)
-        self._listener = ProgressListener(self._on_progress)
-        self._listener.start()
+        self.worker.start()
         code = int(ExitCode.FAILED)  # unless the job or the rendezvous says otherwise
         try:
             # The coordinator's port first: /metrics on a free port (0) could otherwise be given the very port
@@ -125,10 +114,8 @@ class Agent:
             code = e.exit_code
         finally:
             self._apply(self.core.final_stop())
-            await self.runner.idle()
-            await self.runner.close()
-            self._listener.close()
-            if self.core.exit_code is ExitCode.SUCCEEDED:  # the job succeeded: nothing will resume from it
+            await self.worker.close()
+            if self.core.local_tier_obsolete:
                 await asyncio.to_thread(self._node.snapshots.remove_local_tier)
             await self._wind_down(code)
         return code
@@ -154,7 +141,7 @@ class Agent:
                 self._apply(self.core.session_ended(problem))
             if isinstance(self._placement, EtcdPlacement):
                 self._apply(self.core.etcd_observed(*await self._placement.observe_within(self.core.etcd_patience())))
-            await self.runner.idle()  # a fenced worker is gone before we try again
+            await self.worker.runner.idle()  # a fenced worker is gone before we try again
             verdict = self.core.verdict()
             if verdict is not None:
                 return verdict
@@ -164,7 +151,7 @@ class Agent:
     async def _session_once(self, endpoint: Endpoint) -> None:
         rdzv = self.config.rendezvous
         if self.core.scans_snapshots_before_session:
-            await self._before_join()
+            await self.worker.before_join()
         async with open_session(endpoint, rdzv.tls, self._token, self._clock,
                                 hang_up_grace=rdzv.node_timeout) as session:
             self._session = session
@@ -196,7 +183,7 @@ class Agent:
         self.hooks.status("checking this node")
         failure = await self._node.check()
         if self._session is not None and self.core.joins_after_check:
-            await self._before_join()
+            await self.worker.before_join()
         self._apply(self.core.node_checked(failure))
 
     async def _leave_a_deposed_coordinator(self, placement: EtcdPlacement, endpoint: Endpoint) -> None:
@@ -216,9 +203,9 @@ class Agent:
                 if self._session is not None:
                     self._session.send(action.message)
             elif isinstance(action, Launch):
-                self._launch(action.assignment)
+                self.worker.launch(action.assignment)
             elif isinstance(action, Stop):
-                self.runner.stop(action.reason, planned=action.planned)
+                self.worker.runner.stop(action.reason, planned=action.planned)
             elif isinstance(action, HangUp):
                 if self._session is not None:
                     self._session.hang_up()
@@ -230,43 +217,23 @@ class Agent:
             elif isinstance(action, ListenForProbe):
                 self._apply(self.core.probe_listening(self._node.probe.open(action.port)))
             elif isinstance(action, PrepareStandby):
-                if self._launched is not None and self._launched[0] == action.generation:
-                    self.runner.prepare_standby(self._launched[1])
+                self.worker.prepare_standby(action.assignment)
             elif isinstance(action, StopRetrying):
                 self._leaving.set()
             elif isinstance(action, CoordinatorLost):
                 self._placement.lost()
             elif isinstance(action, ProbeServer):
-                self._spawn(self._probe_server(action))
+                self._spawn(self.worker.probe_server(action))
             elif isinstance(action, Announce):
                 if action.ready:
                     self.hooks.ready()
                 if action.status:
                     self.hooks.status(action.status)
 
-    async def _probe_server(self, probe: ProbeServer) -> None:
-        try:
-            answered = await server_probe.answers(probe.address, PROBE_TIMEOUT)
-        except Exception:  # never a probe that ends unanswered: the core waits for one answer at a time
-            log.exception("probing the worker's server at %s", probe.address)
-            answered = False
-        self._apply(self.core.server_probed(probe.generation, answered))
-
-    def _launch(self, assignment: api.Assignment) -> None:
-        assert self._listener is not None
-        reset_step_mark(self._listener.step_file)  # every process of the last trainer is gone
-        spec = worker_spec(self.config, assignment, self._listener.path, self._node.snapshots.local_tier,
-                           self._listener.step_file)
-        self.runner.launch(assignment.generation, spec)
-        self._launched = (assignment.generation, spec)
-
-    def _read_step_mark(self, generation: int) -> int | None:
-        return read_step_mark(self._listener.step_file, generation) if self._listener is not None else None
-
     def control_loop_healthy(self, max_age: float) -> bool:
         """For systemd's watchdog: the control loop turned within ``max_age`` seconds. A worker stop in progress
         (bounded by its grace period) and the planned way out (job over, drain, SIGTERM) count as healthy."""
-        if self.core.winding_down or self.runner.stopping:
+        if self.core.winding_down or self.worker.runner.stopping:
             return True
         return self._clock() - self._ticked_at <= max_age
 
@@ -281,48 +248,6 @@ class Agent:
         self._signalled.set()
         self._apply(self.core.signal_received(signum))
 
-    # ------------------------------------------------------------------ worker events (runner -> core)
-
-    def worker_started(self, generation: int, pid: int) -> None:
-        self._apply(self.core.worker_started(generation, pid, warm=self.runner.launched_warm))
-
-    def launch_failed(self, generation: int, error: str) -> None:
-        self._apply(self.core.launch_failed(generation, error))
-
-    def trainer_pid(self, generation: int, pid: int) -> None:
-        self._apply(self.core.trainer_pid(generation, pid))
-
-    def worker_exited(self, generation: int, code: int, output: Sequence[str]) -> None:
-        self._apply(self.core.worker_exited(generation, code, output))
-
-    def worker_stopped(self, result: StopResult) -> None:
-        self._spawn(asyncio.to_thread(self._node.gpus.forget_xids))
-        self._apply(self.core.worker_stopped(result))
-
-    async def _before_stopped(self, result: StopResult) -> None:
-        """The old worker is gone: what it left is what the Join after the stop reports."""
-        self.core.worker_gone(result.pids)
-        if self.core.rejoins_after_stop:
-            await self._before_join()
-        elif self.core.relaunches_after_stop:
-            await self._release_worker()
-
-    def _on_progress(self, message: ProgressMessage) -> None:
-        self._apply(self.core.progress(message))
-
-    async def _before_join(self) -> None:
-        """Before a Join that may start a generation: the snapshot steps this node can restore (snapshot_scan.py),
-        the GPU memory of the old worker given back, and a fixed worker port free of the old trainer."""
-        self.core.node_read(restorable=await self._node.snapshots.restorable())
-        await self._release_worker()
-
-    async def _release_worker(self) -> None:
-        """Before the next trainer starts here: the old worker's GPU memory given back, and its port free."""
-        if pids := self.core.gpu_holders:
-            self.core.gpus_released(*await self._node.wait_gpus_released(pids))
-        if (port := self.core.port_to_free) is not None:
-            await self._node.wait_port_free(port)
-
     # ----------------------------------------------------------------------------------- around the job
 
     async def _wind_down(self, code: int) -> None:
@@ -331,9 +256,8 @@ class Agent:
         (the alerts tell a finished job from a dead daemon by it); then the hosted coordinator stops (an etcd
         leader hands the job over), for at most ``node_timeout`` + :data:`CLOSING_SECONDS`: past that, the exit
         goes on."""
-        leaving = self.core.leaving
         host = self._placement.host
-        if leaving is not None and leaving.drained and host is not None:
+        if self.core.serves_after_drain(hosting=host is not None):
             self.hooks.status("drained: hosting the coordinator until the job ends")
             await self._placement.serve_after_drain(self._signalled)
         linger = self.config.metrics.linger

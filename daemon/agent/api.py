@@ -125,9 +125,9 @@ class ListenForProbe:
 
 @dataclass(frozen=True)
 class PrepareStandby:
-    """Build a standby interpreter for launches like this generation's (worker/warm.py)."""
+    """Build a standby interpreter for launches like this assignment's (worker/warm.py)."""
 
-    generation: int
+    assignment: api.Assignment
 
 
 @dataclass(frozen=True)

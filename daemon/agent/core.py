@@ -239,6 +239,15 @@ class AgentCore(WorkerCore):
         finished job from a dead daemon by it."""
         return self.exit_code is ExitCode.FAILED or verdict_hosted
 
+    @property
+    def local_tier_obsolete(self) -> bool:
+        """The job succeeded: nothing will resume from this node's local snapshots, which the shell removes."""
+        return self.exit_code is ExitCode.SUCCEEDED
+
+    def serves_after_drain(self, hosting: bool) -> bool:
+        """A drained node that hosts the coordinator (``hosting``) keeps serving it until the job ends."""
+        return hosting and self.leaving is not None and self.leaving.drained
+
     def refused(self, message: str, exit_code: ExitCode) -> None:
         """The coordinator refused this agent for good (wrong token, another job's settings, a duplicate id)."""
         log.error("%s", message)

@@ -1,19 +1,11 @@
-"""The node check an agent runs before its node joins a generation: at its first Join, and when the coordinator
-asks (a quarantine's cooldown ended, or an operator readmitted the node). A failed check quarantines the node
-with the check's message, so that a bad node shows up as "n2: backup dir ... is not writable", not as a
-generation that dies.
+"""The node check an agent runs before its node joins a generation (its first Join, and when the coordinator asks):
+a failure quarantines the node with the check's message, so a bad node shows as "n2: backup dir ... is not
+writable", not as a generation that dies.
 
-What it checks, each bounded in time:
-
-* the backup directory: it can be created and written (a file written, fsynced and removed), with
-  ``min_free_bytes`` free;
-* the GPUs, with NVML: no new XID since the last check, no uncorrectable ECC error, no retired pages or
-  remapped rows pending (:meth:`GpuCollector.health_problems`);
-* with TensorFlow installed and GPUs present: a small matmul on each visible GPU, in a subprocess
-  (:mod:`tfelastic.daemon.agent.gpu_matmul`), so that a wedged driver costs a timeout, not the agent. Without
-  TensorFlow in the agent's Python nothing is computed on the GPUs, and the check logs so (:meth:`matmul_skipped`).
-
-The coordinator adds the last part from its side: it tries to reach the node's trainer port (server.py).
+Each part bounded in time: the backup directory written, fsynced and removed, with ``min_free_bytes`` free; the GPUs
+through NVML (no new XID, no uncorrectable ECC error, no retirement or remapping pending); with TensorFlow and GPUs,
+a small matmul on each GPU in a subprocess (:mod:`tfelastic.daemon.agent.gpu_matmul`), so a wedged driver costs a
+timeout, not the agent. The coordinator adds a probe of the node's trainer port (server.py).
 """
 
 from __future__ import annotations

@@ -262,9 +262,9 @@ class WorkerCore:
 
     def _standby_due(self) -> list[Action]:
         generation = self._standby.due()
-        if generation is None or self.winding_down or not self._current(generation):
+        if generation is None or self.winding_down or not self._current(generation) or self.assignment is None:
             return []
-        return [PrepareStandby(generation)]
+        return [PrepareStandby(self.assignment)]
 
     def _after_stop(self) -> list[Action]:
         """What follows a stop that is done: a Join, a hang-up, or nothing (the session's side decides)."""

@@ -41,7 +41,7 @@ def one_gpu(*processes: FakeGpuProcess) -> FakeNvml:
 
 def stopped(agent: Agent, *pids: int) -> None:
     """The old worker's processes are all gone: the runner hands its stop's result to the agent."""
-    asyncio.run(agent._before_stopped(StopResult(-9, True, pids)))
+    asyncio.run(agent.worker.before_stopped(StopResult(-9, True, pids)))
 
 
 def wait_sum(agent: Agent) -> float | None:
@@ -57,7 +57,7 @@ def test_memory_given_back_late_is_awaited_before_the_join(tmp_path: Path, caplo
                               FakeGpuProcess(ALSO_DEAD, 2 * GIB, frees_at=started + 0.3),
                               FakeGpuProcess(SOMEONE_ELSES, GIB)]  # another program's: never ours to wait for
     with caplog.at_level(logging.INFO, "tfelastic.agent"):
-        asyncio.run(agent._before_join())
+        asyncio.run(agent.worker.before_join())
     assert time.monotonic() - started >= 0.6
     assert agent.core.gpu_holders == ()
     assert agent.registry.get_sample_value("tfelastic_gpu_release_wait_seconds_count") == 1.0
@@ -72,7 +72,7 @@ def test_memory_never_given_back_fails_the_node_check_that_the_join_carries(
     monkeypatch.setattr(node, "GPU_RELEASE_SECONDS", 0.3)
     agent = make_agent(tmp_path, one_gpu(FakeGpuProcess(DEAD, 8 * GIB)))
     stopped(agent, DEAD)
-    asyncio.run(agent._before_join())
+    asyncio.run(agent.worker.before_join())
     assert agent.core.gpu_holders == (DEAD,)  # awaited again before the next Join
     assert 0.3 <= (wait_sum(agent) or 0) < 5
     [listen] = agent.core.session_opened()
@@ -89,14 +89,14 @@ def test_a_pid_that_runs_again_is_not_the_stopped_worker(tmp_path: Path) -> None
     agent = make_agent(tmp_path, one_gpu(FakeGpuProcess(os.getpid(), GIB)))
     stopped(agent, os.getpid())
     started = time.monotonic()
-    asyncio.run(agent._before_join())
+    asyncio.run(agent.worker.before_join())
     assert time.monotonic() - started < 1 and agent.core.gpu_holders == ()
 
 
 def test_without_a_driver_nothing_is_awaited(tmp_path: Path) -> None:
     agent = make_agent(tmp_path, FakeNvml(1, init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
     stopped(agent, DEAD)
-    asyncio.run(agent._before_join())
+    asyncio.run(agent.worker.before_join())
     assert agent.core.gpu_holders == ()
     assert agent.registry.get_sample_value("tfelastic_gpu_release_wait_seconds_count") == 0.0
 
@@ -106,7 +106,7 @@ def test_a_gpu_that_cannot_list_its_processes_is_not_awaited(tmp_path: Path) -> 
                                                                  "nvmlDeviceGetGraphicsRunningProcesses_v3")
     agent = make_agent(tmp_path, FakeNvml([gpu]))
     stopped(agent, DEAD)
-    asyncio.run(agent._before_join())
+    asyncio.run(agent.worker.before_join())
     assert agent.core.gpu_holders == ()
 
 
@@ -118,7 +118,7 @@ def test_graphics_contexts_count_too_and_only_the_trainers_gpus_are_looked_at(
     stopped(agent, DEAD, ALSO_DEAD)
     started = time.monotonic()  # after the agent is built: a loaded machine builds it slowly
     nvml.gpus[1].graphics_processes = [FakeGpuProcess(ALSO_DEAD, None, frees_at=started + 0.3)]
-    asyncio.run(agent._before_join())
+    asyncio.run(agent.worker.before_join())
     assert 0.25 <= time.monotonic() - started < 5 and agent.core.gpu_holders == ()
 
 
