@@ -1,21 +1,12 @@
-"""systemd integration: sd_notify(3) over ``$NOTIFY_SOCKET``, the watchdog, and journald detection.
+"""systemd integration: sd_notify(3) over ``$NOTIFY_SOCKET``, the watchdog, and journald detection. Plain socket
+code, no libsystemd; every call is a no-op outside systemd.
 
-Plain socket code instead of libsystemd, so that there is no new dependency. Every call is a no-op when the
-agent does not run under systemd (no ``$NOTIFY_SOCKET``), so the same code path runs everywhere.
-
-What the agent tells systemd (``Type=notify`` in systemd/tfelastic@.service):
-
-- ``READY=1`` once the coordinator has taken this agent into the rendezvous (its Join was answered with
-  Waiting or an Assignment). ``systemctl start`` returns only then, so a start that succeeded means the config
-  was valid, the token and the job fingerprint were accepted, and the node is waiting or training.
-- ``STATUS=...`` for what it is doing (``systemctl status`` shows it).
-- ``WATCHDOG=1`` every quarter of ``WatchdogSec=``, but only while the agent's control loop is healthy
-  (:func:`watchdog_loop`). Before READY, the same pings carry ``EXTEND_TIMEOUT_USEC`` so a healthy agent that
-  waits for an unreachable coordinator is not killed by ``TimeoutStartSec=``, while a wedged one is.
-
-The agent does not send ``STOPPING=1`` (:meth:`Notifier.stopping` is here for completeness). On ``systemctl stop``
-systemd knows already. When the agent ends on its own it may still have long work to do (a drained node that
-hosts the coordinator serves it until the job ends), and ``STOPPING=1`` would put that under ``TimeoutStopSec=``.
+What the agent tells systemd (``Type=notify``): ``READY=1`` once the coordinator took its Join (so a successful
+``systemctl start`` means a valid config, an accepted token and job); ``STATUS=`` what it does; ``WATCHDOG=1``
+every quarter of ``WatchdogSec=`` while its control loop is healthy, with ``EXTEND_TIMEOUT_USEC`` before READY
+(a healthy agent waiting for its coordinator outlives ``TimeoutStartSec=``, a wedged one does not). Never
+``STOPPING=1``: an agent that ends on its own may still serve a coordinator until the job ends, which
+``TimeoutStopSec=`` would cut short.
 """
 
 from __future__ import annotations

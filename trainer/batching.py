@@ -1,19 +1,10 @@
-"""Batch sizes and learning rate when the number of replicas changes. Pure: no TensorFlow.
+"""Batch sizes and learning rate when the number of replicas changes (known only at start). Pure: no TensorFlow.
 
-An elastic job may restart with more or fewer workers, so the replica count is only known at start. Two policies:
-
-``KEEP_GLOBAL``
-    The global batch stays as configured; each replica gets ``global / replicas``. The optimisation is the same
-    whatever the world size (same batches, same learning rate), so a run that changed size mid-way follows the
-    same trajectory, up to floating-point summation order. The global batch must be divisible by every replica
-    count the job may run with.
-``KEEP_PER_REPLICA``
-    Each replica keeps its batch (the memory a device needs stays fixed); the global batch is
-    ``per_replica * replicas`` and grows with the world. The learning rate is scaled linearly,
-    ``lr * replicas / reference_replicas`` (the linear scaling rule of Goyal et al., 2017), where
-    ``reference_replicas`` is the replica count that the configured learning rate was tuned for.
-
-:func:`plan_batches` applies a policy; :func:`epoch_steps` turns an epoch position into a step count.
+``KEEP_GLOBAL``: the global batch stays; each replica gets ``global / replicas`` (it must divide every replica count
+the job may run with), so the optimisation is the same whatever the world size. ``KEEP_PER_REPLICA``: each replica
+keeps its batch, the global batch grows with the world, and the learning rate scales linearly,
+``lr * replicas / reference_replicas`` (Goyal et al., 2017). :func:`plan_batches` applies a policy;
+:func:`epoch_steps` turns an epoch position into a step count.
 """
 
 from __future__ import annotations

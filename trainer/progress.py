@@ -1,20 +1,10 @@
-"""Progress reports from a trainer to its local agent: one datagram on a Unix socket per report.
+"""Progress reports from a trainer to its local agent: one datagram on a Unix socket
+(``TFELASTIC_PROGRESS_SOCKET``) per report, at most every 0.1 s. Without the variable every call is a no-op; a send
+never blocks nor raises (a busy or gone agent loses the report, training goes on).
 
-The agent sets ``TFELASTIC_PROGRESS_SOCKET``. Without it (no agent) every call is a no-op. A send never blocks
-and never raises: if the agent is busy or gone, the report is dropped, and training goes on.
-
-Wire format (the agent decodes it with :func:`decode`): a JSON object with ``g`` (generation), ``pid``,
-``step`` and the optional ``examples``, ``loss``, ``ckpt`` (the step of the last checkpoint saved), ``done``
-(training completed: an exit 0 after this is a completion even if the agent was stopping the worker) and ``ph``
-(the :class:`Phase` the trainer enters, when it is not ``train``: the agent's hang detection gives long work its
-own allowance; see :mod:`tfelastic.daemon.worker.stall`); from the fast checkpoint tier, ``st`` (how long the
-last save held training up, in seconds, with ``ckpt``), and once after a restore ``rt`` (the tier it came from:
-``local``, ``shared`` or ``none``) with ``rs`` (the step restored, absent with ``none``).
-
-Reports are at most every 0.1 s, so a trainer that dies between two has made steps its agent never heard of. The
-agent also sets ``TFELASTIC_STEP_FILE``: the reporter writes every step it is given into that 16-byte file (its
-generation and the step, two little-endian int64s, in a shared mapping: a store, no system call), and the agent
-reads it when the trainer ends, so that the steps redone after a restart are counted from the step really reached.
+The wire format is a JSON object (:func:`decode`; docs/instrumentation.md lists its fields). Every step also goes
+into ``TFELASTIC_STEP_FILE``, 16 bytes in a shared mapping (generation and step, little-endian int64s: a store, no
+system call), which the agent reads when the trainer ends, so that steps redone count from the step reached.
 """
 
 from __future__ import annotations

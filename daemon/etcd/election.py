@@ -1,21 +1,11 @@
 """The election of the job's coordinator in etcd, and the leader's writes of the job's state.
 
-Keys, under ``/tfelastic/<job>/``:
-
-- ``leader``: who coordinates and where (JSON: node, address, since, kind), attached to the leader's lease. It
-  exists only while a leader keeps its lease alive (a TTL of 2 s by default), so a dead leader's key is gone
-  one TTL after its last keep-alive, and the candidates watching it race to create it again: a transaction
-  that creates it only if it does not exist, so exactly one wins.
-- ``state``: the job's durable state (rendezvous/durable.py). Every write is a transaction conditioned on the
-  leader key's create revision being the writer's own: that revision is the leader's fencing token, and a
-  deposed leader's writes are refused.
-- ``resigned``: the fencing token of the last leader that resigned, written with the delete of its key. A
-  successor that saw a leader's key go without it knows that leader lost its lease: dead, or cut off.
-- ``coordinators/<name>``: standalone coordinators (head nodes) register here with a lease of their own. While
-  one is registered, agents do not campaign, and an agent that leads steps down: head nodes win over agents.
-
-What etcd sees: the leader's lease keep-alives (one every TTL/3), one write per change of the job's state, and
-watches that cost nothing while nothing changes. Never the heartbeats, which stay on the gRPC sessions.
+Keys under ``/tfelastic/<job>/``: ``leader`` (JSON: node, address, since, kind) on the leader's lease, created
+only if absent, so one candidate wins; ``state``, the durable state (rendezvous/durable.py), each write conditioned
+on the leader key's create revision, the leader's fencing token; ``resigned``, the token of the last leader that
+resigned (a key gone without it means a lost lease); ``coordinators/<name>``, standalone coordinators, which
+agents yield to. etcd sees keep-alives, one write per change of state and idle watches; never the heartbeats.
+docs/design.md describes the failover these keys carry.
 """
 
 from __future__ import annotations

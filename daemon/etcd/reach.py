@@ -1,20 +1,11 @@
-"""The first contact with etcd, before a process starts anything: what a failed connection says about the TLS
-settings, in the words and option names an operator can act on, and when retrying stops.
+"""The first contact with etcd, before anything starts: what a failed connection says about the TLS settings, in
+words and option names an operator can act on, and when retrying stops.
 
-gRPC reports every failed connection as UNAVAILABLE; its details tell the cases apart (each seen against a real
-etcd 3.4, tests/integration/test_etcd_tls.py):
-
-- ``Failed to create security handshaker``: gRPC could not build TLS from the files given (not PEM).
-- ``Tls handshake failed ... CERTIFICATE_VERIFY_FAILED: <why>``: this side refused etcd's certificate.
-- ``Handshake read failed (Socket closed)``: the server hung up on the TLS ClientHello: etcd serves plain text.
-- ``Unwrap failed (TSI_DATA_CORRUPTED)``: etcd refused this side's client certificate (none, expired, or not
-  signed by the CA it trusts): the alert arrives after the handshake, in TLS 1.3.
-- ``Socket closed`` over plain text: the server hung up on plain HTTP/2: etcd wants TLS.
-
-A TLS setting does not fix itself, but a member may be restarting with new certificates: a TLS failure gives up
-once it has lasted :data:`TLS_GIVE_UP_SECONDS` (every member tried several times), anything else once
-``patience`` (the join timeout) is over. The decisions are pure (:class:`FirstContact`, an injected clock);
-:func:`first_contact` runs them.
+gRPC reports every failed connection as UNAVAILABLE; its details tell the cases apart (unreadable PEM, etcd's
+certificate refused, plain-text etcd, this side's certificate refused, etcd wanting TLS: :func:`tls_problem`, each
+seen against a real etcd in tests/integration/test_etcd_tls.py). A TLS failure gives up once it has lasted
+:data:`TLS_GIVE_UP_SECONDS` (a member may be restarting with new certificates), anything else after ``patience``.
+:class:`FirstContact` decides over an injected clock; :func:`first_contact` runs it.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-"""Bounds on what one client can make the coordinator hold or do, so that a misbehaving or hostile client (one
-that has the token, or not) cannot exhaust it. Every limit is listed in docs/configuration.md#limits.
+"""Bounds on what one client can make the coordinator hold or do, so that a misbehaving or hostile client (with
+the token or not) cannot exhaust it; docs/configuration.md#limits lists each.
 
-* gRPC core: message sizes, streams per connection, metadata size, handshake and idle timeouts, ping abuse
-  (:func:`server_options`).
-* :class:`GuardInterceptor`, the outermost interceptor of every RPC:
-  - a request that does not parse is refused with INVALID_ARGUMENT (gRPC would answer INTERNAL or UNKNOWN and
-    log a traceback);
-  - at most :meth:`Limits.max_sessions` Session streams at once (RESOURCE_EXHAUSTED beyond);
-  - a Session must send its first message within ``first_message_seconds``, so idle streams cannot hold the
-    slots;
-  - a token bucket per Session; a session that floods is ended with RESOURCE_EXHAUSTED, and the coordinator
-    treats that like a lost connection;
-  - a token bucket per peer address for unary calls (GetStatus, the operator commands, health checks);
-  - every field of every message is bounded (:func:`tfelastic.daemon.rendezvous.bounds.check_message`).
-
-The buckets run on an injected clock: tests/unit/test_limits.py drives them without sleeping.
+gRPC core limits (:func:`server_options`: sizes, streams, metadata, timeouts, ping abuse), and
+:class:`GuardInterceptor`, outermost on every RPC: an unparsable request is INVALID_ARGUMENT; at most
+:meth:`Limits.max_sessions` Session streams, each sending its first message within ``first_message_seconds``; a
+token bucket per Session (a flood ends it, as a lost connection) and per peer for unary calls; every field bounded
+(:func:`tfelastic.daemon.rendezvous.bounds.check_message`). The buckets run on an injected clock.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """What the coordinator knows of a parameter-server job's tasks, and what it decides from them. Pure logic.
 
-Which failure costs what (TensorFlow's ParameterServerStrategy: docs/parameter-server.md):
-
-- a *worker* task that fails is relaunched alone by its agent, at the same address, and the chief's
-  ClusterCoordinator re-attaches it: the agent reports a replacement, counted as ``worker_replaced``; the job
-  trains on (:meth:`TaskBook.replaced`);
-- a worker's *node* that is lost or leaves leaves its task vacant: the job trains on with fewer workers as long as
-  the others keep at least ``min_nodes`` members and one worker (:meth:`TaskBook.vacate`). A node that joins later
-  takes the vacant task through the planned restart of a scale-up, after the settle delay: TensorFlow's cluster is
-  fixed for the life of its processes, so a new address can only enter with a new generation;
-- the *chief* or a *parameter server* failing, or their node lost, restarts the job, and the chief resumes from its
-  last checkpoint, as in a mirrored job;
-- a planned restart (a node joins, an operator's drain or restart) stops the chief first: it saves on SIGTERM, and
-  its save reads the variables from the parameter servers, so they (and the workers) are told to stop only once
-  the chief's trainer is gone;
-- the job ends with its chief: the parameter servers and workers serve forever, so the chief's exit 0 is the job's
-  success, and every agent stops its task and exits 0.
+Which failure costs what (docs/parameter-server.md has the why): a failed *worker* task is relaunched alone at
+its address and the job trains on (:meth:`TaskBook.replaced`); a worker's lost or leaving *node* leaves its task
+vacant while at least ``min_nodes`` members and one worker remain (:meth:`TaskBook.vacate`), and a node that joins
+later takes it at a scale-up's planned restart; the *chief* or a *parameter server* failing restarts the job from
+the chief's checkpoint; a planned restart stops the chief first (its save reads the parameter servers); the job
+ends with its chief's exit.
 """
 
 from __future__ import annotations

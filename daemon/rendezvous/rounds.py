@@ -1,23 +1,12 @@
 """How the coordinator's generations form, stop and end: the round rules, below the inputs of
-:mod:`~tfelastic.daemon.rendezvous.state`. Plain code over an injected monotonic clock; each method returns the
-orders to send.
+:mod:`~tfelastic.daemon.rendezvous.state`. Plain code over an injected clock; each method returns the orders to send.
 
-Round rules:
-
-* A round closes when ``max_nodes`` have joined; or when every old member that is still connected has joined
-  again after a restart (recovery does not wait for a last call); or ``last_call_seconds`` after
-  ``min_nodes`` joined.
-* A round never closes while an old member has not confirmed that its workers are gone: a stale worker must
-  never meet the next generation (docs/facts.md, fact 4).
-* Ranks: the old members that survive keep their relative order, so a surviving chief stays chief; new nodes
-  follow in the order they joined.
-* Below ``min_nodes`` the round waits, for at most ``join_timeout_seconds``.
-
-Completion: the job succeeds when every member's trainer exits 0. Once the chief (rank 0) has exited 0,
-training is complete: with MultiWorkerMirroredStrategy the last step is collective, and the chief owns the
-checkpoint, which BackupAndRestore deletes on success. A restart then would retrain from scratch, so after the
-chief's success a failure of another member ends the job as SUCCEEDED (the reason says what failed), no
-scale-up starts, and a chief that completes while the set is being stopped completes the job.
+Invariants: a round closes at ``max_nodes``, when every connected old member is back (recovery waits for no last
+call), or ``last_call_seconds`` after ``min_nodes`` joined, and never while an old member has not confirmed its
+workers gone (docs/facts.md, fact 4); below ``min_nodes`` it waits at most ``join_timeout_seconds``. Surviving
+members keep their relative order (a surviving chief stays chief); new nodes follow in the order they joined.
+Once the chief has exited 0, training is complete: a later failure ends the job SUCCEEDED and no scale-up starts
+(docs/design.md, "Completion").
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Hang detection: a trainer that reports no progress for longer than its limit is stalled (TensorFlow notices a
-dead or stopped peer, but not a live process that is stuck: docs/design.md, "Failures").
+dead peer, not a live one that is stuck). Pure: reports and an injected clock in, the verdict out.
 
-Invariants:
-
-* With a fixed limit (``--stall-timeout SECONDS``) every phase gets it, from the first report; ``off`` (0) never
-  stalls.
-* The learned limit (``auto``) is ``factor`` x the longest gap between training reports of the last hour, never
-  below ``floor``; it applies only to trainers that announce their long work (a
-  :class:`~tfelastic.trainer.progress.Phase` other than ``train``), past a worker's first two steps and
-  :data:`WARMUP_GAPS` gaps. Start-up, the first steps, saves and evaluations get ``allowance`` from the report
-  that announced them, and a gap that follows them is not learned. Gaps are kept across generations.
-* A worker of a job whose workers reported before is watched from its launch (a hang in start-up); one that never
-  reported is not watched.
-* Once the trainer reports that training completed, the check pauses until its next report.
-
-Pure: the reports and an injected clock in, the verdict out. docs/instrumentation.md explains the phases.
+Invariants: a fixed limit applies to every phase from the first report (``off`` never stalls); the learned limit
+(``auto``) is ``factor`` x the longest gap between training reports of the last hour, at least ``floor``, for
+trainers that announce their long work (a :class:`~tfelastic.trainer.progress.Phase`), past :data:`WARMUP_GAPS`;
+start-up, saves and evaluations get ``allowance`` and are not learned; a worker of a job that reported before is
+watched from its launch; after "training completed" the check pauses. docs/instrumentation.md has the phases.
 """
 
 from __future__ import annotations

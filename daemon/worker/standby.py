@@ -1,21 +1,13 @@
 """The warm-start standby: a Python interpreter that has imported TensorFlow and waits to become a trainer.
 
-The agent starts it, under the keeper like any worker, as ``PYTHON standby.py`` with the trainer's environment
-less the generation's values, and two pipes in ``TFELASTIC_STANDBY_FD``. It imports TensorFlow (and tf_keras
-when ``TF_USE_LEGACY_KERAS`` is set), which touches no GPU and opens no port, says so on the second pipe (R),
-then blocks on the first. At a launch the agent writes one JSON object, ``{"argv", "env", "cwd"}``, and closes
-the pipe; the standby answers L on the second pipe (the agent starts cold instead if it never does), takes that
-working directory and environment, and runs ``argv`` (``python script.py ARGS`` or
-``python -m module ARGS``) as ``__main__`` the way the interpreter would have: ``__name__``, ``__file__``,
-``sys.argv``, ``sys.path[0]``, the working directory and every environment variable are those of a cold start.
-End of file without a message (the agent retired it, or died) exits 0.
-
-With ``TFELASTIC_STANDBY_NICE`` it imports at that lower CPU priority (a node with cores to spare builds it while
-the trainer starts up), and every thread goes back to the priority it started with before the script runs; when
-that is not allowed it does not take the launch, which then starts cold.
-
-Like the keeper it uses the standard library only: it runs in the trainer's interpreter, where tfelastic need
-not be installed.
+Run by the keeper as ``PYTHON standby.py``, with the trainer's environment less the generation's values and two
+pipes in ``TFELASTIC_STANDBY_FD``: it imports TensorFlow (no GPU touched, no port opened), says R on the second
+pipe, and blocks on the first. A launch writes one JSON object, ``{"argv", "env", "cwd"}``; the standby answers L
+and runs ``argv`` as ``__main__`` exactly as a cold start would (``__name__``, ``__file__``, ``sys.argv``,
+``sys.path[0]``, the working directory, the environment). End of file without a message exits 0.
+``TFELASTIC_STANDBY_NICE``: the import runs at that lower CPU priority, and every thread is back at its own before
+the script runs (when that is not allowed, the launch starts cold). Standard library only: it runs in the
+trainer's interpreter, where tfelastic need not be installed.
 """
 
 import builtins

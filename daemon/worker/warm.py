@@ -1,19 +1,11 @@
 """Warm start: a standby interpreter per worker slot, so that a relaunch skips Python's and TensorFlow's start-up.
 
 A trainer command that runs a Python interpreter with a script or a module and no interpreter options
-(``python train.py ARGS``, ``python3 -m pkg.train ARGS``) can be started warm. The agent keeps a
-:class:`Standby`: the keeper, as for any worker, running ``daemon/worker/standby.py`` in the same interpreter,
-with the trainer's environment less the generation's values (:data:`GENERATION_KEYS`). It has imported
-TensorFlow and waits on a pipe. A launch whose command and environment match hands it ``argv``, the full
-environment and the working directory; it runs the script as ``__main__``. Everything else is the worker's as
-before: its own session, the keeper, PDEATHSIG, the progress channel, output prefixing, exit codes.
-
-A standby is rebuilt when what it was built for changes (the interpreter's file, the command's form, the
-environment, the working directory): see :class:`StandbyKey`. Other commands start cold.
-
-One difference can be seen from outside the trainer: ``/proc/PID/environ`` is the environment a process was
-exec'd with, so for a warm trainer it shows the standby's (the generation's values are set in the process, not
-in that snapshot).
+(``python train.py``, ``python3 -m pkg.train``) starts warm: the agent keeps a :class:`Standby`, the keeper running
+``daemon/worker/standby.py`` with the trainer's environment less :data:`GENERATION_KEYS`, and a matching launch
+hands it ``argv``, the environment and the working directory. Everything else is a cold worker's (session, keeper,
+PDEATHSIG, progress, output, exit codes). A standby is rebuilt when its :class:`StandbyKey` changes. Seen from
+outside: a warm trainer's ``/proc/PID/environ`` is the standby's.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Automatic progress reporting for unmodified Keras scripts: ``model.fit`` gets a ProgressCallback by itself.
 
-The agent puts :data:`SITE_DIR` first on the trainer's ``PYTHONPATH``. Python then runs the ``sitecustomize``
-in it at start-up, which watches for tf_keras's training module and, once it is loaded, hands it to
-:func:`instrument_training_module`. From then on every ``Model.fit`` call appends a
-:class:`~tfelastic.trainer.callbacks.ProgressCallback` unless the call already has one, so ``tfelastic status``
-shows the step and the agent's hang detection works with no change to the script.
-
-What is covered: ``fit`` of tf_keras models (``tf.keras`` under ``TF_USE_LEGACY_KERAS=1``, which the agent
-sets), including subclasses and repeated calls. What is not: custom training loops (a Python hook cannot see
-steps that run inside a ``tf.function``; call :func:`tfelastic.trainer.report` once per step instead), Keras 3
-(it cannot run MultiWorkerMirroredStrategy anyway), a ``CallbackList`` passed as ``callbacks`` (it is
-used as given), and interpreters started with ``-I``, ``-E`` or ``-S``, which ignore ``PYTHONPATH`` or
-``sitecustomize``.
-
-Importing this module does not import TensorFlow: it is imported while tf_keras itself is being imported.
+The agent puts :data:`SITE_DIR` first on the trainer's ``PYTHONPATH``; its ``sitecustomize`` waits for tf_keras's
+training module and hands it to :func:`instrument_training_module`, after which every ``Model.fit`` without a
+:class:`~tfelastic.trainer.callbacks.ProgressCallback` gets one. Covered: ``fit`` of tf_keras models, subclasses,
+repeated calls. Not: custom loops (call :func:`tfelastic.trainer.report`), Keras 3, a ``CallbackList``, and
+interpreters started with ``-I``, ``-E`` or ``-S`` (docs/instrumentation.md). Importing this module does not import
+TensorFlow: it runs while tf_keras is being imported.
 """
 
 from __future__ import annotations
