@@ -398,6 +398,33 @@ def test_a_drain_is_a_leave_that_says_so() -> None:
     assert h.core.leaving is not None and h.core.leaving.drained
 
 
+def test_only_a_drained_node_that_hosts_the_coordinator_keeps_serving_it() -> None:
+    drained = Harness()
+    drained.running()
+    drained.core.received(api.DrainNode("maintenance"))
+    assert drained.core.serves_after_drain(hosting=True)
+    assert not drained.core.serves_after_drain(hosting=False)
+    stopped = Harness()  # SIGTERM leaves too, but it is not a drain: the hosted coordinator goes with the agent
+    stopped.running()
+    stopped.core.signal_received(signal.SIGTERM)
+    assert not stopped.core.serves_after_drain(hosting=True)
+
+
+def test_the_local_tier_is_removed_only_after_the_job_succeeded() -> None:
+    """Nothing resumes from a succeeded job; a failed one, or an agent that only left, may be resumed."""
+    verdicts = {}
+    for state in (api.JobState.SUCCEEDED, api.JobState.FAILED):
+        h = Harness()
+        h.running()
+        h.core.received(api.Finished(state, "over"))
+        verdicts[state] = h.core.local_tier_obsolete
+    left = Harness()
+    left.running()
+    left.core.signal_received(signal.SIGTERM)
+    assert verdicts == {api.JobState.SUCCEEDED: True, api.JobState.FAILED: False}
+    assert not left.core.local_tier_obsolete
+
+
 def test_a_leave_with_no_worker_hangs_up_at_once() -> None:
     h = Harness()
     h.core.session_opened()
