@@ -121,8 +121,10 @@ def fault_free_step_seconds(workers: int, step_seconds: float) -> float:
 def check(etcd_url: str, events_path: Path, final_step: int, step_seconds: float) -> LedgerCheck:
     """The soak's job has ended at ``final_step``: compare its ledger with the outside: the time ``final_step``
     steps take without faults over the time from the first generation's chief start to the job's last end (the
-    trainers' own clocks)."""
-    goodput = report_of(etcd_url)["goodput"]
+    trainers' own clocks). The report is kept beside the events, as report.json."""
+    report = report_of(etcd_url)
+    (events_path.parent / "report.json").write_text(json.dumps(report, indent=1))
+    goodput = report["goodput"]
     events = read_events(events_path)
     first = min(e["time"] for e in events if e["event"] == "start" and e["generation"] == 1)
     last = max(e["time"] for e in events if e["event"] == "end")

@@ -166,8 +166,10 @@ async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, regis
     failed = await host.wait_finished() is JobState.FAILED
     notifier.stopping(f"job {config.job} {'failed' if failed else 'succeeded'}")
     if lingers:  # let Prometheus scrape the verdict: the alerts tell a finished job from a dead daemon by it
-        await host.wait_agents_gone()
-        await first_of(_stop_signalled().wait(), timeout=config.metrics.linger)  # as an elected coordinator does
+        stop = _stop_signalled()  # a stop ends the linger with the job's exit code, as for an elected coordinator
+        await first_of(host.wait_agents_gone(), stop.wait())
+        if not stop.is_set():
+            await first_of(stop.wait(), timeout=config.metrics.linger)
     await host.close()
     return ExitCode.FAILED if failed else ExitCode.SUCCEEDED
 

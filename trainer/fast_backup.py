@@ -111,6 +111,7 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         if model.optimizer is not None and not getattr(model.optimizer, "_built", True):
             model.optimizer.build(model.trainable_variables)  # slots exist before the restore fills them
         self._state = TieredTrainingState(model, self.backup_dir, self._env, *self._keep)
+        self.schedule.copy_floor = self.tier.persist_seconds
         model._training_state = self._state
         self._reporter.report(int(model.optimizer.iterations.numpy()), phase=Phase.SETUP)
         self.restored = self._state.restore()
@@ -134,7 +135,7 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         assert self._state is not None
         self._state._ckpt_saved_batch.assign(batch)
         self._step += self._steps_per_call
-        self.schedule.step_done(time.monotonic(), self.tier.writing, self.tier.copied_beside_step())
+        self.schedule.step_done(time.monotonic(), self.tier.writing, *self.tier.copy_beside_step())
         self._report_sealed()
         if self.schedule.due(self._step):
             self.save()

@@ -110,6 +110,7 @@ class TrainLoop:
         self.checkpoints = TieredCheckpoint(checkpoint, checkpoint_dir,
                                             is_chief=bool(strategy.extended.should_checkpoint), env=self._env,
                                             keep_shared=max(max_to_keep, 2))
+        self.schedule.copy_floor = self.checkpoints.persist_seconds
         self.step = self.epoch = self.examples_done = 0
         self._last_saved: int | None = None
         self._reported_seal: int | None = None
@@ -215,7 +216,7 @@ class TrainLoop:
         self._reporter.reached(self.step)  # the agent reads it if this process dies before the next report
         if self._on_step is not None:
             self._on_step(self.step, loss)
-        self.schedule.step_done(time.monotonic(), self.checkpoints.writing, self.checkpoints.copied_beside_step())
+        self.schedule.step_done(time.monotonic(), self.checkpoints.writing, *self.checkpoints.copy_beside_step())
         self._report_sealed()
         if self.schedule.due(self.step):
             self.save()

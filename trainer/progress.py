@@ -2,7 +2,9 @@
 (``TFELASTIC_PROGRESS_SOCKET``) per report, at most every 0.1 s. Without the variable every call is a no-op; a send
 never blocks nor raises (a busy or gone agent loses the report, training goes on).
 
-The wire format is a JSON object (:func:`decode`; docs/instrumentation.md lists its fields). Every step also goes
+The wire format is a JSON object (:func:`decode`): ``g`` generation, ``pid``, ``step``, and optionally ``examples``,
+``loss``, ``ckpt`` (the last checkpoint's step), ``st`` (its stall), ``done`` (training completed), ``ph`` (a
+:class:`Phase`), ``rt``/``rs`` (the tier and step restored). Every step also goes
 into ``TFELASTIC_STEP_FILE``, 16 bytes in a shared mapping (generation and step, little-endian int64s: a store, no
 system call), which the agent reads when the trainer ends, so that steps redone count from the step reached.
 """

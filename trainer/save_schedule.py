@@ -4,10 +4,10 @@ overhead budget allows. Pure: the clock readings come in as arguments.
 The adaptive interval is ``ceil(cost / (save_budget * step_seconds))`` steps, between 1 and ``maximum``: a
 save's cost is its stall plus its *interference*, what the steps during its background write and the step after
 it took beyond a quiet step (:meth:`SaveSchedule.step_done` sees every step). The chief's copies to the shared
-tier are charged the same way: they come every :attr:`SaveSchedule.copy_seconds`, no more than half the budget
-allows, and the saves get the rest. The first three saves are not measured (they allocate). A save never waits
-for the previous write. The workers adopt the chief's interval (:meth:`SaveSchedule.adopt`). docs/trainer.md
-has the measurements behind the rule.
+tier are charged the same way: they come every :attr:`SaveSchedule.copy_seconds`, as often as half the budget
+allows but at least every ``MAX_COPY_SECONDS``, and the saves get the rest. The first three saves are not
+measured (they allocate). A save never waits for the previous write. The workers adopt the chief's interval
+(:meth:`SaveSchedule.adopt`). docs/trainer.md has the measurements behind the rule.
 """
 
 from __future__ import annotations
@@ -86,19 +86,22 @@ class SaveSchedule:
             self.next_step = step + self.interval
         self._last_save = None
 
-    def step_done(self, now: float, writing: bool, copying: bool = False) -> None:
+    def step_done(self, now: float, writing: bool, copying: bool = False, copy_began: bool = False) -> None:
         """A training step ended at ``now``; ``writing``: a snapshot was being written in the background;
-        ``copying``: one was being copied to the shared tier (a step beside both is charged to the copy)."""
+        ``copying``: a copy to the shared tier ran beside it (a step beside both is charged to the copy);
+        ``copy_began``: a copy began in it (one right after another is a cost of its own, with no quiet step
+        between them to end the first's)."""
         if self._step_ended is not None:
             duration = max(now - self._step_ended, 0.0)
+            if copy_began:
+                self._beside_copy.close(self._quiet_step.value, self._copy_cost if self._measured else None)
             if copying:
                 self._beside_copy.add(duration)
             elif writing or self._just_saved:
                 self._after_save.add(duration)
             else:
-                measured = self._saves > WARMUP_SAVES
-                self._after_save.close(self._quiet_step.value, self._interference if measured else None)
-                self._beside_copy.close(self._quiet_step.value, self._copy_cost if measured else None)
+                self._after_save.close(self._quiet_step.value, self._interference if self._measured else None)
+                self._beside_copy.close(self._quiet_step.value, self._copy_cost if self._measured else None)
                 self._quiet_step.add(duration)
         self._just_saved = False
         self._step_ended = now
@@ -111,7 +114,7 @@ class SaveSchedule:
         how long the latest finished snapshot took to be written in the background (None: none yet). Returns the
         interval this worker proposes next (the caller may have the workers agree, then :meth:`adopt` it)."""
         # The previous save's window ends here even without a quiet step (at an interval of 1 there is none).
-        self._after_save.close(self._quiet_step.value, self._interference if self._saves > WARMUP_SAVES else None)
+        self._after_save.close(self._quiet_step.value, self._interference if self._measured else None)
         self._saves += 1
         if write_seconds is not None and write_seconds != self._last_write:
             self._last_write = write_seconds
@@ -130,6 +133,11 @@ class SaveSchedule:
         """The interval every worker agreed on, after a save at ``step``."""
         self.interval = self.fixed or max(1, min(int(interval), self.maximum))
         self.next_step = step + self.interval
+
+    @property
+    def _measured(self) -> bool:
+        """Whether the work beside the steps is measured yet: not during the warm-up saves."""
+        return self._saves > WARMUP_SAVES
 
     @property
     def mean_stall(self) -> float | None:

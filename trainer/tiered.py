@@ -87,8 +87,8 @@ class TieredCheckpoint:
         # The chief copies its local snapshots to the shared tier (without a local tier, it writes there).
         self._persister = Persister(self.local_store, self.shared_store, keep_shared, persist_seconds) \
             if is_chief and self.local_store else None
-        self._persist_floor = persist_seconds
-        self._copies_seen = 0  # the persister's count of copies begun, at the last copied_beside_step()
+        self.persist_seconds = persist_seconds  # the fewest seconds between two copies, whatever pace_copies says
+        self._copies_seen = 0  # the persister's count of copies begun, at the last copy_beside_step()
         self.sealed_step: int | None = None  # the newest snapshot complete in this worker's write tier
         self._sealed_in_shared: int | None = None
         self.last_write_seconds: float | None = None  # save() to sealed: the latest
@@ -300,17 +300,17 @@ class TieredCheckpoint:
         """How many copies to the shared tier have begun (a copy can begin and end within one step)."""
         return self._persister.copies_begun if self._persister else 0
 
-    def copied_beside_step(self) -> bool:
-        """Whether a copy to the shared tier ran beside the step that just ended: one under way now, or one begun
-        since the last call (call it once per step)."""
+    def copy_beside_step(self) -> tuple[bool, bool]:
+        """Whether a copy to the shared tier ran beside the step that just ended (one under way now, or one begun
+        since the last call), and whether one began in it. Call it once per step."""
         begun = self.copies_begun
-        new_copy, self._copies_seen = begun != self._copies_seen, begun
-        return new_copy or self.copying_step is not None
+        began, self._copies_seen = begun != self._copies_seen, begun
+        return began or self.copying_step is not None, began
 
     def pace_copies(self, seconds: float) -> None:
         """Copies to the shared tier at most every ``seconds``, never more often than ``persist_seconds``."""
         if self._persister:
-            self._persister.interval = max(self._persist_floor, seconds)
+            self._persister.interval = max(self.persist_seconds, seconds)
 
     @property
     def last_save_step(self) -> int | None:
@@ -319,8 +319,8 @@ class TieredCheckpoint:
 
     @property
     def writing(self) -> bool:
-        """Whether a snapshot is being written in the background (the copy to the shared tier aside: it comes
-        at most every ``persist_seconds`` whatever the interval between snapshots)."""
+        """Whether a snapshot is being written in the background (the copy to the shared tier aside: see
+        :meth:`copy_beside_step`)."""
         return self._last_started is not None and self._written_step != self._last_started
 
     def _written(self, step: int) -> None:

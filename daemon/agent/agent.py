@@ -141,7 +141,7 @@ class Agent:
                 self._apply(self.core.session_ended(problem))
             if isinstance(self._placement, EtcdPlacement):
                 self._apply(self.core.etcd_observed(*await self._placement.observe_within(self.core.etcd_patience())))
-            await self.worker.runner.idle()  # a fenced worker is gone before we try again
+            await self.worker.idle()  # a fenced worker is gone before we try again
             verdict = self.core.verdict()
             if verdict is not None:
                 return verdict
@@ -205,7 +205,7 @@ class Agent:
             elif isinstance(action, Launch):
                 self.worker.launch(action.assignment)
             elif isinstance(action, Stop):
-                self.worker.runner.stop(action.reason, planned=action.planned)
+                self.worker.stop(action.reason, planned=action.planned)
             elif isinstance(action, HangUp):
                 if self._session is not None:
                     self._session.hang_up()
@@ -233,7 +233,7 @@ class Agent:
     def control_loop_healthy(self, max_age: float) -> bool:
         """For systemd's watchdog: the control loop turned within ``max_age`` seconds. A worker stop in progress
         (bounded by its grace period) and the planned way out (job over, drain, SIGTERM) count as healthy."""
-        if self.core.winding_down or self.worker.runner.stopping:
+        if self.core.winding_down or self.worker.stopping:
             return True
         return self._clock() - self._ticked_at <= max_age
 

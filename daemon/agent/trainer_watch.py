@@ -48,10 +48,12 @@ class TrainerWatch:
         self.ended: Send | None = None  # how this generation's worker ended, reported again after a failover
         self._generation = 0
         self._pid = 0  # the running trainer's, told again to a new coordinator
+        self._resumed_at: int | None = None  # the step the generation resumed at, until a step past it is reported
 
     def launched(self, generation: int) -> None:
         """A new worker starts: nothing it reports has come in yet."""
         self._generation, self._pid, self.ended = generation, 0, None
+        self._resumed_at = None
         self.stall.reset()
         self.tracker.new_generation()
         self.failures.assigned()
@@ -84,8 +86,10 @@ class TrainerWatch:
         return unread + trainer
 
     def progressed(self, message: ProgressMessage) -> bool:
-        """A report of the running worker's; True when it is the first that counts (where the generation
-        resumed: it goes to the coordinator at once)."""
+        """A report of the running worker's; True when it goes to the coordinator at once: the first that counts
+        (where the generation resumed: what the restart cost) and the first past that step (the end of the
+        start-up, in the coordinator's goodput ledger; at the next heartbeat, half a second of training would be
+        counted as start-up, and a generation shorter than that as no training at all)."""
         first = self.tracker.latest is None
         self.failures.progressed()
         self.stall.progress(message.step, message.phase, training_done=message.done)
@@ -93,7 +97,13 @@ class TrainerWatch:
         if first and before_restore(message):
             return False  # its step (a new process's 0) is neither where it resumed nor steps made
         self.tracker.record(message)
-        return first
+        if first:
+            self._resumed_at = message.step
+            return True
+        if self._resumed_at is not None and message.step > self._resumed_at:
+            self._resumed_at = None
+            return True
+        return False
 
     def exited(self, code: int, output: tuple[str, ...] | list[str]) -> Send:
         """The worker ended by itself: the report of its end."""

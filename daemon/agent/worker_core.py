@@ -162,8 +162,8 @@ class WorkerCore:
         if self.worker.state is not WorkerState.RUNNING:
             return []
         self._standby.progressed(message.generation)
-        # The first report that counts goes out at once: where the generation resumed tells the coordinator what
-        # a restart cost (steps redone or lost), and status shows the new generation training.
+        # The first report that counts goes out at once (where the generation resumed: what a restart cost), and
+        # the first past it (the end of the start-up in the goodput ledger); the rest ride on heartbeats.
         first = [self.trainer.report(api.WorkerStatus.RUNNING, pid=message.pid)] \
             if self.trainer.progressed(message) else []
         return first + self._standby_due()

@@ -48,7 +48,7 @@ class WorkerShell:
 
     async def close(self) -> None:
         """Once the last stop is done: the standby and the listener go too."""
-        await self.runner.idle()
+        await self.idle()
         await self.runner.close()
         if self._listener is not None:
             self._listener.close()
@@ -56,6 +56,17 @@ class WorkerShell:
     @property
     def live_pid(self) -> int | None:
         return self.runner.live_pid
+
+    @property
+    def stopping(self) -> bool:
+        return self.runner.stopping
+
+    async def idle(self) -> None:
+        """Until no stop is under way (a fenced worker is gone)."""
+        await self.runner.idle()
+
+    def stop(self, reason: str, *, planned: bool) -> None:
+        self.runner.stop(reason, planned=planned)
 
     def launch(self, assignment: api.Assignment) -> None:
         assert self._listener is not None

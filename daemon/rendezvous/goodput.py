@@ -93,6 +93,9 @@ class GoodputLedger:
         self.furthest_step = -1  # the furthest step the job reached
         self.steps_redone = 0  # every generation's, the lines dropped from the timeline too
         self._last: ChiefReport | None = None  # the chief's last report of this generation
+        # After a failure: from when detection was counted (the report the decision followed), that report, and the
+        # decision's time; a later report of the chief's read before the fault moves time back to training.
+        self._undated: tuple[float, ChiefReport, float] | None = None
         self._exported: dict[str, Any] = self._export_now(0.0)  # as the last change of activity left it
 
     # ------------------------------------------------------------------------------------------------ events
@@ -132,16 +135,31 @@ class GoodputLedger:
         self.furthest_step = max(self.furthest_step, report.step)
         self._open("training", now)
 
-    def reached(self, step: int) -> None:
-        """The chief's last step before its generation stopped, reported after the restart decision."""
-        self.furthest_step = max(self.furthest_step, step)
+    def reached(self, report: ChiefReport) -> None:
+        """The chief's last report before its generation stopped, arriving after the restart decision: its step
+        (its step mark) is the furthest reached; after a failure, the time up to when its agent read it (before the
+        fault) was the chief's steps, not ``detection``."""
+        undated, self._undated = self._undated, None
+        if undated is not None and report.at is not None and report.step > undated[1].step:
+            since, last, decided = undated
+            elapsed = min(report.at, decided) - since
+            if elapsed > 0:
+                for category, seconds in self._shares(last, report, elapsed).items():
+                    self._add("detection", -seconds)
+                    self._add(category, seconds)
+                self._exported = self._export_now(0.0)
+        self.furthest_step = max(self.furthest_step, report.step)
 
     def restarting(self, reason: str, planned: bool) -> None:
         """The coordinator decided to restart: the time since the chief's last report is ``detection`` after a
-        failure (the fault came after that report), the last activity's after a planned restart."""
+        failure (the fault came after that report; :meth:`reached` may date it later), the last activity's after a
+        planned restart."""
         if self._activity is None:
             return
+        since, last = self._since, self._last
         now = self._close(detection=not planned)
+        dated = not planned and self._activity == "training" and last is not None
+        self._undated = (since, last, now) if dated and last is not None else None
         self.lines[-1].ended = reason
         self._open("stopping", now)
 
@@ -203,24 +221,27 @@ class GoodputLedger:
         return now
 
     def _split(self, report: ChiefReport, now: float) -> None:
-        last = self._last
-        assert last is not None
-        elapsed = max(0.0, now - self._since)
+        assert self._last is not None
+        for category, seconds in self._shares(self._last, report, max(0.0, now - self._since)).items():
+            self._add(category, seconds)
+
+    def _shares(self, last: ChiefReport, report: ChiefReport, elapsed: float) -> dict[str, float]:
+        """Where ``elapsed`` seconds between two reports went: the trainer's saves and phases, then the rest by
+        steps, past the furthest step (training) or below it (redone)."""
         saves = min(elapsed, max(0.0, report.save_seconds - last.save_seconds))
         other = min(elapsed - saves, max(0.0, report.other_seconds - last.other_seconds))
-        self._add("checkpoint", saves)
-        self._add("other", other)
         rest = elapsed - saves - other
         steps = report.step - last.step
         if steps <= 0:
-            self._add("redone" if last.step < self.furthest_step else "training", rest)
-            return
+            return {"checkpoint": saves, "other": other,
+                    "redone" if last.step < self.furthest_step else "training": rest}
         redone = min(steps, max(0, self.furthest_step - last.step))
-        self._add("redone", rest * redone / steps)
-        self._add("training", rest * (steps - redone) / steps)
+        return {"checkpoint": saves, "other": other, "redone": rest * redone / steps,
+                "training": rest * (steps - redone) / steps}
 
     def _add(self, category: str, seconds: float) -> None:
-        if seconds <= 0:
+        """Adds ``seconds`` (a negative number takes them back) to the totals and the last line."""
+        if seconds == 0:
             return
         self.totals[category] += seconds
         if self.lines:

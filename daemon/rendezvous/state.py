@@ -180,7 +180,8 @@ class Rendezvous(RoundKeeper):
             # Its last steps before the stop: the furthest step the next generation's redone steps count from.
             self.restarts.resumes.reached(progress.step, progress.checkpoint_step)
             if self._ranks[node_id] == 0:
-                self.goodput.reached(progress.step)
+                self.goodput.reached(ChiefReport(progress.step, progress.save_seconds, progress.other_seconds,
+                                                 progress.reported_at))
             return
         node = self._member_of(node_id, generation)
         if node is not None:

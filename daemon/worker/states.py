@@ -24,12 +24,13 @@ class WorkerState(enum.Enum):
     ``RUNNING -> FAILED``      the trainer exited non-zero
     ``RUNNING -> STOPPING``    the coordinator ordered a stop (a failure elsewhere, a stall reported by this
                                agent, a scale-up), or the agent is shutting down, or it lost the coordinator
+                               (fencing)
     ``FAILED -> STOPPING``     clean up whatever the failed trainer left behind
     ``SUCCEEDED -> STOPPING``  the same, after a trainer that exited 0
     ``STOPPING -> STOPPED``    SIGTERM, grace, SIGKILL: every process of the worker is confirmed gone
     ``STOPPED -> WAITING``     the agent joins the next round (the Join confirms the old worker is gone)
     ``STOPPED -> RUNNING``     a parameter-server job's failed worker task is relaunched alone, with the same
-                               assignment (agent/replacements.py)
+                               assignment (agent/replacements.py); the chief and the parameter servers run on
 
     A stalled trainer stays RUNNING until the coordinator's stop order: the agent only reports the stall.
     """

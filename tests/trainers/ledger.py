@@ -27,8 +27,9 @@ line per start and end).
 Progress: a report per step, announcing start-up, the step it restored and saves as the library's trainers do (so
 that an agent with the default hang detection learns the step times: docs/configuration.md). Each rank keeps the
 furthest step it applied in LEDGER_EVENTS.reached-<generation>-<rank> (rewritten in place every step), so that a
-soak can count the steps redone after each restart itself, and appends 'STEP SECONDS' at each step's end (its save
-included) to LEDGER_EVENTS.times-<generation>-<rank>, the seconds it spent on each step by its own clock.
+soak can count the steps redone after each restart itself, and appends 'STEP TIME' at each step's end (its save
+included; TIME on the monotonic clock) to LEDGER_EVENTS.times-<generation>-<rank>: the differences are the seconds
+it spent on each step by its own clock.
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def main() -> int:
             event("saved", step=step)
         reporter.report(step, examples=step, loss=1.0 / step, checkpoint_step=step if saving else None)
         if times >= 0:  # unbuffered: a SIGKILL loses no step that ended
-            os.write(times, f"{step} {time.time():.6f}\n".encode())
+            os.write(times, f"{step} {time.monotonic():.6f}\n".encode())
         if stopping:
             event("checkpointed", step=step)
             return CHECKPOINTED_AND_STOPPED

@@ -454,6 +454,7 @@ def test_heartbeats_carry_the_latest_progress_once() -> None:
     h.running()
     h.core.tick()  # the first heartbeat
     h.core.progress(ProgressMessage(1, 4001, step=6))  # the first report goes out at once
+    h.core.progress(ProgressMessage(1, 4001, step=7))  # and the first past it, the end of the start-up
     h.core.progress(ProgressMessage(1, 4001, step=7, examples=224, loss=0.5, checkpoint_step=5))
     h.clock.now += HEARTBEAT
     h.core.received(api.Heartbeat())
@@ -537,7 +538,8 @@ def test_the_first_progress_of_a_generation_is_reported_at_once() -> None:
     h.running()
     [report] = reports(h.core.progress(ProgressMessage(1, 4001, step=100)))
     assert report.progress is not None and report.progress.step == 100
-    assert h.core.progress(ProgressMessage(1, 4001, step=101)) == []  # the rest ride on heartbeats
+    assert reports(h.core.progress(ProgressMessage(1, 4001, step=101)))  # the first step past it: start-up ended
+    assert h.core.progress(ProgressMessage(1, 4001, step=102)) == []  # the rest ride on heartbeats
 
 
 # ------------------------------------------------------------------------------ with etcd: failover, not fencing
@@ -734,6 +736,19 @@ def test_a_start_up_report_before_the_restore_is_not_where_the_generation_resume
     assert h.metric("tfelastic_training_steps_total") == 4.0
 
 
+def test_the_first_report_past_the_resume_step_goes_out_at_once_and_the_next_at_the_heartbeat() -> None:
+    """It ends the generation's start-up in the coordinator's goodput ledger: half a heartbeat later, those
+    seconds of training would count as start-up (and a generation shorter than that would show no training)."""
+    h = Harness()
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=0, phase=Phase.SETUP))
+    assert [r.progress.step for r in reports(h.core.progress(ProgressMessage(  # type: ignore[union-attr]
+        1, 4001, step=60, phase=Phase.SETUP, restored_step=60, restored_tier="local")))] == [60]
+    assert h.core.progress(ProgressMessage(1, 4001, step=60)) == []  # not past it yet
+    assert [r.progress.step for r in reports(h.core.progress(ProgressMessage(1, 4001, step=61)))] == [61]  # type: ignore[union-attr]
+    assert reports(h.core.progress(ProgressMessage(1, 4001, step=62))) == []  # the heartbeat carries it
+
+
 def test_a_trainer_that_announces_no_restore_resumes_at_its_first_training_report() -> None:
     h = Harness()
     h.running()
@@ -892,6 +907,7 @@ def test_a_stop_order_sends_the_progress_the_coordinator_has_not_seen_first() ->
     h = Harness()
     h.running()
     h.core.progress(ProgressMessage(1, 4001, step=10))  # the first report goes out at once
+    h.core.progress(ProgressMessage(1, 4001, step=11))  # and the first past it
     h.core.progress(ProgressMessage(1, 4001, step=17))  # waits for the next heartbeat
     actions = h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
     [report] = reports(actions)

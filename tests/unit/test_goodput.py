@@ -97,6 +97,36 @@ def test_a_failure_costs_detection_stopping_waiting_startup_and_the_redone_steps
     assert (second.restored_step, second.steps_redone, second.startup_seconds) == (60, 40, 3.0)
 
 
+def test_the_chiefs_last_report_read_before_the_fault_dates_it() -> None:
+    """Its agent forwards reports at its heartbeats: the decision followed a report 0.4 s older than the last one
+    it had read. That report, sent after the decision, moves those 0.4 s from detection back to training."""
+    book, clock = ledger()
+    book.formed(1, ["a"])
+    started(book, 0)
+    clock.now += 10.0
+    book.reported(ChiefReport(100))
+    clock.now += 2.0  # the fault came 0.4 s after that report; its verdict 1.6 s later
+    book.restarting("worker_exit: b: exit 1", planned=False)
+    clock.now += 0.1
+    book.reached(ChiefReport(108, at=clock.now - 1.7))  # read 0.4 s after the report of step 100
+    assert totals(book) == {"training": 10.4, "detection": 1.6, "stopping": 0.1}
+    assert book.furthest_step == 108
+    assert book.lines[-1].seconds["detection"] == pytest.approx(1.6)
+
+
+def test_a_planned_restart_or_a_report_without_new_steps_moves_nothing() -> None:
+    for planned, step in ((True, 108), (False, 100)):
+        book, clock = ledger()
+        book.formed(1, ["a"])
+        started(book, 0)
+        clock.now += 10.0
+        book.reported(ChiefReport(100))
+        clock.now += 2.0
+        book.restarting("r", planned=planned)
+        book.reached(ChiefReport(step, at=clock.now - 1.0))
+        assert totals(book) == ({"training": 12.0} if planned else {"training": 10.0, "detection": 2.0})
+
+
 def test_a_report_that_crosses_the_furthest_step_is_split_by_steps() -> None:
     book, clock = ledger()
     trained_then_failed(book, clock, 100)
@@ -180,7 +210,7 @@ def test_a_successor_continues_the_ledger_and_its_open_interval() -> None:
     assert successor.lines[0].members == ("a", "b") and successor.lines[0].restored_step == 0
 
 
-EVENTS = st.lists(st.tuples(st.sampled_from(["formed", "report", "restart", "planned", "stopped", "finished"]),
+EVENTS = st.lists(st.tuples(st.sampled_from(["formed", "report", "restart", "planned", "late", "stopped", "finished"]),
                             st.floats(0.0, 50.0), st.integers(0, 500), st.floats(0.0, 3.0)), max_size=40)
 
 
@@ -203,6 +233,8 @@ def test_the_categories_always_add_up_to_the_wall_time(events: list[tuple[str, f
             book.reported(ChiefReport(step, save_seconds=save, other_seconds=saved / 2))
         elif kind in ("restart", "planned"):
             book.restarting("r", planned=kind == "planned")
+        elif kind == "late":  # the chief's last report, read ``saved`` seconds ago, after the decision
+            book.reached(ChiefReport(step, save_seconds=save, at=clock.now - saved))
         elif kind == "stopped":
             book.stopped()
         elif kind == "finished" and started is not None and ended is None:

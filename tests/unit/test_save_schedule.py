@@ -159,7 +159,7 @@ def train_with_copies(schedule: SaveSchedule, copy_steps: int, slowdown: float, 
     for step in range(1, steps):
         copying = step <= copying_until
         now += 0.5 + (slowdown if copying else 0.0)
-        schedule.step_done(now, writing=False, copying=copying)
+        schedule.step_done(now, writing=False, copying=copying, copy_began=step == copying_until - copy_steps + 1)
         if schedule.due(step):
             schedule.adopt(step, schedule.saved(step, stall=stall, began=now))
             now += stall
@@ -196,3 +196,23 @@ def test_copies_come_at_least_every_max_copy_seconds_however_dear() -> None:
     assert schedule.mean_copy_cost == pytest.approx(5.0)
     assert schedule.copy_seconds == MAX_COPY_SECONDS
     assert schedule.interval == 40  # the saves keep half the budget
+
+
+def test_copies_back_to_back_are_charged_each_though_no_quiet_step_ends_them() -> None:
+    """Copies to slow storage, 80 steps of 0.5 s each 0.1 s slower (8 s a copy, 48 s long), where the pace allows
+    one every 30 s: the next begins as soon as one ends. Its beginning ends the last one's window."""
+    schedule = SaveSchedule()
+    schedule.start(0)
+    now, copy_ends, last_began = 0.0, -1, -1e9
+    for step in range(1, 1000):
+        began = step > 50 and step > copy_ends and now - last_began >= schedule.copy_seconds
+        if began:
+            last_began, copy_ends = now, step + 79
+        copying = step <= copy_ends
+        now += 0.6 if copying else 0.5
+        schedule.step_done(now, writing=False, copying=copying, copy_began=began)
+        if schedule.due(step):
+            schedule.adopt(step, schedule.saved(step, stall=0.01, began=now))
+            now += 0.01
+    assert schedule.mean_copy_cost == pytest.approx(8.0)
+    assert schedule.copy_seconds == MAX_COPY_SECONDS  # 1600 s at half of 1 %: capped
