@@ -229,3 +229,19 @@ def alive(pid: int) -> bool:
 
 def kill(pid: int, sig: int = signal.SIGKILL) -> None:
     os.kill(pid, sig)
+
+
+def fail_the_job_under(cluster: Cluster, coordinator_log: Path) -> list[float]:
+    """Agents a and b join a standalone coordinator that logs its /metrics address to ``coordinator_log``; rank 1's
+    worker is SIGKILLed (with max_restarts 0 the job fails) and both agents exit 1. Returns what the coordinator's
+    /metrics then shows, every agent gone, for tfelastic_cluster_job_state{state="failed"}."""
+    address = wait_for(lambda: re.search(r"metrics on http://(\S+)/metrics", coordinator_log.read_text()), 20,
+                       "the coordinator's metrics address").group(1)
+    cluster.start("a")
+    cluster.start("b")
+    doc = cluster.wait_running(1, 2, step=5)
+    kill(members(doc)[1]["worker_pid"])
+    assert cluster.wait_all(60) == [1, 1], cluster.logs()
+    _, samples = scrape(f"http://{address}/metrics")
+    return [value for (name, labels), value in samples.items()
+            if name == "tfelastic_cluster_job_state" and ("state", "failed") in labels]

@@ -18,9 +18,9 @@ from tests.cluster import (
     FORM_WITH_ALL,
     alive,
     assert_no_stale_workers,
+    fail_the_job_under,
     kill,
     members,
-    scrape,
     trainer_pids,
     wait_for,
 )
@@ -279,16 +279,7 @@ def test_a_standalone_coordinator_lingers_with_a_failed_verdict_until_a_stop_sig
                                         str(cluster.endpoint), "--metrics-port", "0", "--metrics-linger", "60"],
                                        stdout=log, stderr=subprocess.STDOUT)
     try:
-        address = wait_for(lambda: re.search(r"metrics on http://(\S+)/metrics", log_path.read_text()), 20,
-                           "the coordinator's metrics address").group(1)
-        cluster.start("a")
-        cluster.start("b")
-        doc = cluster.wait_running(1, 2, step=5)
-        kill(members(doc)[1]["worker_pid"])  # with max_restarts 0, one failure fails the job
-        assert cluster.wait_all(60) == [1, 1], cluster.logs()
-        _, samples = scrape(f"http://{address}/metrics")  # every agent is gone: the coordinator still answers
-        assert [value for (name, labels), value in samples.items()
-                if name == "tfelastic_cluster_job_state" and ("state", "failed") in labels] == [1.0], samples
+        assert fail_the_job_under(cluster, log_path) == [1.0]  # every agent is gone: the coordinator still answers
         assert coordinator.poll() is None
         coordinator.send_signal(signal.SIGTERM)
         assert coordinator.wait(30) == 1, log_path.read_text()[-3000:]

@@ -4,7 +4,6 @@ real agents with the counter trainer, a standalone head-node coordinator where a
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from tests.cluster import (
     FORM_WITH_ALL,
     Cluster,
     assert_no_stale_workers,
-    kill,
+    fail_the_job_under,
     members,
     scrape,
     wait_for,
@@ -128,17 +127,7 @@ def test_a_head_node_coordinator_keeps_a_failed_jobs_verdict_on_metrics_for_the_
     try:
         wait_for(lambda: (leader := leader_of(etcd.url)) is not None and leader.node == "head-1", 30,
                  "the head node to lead")
-        address = wait_for(lambda: re.search(r"metrics on http://(\S+)/metrics", log.read_text()), 20,
-                           "the coordinator's metrics address").group(1)
-        cluster.start("a")
-        cluster.start("b")
-        doc = cluster.wait_running(1, 2, step=5)
-        kill(members(doc)[1]["worker_pid"])  # with max_restarts 0, one failure fails the job
-        assert cluster.wait_all(60) == [1, 1], cluster.logs()
-        _, samples = scrape(f"http://{address}/metrics")  # every agent is gone: the coordinator still answers
-        failed = [value for (name, labels), value in samples.items()
-                  if name == "tfelastic_cluster_job_state" and ("state", "failed") in labels]
-        assert failed == [1.0], samples
+        assert fail_the_job_under(cluster, log) == [1.0]  # every agent is gone: the coordinator still answers
         assert coordinator.poll() is None
         coordinator.send_signal(signal.SIGTERM)  # ends the linger, as systemd's stop would
         assert coordinator.wait(30) == 1, log.read_text()[-3000:]

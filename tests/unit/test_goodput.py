@@ -26,6 +26,14 @@ def started(book: GoodputLedger, step: int) -> None:
     book.reported(ChiefReport(step + 1))
 
 
+def trained(book: GoodputLedger, clock: FakeClock, seconds: float, step: int) -> None:
+    """Generation 1 of one node formed, started at once, and trained ``seconds`` to ``step``."""
+    book.formed(1, ["a"])
+    started(book, 0)
+    clock.now += seconds
+    book.reported(ChiefReport(step))
+
+
 def trained_then_failed(book: GoodputLedger, clock: FakeClock, furthest: int) -> None:
     """Generation 1 of one node trained 10 s to ``furthest``, failed at once, and generation 2 formed."""
     book.formed(1, ["a"])
@@ -101,10 +109,7 @@ def test_the_chiefs_last_report_read_before_the_fault_dates_it() -> None:
     """Its agent forwards reports at its heartbeats: the decision followed a report 0.4 s older than the last one
     it had read. That report, sent after the decision, moves those 0.4 s from detection back to training."""
     book, clock = ledger()
-    book.formed(1, ["a"])
-    started(book, 0)
-    clock.now += 10.0
-    book.reported(ChiefReport(100))
+    trained(book, clock, 10.0, 100)
     clock.now += 2.0  # the fault came 0.4 s after that report; its verdict 1.6 s later
     book.restarting("worker_exit: b: exit 1", planned=False)
     clock.now += 0.1
@@ -117,10 +122,7 @@ def test_the_chiefs_last_report_read_before_the_fault_dates_it() -> None:
 def test_a_planned_restart_or_a_report_without_new_steps_moves_nothing() -> None:
     for planned, step in ((True, 108), (False, 100)):
         book, clock = ledger()
-        book.formed(1, ["a"])
-        started(book, 0)
-        clock.now += 10.0
-        book.reported(ChiefReport(100))
+        trained(book, clock, 10.0, 100)
         clock.now += 2.0
         book.restarting("r", planned=planned)
         book.reached(ChiefReport(step, at=clock.now - 1.0))
@@ -147,10 +149,7 @@ def test_checkpoint_stalls_and_evaluation_are_their_own() -> None:
 
 def test_a_planned_restart_is_not_detection() -> None:
     book, clock = ledger()
-    book.formed(1, ["a"])
-    started(book, 0)
-    clock.now += 5.0
-    book.reported(ChiefReport(50))
+    trained(book, clock, 5.0, 50)
     clock.now += 1.0
     book.restarting("scale_up: 1 node(s) waiting to join", planned=True)
     clock.now += 2.0  # the trainers checkpoint and stop
