@@ -55,7 +55,7 @@ def fresh_step_seconds(starts: list[tuple[int, int]], times: Callable[[int], Pat
     """The seconds the chiefs spent on new steps, by their own clock: each step past the furthest step an earlier
     chief reached, from the previous step's end to its own. A generation's first step has no previous end in it
     (it follows the restore, traces and compiles): start-up, as in the ledger. ``times(generation)``: the file of
-    'STEP SECONDS' lines its chief wrote at each step's end."""
+    'STEP TIME' lines its chief wrote at each step's end (differences only: any clock)."""
     furthest, fresh = -1, 0.0
     for generation, start in sorted(starts):
         path = times(generation)

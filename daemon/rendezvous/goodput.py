@@ -102,6 +102,7 @@ class GoodputLedger:
 
     def formed(self, generation: int, members: Iterable[str]) -> None:
         now = self._close()
+        self._undated = None  # a late report of the last generation's chief would land in this one's line
         members = tuple(members)
         self.lines.append(GenerationLine(generation, now, len(members), members[:MEMBERS_LISTED]))
         self._open("startup", now)
@@ -139,16 +140,17 @@ class GoodputLedger:
         """The chief's last report before its generation stopped, arriving after the restart decision: its step
         (its step mark) is the furthest reached; after a failure, the time up to when its agent read it (before the
         fault) was the chief's steps, not ``detection``."""
-        undated, self._undated = self._undated, None
+        undated = self._undated
         if undated is not None and report.at is not None and report.step > undated[1].step:
             since, last, decided = undated
-            elapsed = min(report.at, decided) - since
-            if elapsed > 0:
-                for category, seconds in self._shares(last, report, elapsed).items():
-                    self._add("detection", -seconds)
+            until = min(report.at, decided)
+            if until > since:
+                self._add("detection", -(until - since))  # at once: never below zero by a rounding of the shares
+                for category, seconds in self._shares(last, report, until - since).items():
                     self._add(category, seconds)
-                self._exported = self._export_now(0.0)
+                self._undated = (until, report, decided)  # a later reading dates the rest
         self.furthest_step = max(self.furthest_step, report.step)
+        self._exported = self._export_now(0.0)
 
     def restarting(self, reason: str, planned: bool) -> None:
         """The coordinator decided to restart: the time since the chief's last report is ``detection`` after a
@@ -157,8 +159,8 @@ class GoodputLedger:
         if self._activity is None:
             return
         since, last = self._since, self._last
+        dated = not planned and self._activity == "training"
         now = self._close(detection=not planned)
-        dated = not planned and self._activity == "training" and last is not None
         self._undated = (since, last, now) if dated and last is not None else None
         self.lines[-1].ended = reason
         self._open("stopping", now)
@@ -169,6 +171,7 @@ class GoodputLedger:
             self._open("waiting", self._close())
 
     def finished(self, why: str) -> None:
+        self._undated = None
         if self._activity is None:
             return
         now = self._close()
@@ -274,6 +277,7 @@ class GoodputLedger:
         self._since = min(float(doc["since"]) - wall_offset, self._clock())
         self.furthest_step = int(doc["furthest_step"])
         self.steps_redone = int(doc.get("steps_redone", 0))
+        self._undated = None  # not exported: a successor leaves a restart's detection as its predecessor counted it
         last = doc["last"]
         self._last = None if last is None else ChiefReport(int(last[0]), float(last[1]), float(last[2]))
         self._exported = self._export_now(0.0)

@@ -119,6 +119,20 @@ def test_the_chiefs_last_report_read_before_the_fault_dates_it() -> None:
     assert book.lines[-1].seconds["detection"] == pytest.approx(1.6)
 
 
+def test_a_second_late_report_dates_the_rest_and_a_new_generation_takes_none() -> None:
+    book, clock = ledger()
+    trained(book, clock, 10.0, 100)
+    clock.now += 2.0
+    book.restarting("worker_exit: b: exit 1", planned=False)
+    book.reached(ChiefReport(104, at=clock.now - 1.8))  # a heartbeat in flight: 0.2 s
+    book.reached(ChiefReport(108, at=clock.now - 1.6))  # the report sent with the stop: 0.2 s more
+    assert totals(book) == {"training": 10.4, "detection": 1.6}
+    book.stopped()
+    book.formed(2, ["a"])
+    book.reached(ChiefReport(120, at=clock.now))  # too late for generation 1; nothing for generation 2
+    assert totals(book) == {"training": 10.4, "detection": 1.6} and book.furthest_step == 120
+
+
 def test_a_planned_restart_or_a_report_without_new_steps_moves_nothing() -> None:
     for planned, step in ((True, 108), (False, 100)):
         book, clock = ledger()
@@ -243,6 +257,7 @@ def test_the_categories_always_add_up_to_the_wall_time(events: list[tuple[str, f
     assert sum(book.now_totals().values()) == pytest.approx(wall, abs=1e-6)
     assert sum(sum(line.seconds.values()) for line in book.lines_now()) == pytest.approx(wall, abs=1e-6)
     assert all(v >= 0 for v in book.now_totals().values())
+    assert all(v >= 0 for line in book.lines_now() for v in line.seconds.values())
 
 
 # --------------------------------------------------------------------------------- in the coordinator
