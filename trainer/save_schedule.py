@@ -94,14 +94,14 @@ class SaveSchedule:
         if self._step_ended is not None:
             duration = max(now - self._step_ended, 0.0)
             if copy_began:
-                self._beside_copy.close(self._quiet_step.value, self._copy_cost if self._measured else None)
+                self._charge(self._beside_copy, self._copy_cost)
             if copying:
                 self._beside_copy.add(duration)
             elif writing or self._just_saved:
                 self._after_save.add(duration)
             else:
-                self._after_save.close(self._quiet_step.value, self._interference if self._measured else None)
-                self._beside_copy.close(self._quiet_step.value, self._copy_cost if self._measured else None)
+                self._charge(self._after_save, self._interference)
+                self._charge(self._beside_copy, self._copy_cost)
                 self._quiet_step.add(duration)
         self._just_saved = False
         self._step_ended = now
@@ -114,7 +114,7 @@ class SaveSchedule:
         how long the latest finished snapshot took to be written in the background (None: none yet). Returns the
         interval this worker proposes next (the caller may have the workers agree, then :meth:`adopt` it)."""
         # The previous save's window ends here even without a quiet step (at an interval of 1 there is none).
-        self._after_save.close(self._quiet_step.value, self._interference if self._measured else None)
+        self._charge(self._after_save, self._interference)
         self._saves += 1
         if write_seconds is not None and write_seconds != self._last_write:
             self._last_write = write_seconds
@@ -133,6 +133,10 @@ class SaveSchedule:
         """The interval every worker agreed on, after a save at ``step``."""
         self.interval = self.fixed or max(1, min(int(interval), self.maximum))
         self.next_step = step + self.interval
+
+    def _charge(self, window: _Window, into: _Average) -> None:
+        """Closes ``window``, charging ``into`` once the quiet steps are measured."""
+        window.close(self._quiet_step.value, into if self._measured else None)
 
     @property
     def _measured(self) -> bool:
