@@ -32,6 +32,7 @@ class ProgressTracker:
         self._sent: ProgressMessage | None = None
         self.done = False  # the trainer reported that training completed
         self._phases = PhaseClock(clock)
+        self._done_step: int | None = None  # the step it reported its training done at, while it trains no further
 
     def new_generation(self) -> None:
         """A new worker starts: nothing it reports has come in yet."""
@@ -40,6 +41,7 @@ class ProgressTracker:
         self._checkpoint_at = None  # until it reports one: the last one may have been another generation's
         self.done = False
         self._phases = PhaseClock(self._clock)
+        self._done_step = None
 
     @property
     def latest(self) -> ProgressMessage | None:
@@ -47,8 +49,13 @@ class ProgressTracker:
 
     def phase(self, message: ProgressMessage) -> None:
         """Every report of the current generation, the ones before its restore too: the time its saves and
-        evaluations took (the goodput ledger's checkpoint and other)."""
+        evaluations took (the goodput ledger's checkpoint and other), and whether its training is done (a second
+        ``fit`` that trains on ends that)."""
         self._phases.report(message)
+        if message.done:
+            self._done_step = message.step
+        elif self._done_step is not None and message.step > self._done_step:
+            self._done_step = None
 
     def record(self, message: ProgressMessage) -> None:
         now = self._clock()
@@ -83,7 +90,7 @@ class ProgressTracker:
             checkpoint_step=latest.checkpoint_step if latest.checkpoint_step is not None else -1,
             reported_at=self._latest_at, steps_per_second=self.steps_per_second(),
             checkpoint_at=self._checkpoint_at, save_seconds=self._phases.save_seconds,
-            other_seconds=self._phases.other_seconds)
+            other_seconds=self._phases.other_seconds, training_done=self._done_step is not None)
 
     def steps_per_second(self) -> float:
         """Over the last 30 s of reports; 0 (unknown) until they span a second. Reports are stamped when the

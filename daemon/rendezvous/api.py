@@ -164,6 +164,7 @@ class WorkerProgress:
     checkpoint_at: float | None = None  # on the coordinator's clock
     save_seconds: float = 0.0  # this generation's saves held the trainer up this long (goodput: checkpoint)
     other_seconds: float = 0.0  # and it spent this long in evaluations (goodput: other)
+    training_done: bool = False  # it reported its training complete (goodput: what follows is other)
 
 
 # What an agent sends the coordinator on its session.

@@ -110,6 +110,7 @@ def progress_to_proto(progress: api.WorkerProgress, now: float) -> pb.Progress:
         checkpoint_step=progress.checkpoint_step, steps_per_second=progress.steps_per_second,
         checkpoint_age_seconds=-1.0 if progress.checkpoint_at is None else max(0.0, now - progress.checkpoint_at),
         save_seconds=progress.save_seconds, other_seconds=progress.other_seconds,
+        training_done=progress.training_done,
     )
 
 
@@ -120,7 +121,7 @@ def progress_from_proto(progress: pb.Progress, now: float) -> api.WorkerProgress
         checkpoint_step=progress.checkpoint_step, reported_at=now - progress.age_seconds,
         steps_per_second=progress.steps_per_second,
         checkpoint_at=now - checkpoint_age if checkpoint_age >= 0 else None, save_seconds=progress.save_seconds,
-        other_seconds=progress.other_seconds)
+        other_seconds=progress.other_seconds, training_done=progress.training_done)
 
 
 # ---------------------------------------------------------------------------------------------- orders

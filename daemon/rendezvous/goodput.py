@@ -4,7 +4,7 @@ categories that add up to the wall time (docs/goodput.md defines them). Goodput 
 Fed by the coordinator's events (formed, restarting, stopped, finished) and the chief's progress reports. Between
 two reports, the trainer's own save and phase time is ``checkpoint`` and ``other``, the rest is split by steps into
 ``training`` (past the furthest step reached) and ``redone``; start-up runs to the chief's first step past the
-one it resumed at.
+one it resumed at; once the chief reports its training done, the rest is ``other`` (evaluation, export, exit).
 
 Invariants: every second is in exactly one category and one generation's line (a line runs from its formation to
 the next one's); what :meth:`GoodputLedger.export` writes for a successor changes only when the activity does, never
@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from tfelastic.daemon.rendezvous.api import WorkerProgress
 
 CATEGORIES = ("training", "redone", "startup", "checkpoint", "detection", "stopping", "waiting", "other")
 BADPUT = tuple(c for c in CATEGORIES if c != "training")
@@ -73,6 +75,12 @@ class ChiefReport:
     save_seconds: float = 0.0
     other_seconds: float = 0.0
     at: float | None = None  # when the agent read it (on the coordinator's clock); None: now
+    done: bool = False  # the chief's training is complete: what follows is not training
+
+    @classmethod
+    def of(cls, progress: WorkerProgress) -> ChiefReport:
+        return cls(progress.step, progress.save_seconds, progress.other_seconds, progress.reported_at,
+                   progress.training_done)
 
 
 def ledger_of_export(doc: dict[str, Any], now_wall: float) -> GoodputLedger:
@@ -110,16 +118,20 @@ class GoodputLedger:
 
     def reported(self, report: ChiefReport) -> None:
         """A progress report of the current generation's chief."""
-        if self._activity not in ("startup", "training"):
+        if self._activity not in ("startup", "training", "other"):
             return
         now = self._clock() if report.at is None else min(self._clock(), max(self._since, report.at))
         line = self.lines[-1]
         if self._activity == "startup":
             self._start_up(line, report, now)
-            return
-        self._split(report, now)
-        self._since, self._last = now, report
-        self.furthest_step = max(self.furthest_step, report.step)
+        else:
+            self._split(report, now)
+            self._since, self._last = now, report
+            self.furthest_step = max(self.furthest_step, report.step)
+        if report.done and self._activity != "other":
+            self._finish_training(line, report, now)
+        elif not report.done and self._activity == "other":  # another fit trains on: the gap before it was other
+            self._open("training", now)
 
     def _start_up(self, line: GenerationLine, report: ChiefReport, now: float) -> None:
         """A report during the start-up: the first sets where the chief resumed; the first past that step ends it."""
@@ -130,11 +142,22 @@ class GoodputLedger:
             self._exported = self._export_now(0.0)  # a successor must not take a later report for the resume point
         if report.step <= line.restored_step:
             return
+        self._end_start_up(line, report, now)
+        self._open("training", now)
+
+    def _end_start_up(self, line: GenerationLine, report: ChiefReport, now: float) -> None:
         line.startup_seconds = now - self._since
         self._add("startup", now - self._since)
         self._last = report
         self.furthest_step = max(self.furthest_step, report.step)
-        self._open("training", now)
+
+    def _finish_training(self, line: GenerationLine, report: ChiefReport, now: float) -> None:
+        """The chief reported its training done: the time from here to its exit (evaluation, export, the
+        teardown of its input pipeline) is ``other``. A generation that trained no step (it resumed at the end)
+        ends its start-up here."""
+        if self._activity == "startup":
+            self._end_start_up(line, report, now)
+        self._open("other", now)
 
     def reached(self, report: ChiefReport) -> None:
         """The chief's last report before its generation stopped, arriving after the restart decision: its step
@@ -219,13 +242,17 @@ class GoodputLedger:
         """Adds the open interval to its category (or to detection) and returns now."""
         now = self._clock()
         if self._activity is not None:
-            category = "detection" if detection and self._activity == "training" else self._open_category()
+            category = "detection" if detection and self._activity in ("training", "other") \
+                else self._open_category()
             self._add(category, now - self._since)
         return now
 
     def _split(self, report: ChiefReport, now: float) -> None:
         assert self._last is not None
-        for category, seconds in self._shares(self._last, report, max(0.0, now - self._since)).items():
+        shares = self._shares(self._last, report, max(0.0, now - self._since))
+        if self._activity == "other":  # past the end of training: its saves are still saves, the rest is not steps
+            shares["other"] += shares.pop("training", 0.0) + shares.pop("redone", 0.0)
+        for category, seconds in shares.items():
             self._add(category, seconds)
 
     def _shares(self, last: ChiefReport, report: ChiefReport, elapsed: float) -> dict[str, float]:

@@ -180,16 +180,14 @@ class Rendezvous(RoundKeeper):
             # Its last steps before the stop: the furthest step the next generation's redone steps count from.
             self.restarts.resumes.reached(progress.step, progress.checkpoint_step)
             if self._ranks[node_id] == 0:
-                self.goodput.reached(ChiefReport(progress.step, progress.save_seconds, progress.other_seconds,
-                                                 progress.reported_at))
+                self.goodput.reached(ChiefReport.of(progress))
             return
         node = self._member_of(node_id, generation)
         if node is not None:
             node.progress = progress
             self.restarts.progress(generation, progress.step, progress.checkpoint_step)
             if self._ranks.get(node_id) == 0 and self.state is JobState.RUNNING:
-                self.goodput.reported(ChiefReport(progress.step, progress.save_seconds, progress.other_seconds,
-                                                  progress.reported_at))
+                self.goodput.reported(ChiefReport.of(progress))
 
     def node_gpus(self, node_id: str, gpus: int, utilization: float) -> None:
         node = self.nodes.get(node_id)

@@ -105,7 +105,7 @@ class Heartbeat(_message.Message):
     def __init__(self) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("step", "loss", "has_loss", "examples", "age_seconds", "checkpoint_step", "steps_per_second", "checkpoint_age_seconds", "save_seconds", "other_seconds")
+    __slots__ = ("step", "loss", "has_loss", "examples", "age_seconds", "checkpoint_step", "steps_per_second", "checkpoint_age_seconds", "save_seconds", "other_seconds", "training_done")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class Progress(_message.Message):
     CHECKPOINT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OTHER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_DONE_FIELD_NUMBER: _ClassVar[int]
     step: int
     loss: float
     has_loss: bool
@@ -126,7 +127,8 @@ class Progress(_message.Message):
     checkpoint_age_seconds: float
     save_seconds: float
     other_seconds: float
-    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: bool = ..., examples: _Optional[int] = ..., age_seconds: _Optional[float] = ..., checkpoint_step: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., checkpoint_age_seconds: _Optional[float] = ..., save_seconds: _Optional[float] = ..., other_seconds: _Optional[float] = ...) -> None: ...
+    training_done: bool
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: bool = ..., examples: _Optional[int] = ..., age_seconds: _Optional[float] = ..., checkpoint_step: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., checkpoint_age_seconds: _Optional[float] = ..., save_seconds: _Optional[float] = ..., other_seconds: _Optional[float] = ..., training_done: bool = ...) -> None: ...
 
 class WorkerReport(_message.Message):
     __slots__ = ("generation", "status", "exit_code", "pid", "progress", "has_progress", "detail", "gpus", "gpu_utilization")

@@ -904,6 +904,25 @@ def test_reports_carry_the_time_the_trainer_spent_in_its_saves_and_evaluations()
     assert (report.progress.save_seconds, report.progress.other_seconds) == (2.25, 5.0)
 
 
+def test_reports_say_from_when_the_trainer_finished_training() -> None:
+    """For the goodput ledger: what follows the end of training (a final save, evaluation, export) is not
+    training; the reports after it still say so, until a step past it (another fit)."""
+    h = Harness()
+    h.running()
+    [first] = reports(h.core.progress(ProgressMessage(1, 4001, step=10)))  # the first goes out at once
+    assert first.progress is not None and not first.progress.training_done
+    h.core.progress(ProgressMessage(1, 4001, step=20, done=True))
+    h.core.progress(ProgressMessage(1, 4001, step=20, phase=Phase.SAVE))  # the final save comes after it
+    h.core.received(api.Heartbeat())
+    [report] = reports(h.core.tick())
+    assert report.progress is not None and report.progress.training_done
+    h.core.progress(ProgressMessage(1, 4001, step=21))  # a second fit trains on
+    h.clock.now += 1.0
+    h.core.received(api.Heartbeat())
+    [report] = reports(h.core.tick())
+    assert report.progress is not None and not report.progress.training_done
+
+
 def test_a_stop_order_sends_the_progress_the_coordinator_has_not_seen_first() -> None:
     h = Harness()
     h.running()

@@ -194,6 +194,67 @@ def test_the_end_closes_the_ledger() -> None:
     assert book.lines[0].ended == "succeeded: every trainer of generation 1 exited 0"
 
 
+def test_after_the_chief_reports_its_training_done_the_time_to_its_exit_is_other() -> None:
+    """Evaluation, export and the teardown of the input pipeline come after the last step: not training, though
+    the chief's step is still the furthest (a 100 s teardown was booked as training before)."""
+    book, clock = ledger()
+    trained(book, clock, 10.0, 100)
+    clock.now += 0.5
+    book.reported(ChiefReport(101, done=True))  # its last step, then fit returned
+    clock.now += 30.0  # tf.data's iterator is destroyed: no report
+    book.reported(ChiefReport(101, save_seconds=1.0, done=True))  # a final save is still a save
+    clock.now += 4.0
+    book.reported(ChiefReport(101, save_seconds=1.0, other_seconds=3.0, done=True))  # an announced evaluation
+    clock.now += 20.0  # the export, the exit
+    book.finished("succeeded: every trainer of generation 1 exited 0")
+    assert totals(book) == {"training": 10.5, "checkpoint": 1.0, "other": 53.0}
+
+
+def test_a_second_fit_trains_again_after_the_first_ones_end() -> None:
+    """Fine-tuning after a first fit: the gap between the two is other, the second fit's steps training."""
+    book, clock = ledger()
+    trained(book, clock, 10.0, 100)
+    book.reported(ChiefReport(100, done=True))
+    clock.now += 5.0
+    book.reported(ChiefReport(101))  # the second fit's first step
+    clock.now += 10.0
+    book.reported(ChiefReport(200))
+    assert totals(book) == {"training": 20.0, "other": 5.0}
+
+
+def test_a_generation_resumed_at_the_end_ends_its_start_up_when_its_training_is_done() -> None:
+    book, clock = ledger()
+    trained(book, clock, 10.0, 100)
+    book.restarting("worker_exit: a: exit 1", planned=False)
+    book.stopped()
+    book.formed(2, ["a"])
+    clock.now += 5.0
+    book.reported(ChiefReport(100))  # restored at the end
+    clock.now += 1.0
+    book.reported(ChiefReport(100, done=True))  # fit trained no step
+    clock.now += 2.0
+    book.finished("succeeded")
+    assert totals(book) == {"training": 10.0, "startup": 6.0, "other": 2.0}
+    assert book.lines[1].startup_seconds == 6.0 and book.lines[1].restored_step == 100
+
+
+def test_a_failure_after_the_training_is_detection_from_the_last_report_and_a_successor_keeps_other() -> None:
+    book, clock = ledger()
+    trained(book, clock, 10.0, 100)
+    book.reported(ChiefReport(100, done=True))
+    clock.now += 3.0
+    book.reported(ChiefReport(100, other_seconds=3.0, done=True))  # evaluating
+    exported = book.export(wall_offset=0.0)
+    successor = GoodputLedger(clock)
+    successor.take_over(exported, 0.0)
+    clock.now += 2.0  # the evaluation hangs
+    assert totals(successor) == {"training": 10.0, "other": 5.0}
+    successor.reported(ChiefReport(100, other_seconds=3.0, done=True))
+    clock.now += 20.0
+    successor.restarting("hang: a", planned=False)
+    assert totals(successor) == {"training": 10.0, "other": 5.0, "detection": 20.0}
+
+
 def test_nothing_counts_before_the_first_formation() -> None:
     book, clock = ledger()
     clock.now += 30.0  # the first round's last call
@@ -223,7 +284,8 @@ def test_a_successor_continues_the_ledger_and_its_open_interval() -> None:
     assert successor.lines[0].members == ("a", "b") and successor.lines[0].restored_step == 0
 
 
-EVENTS = st.lists(st.tuples(st.sampled_from(["formed", "report", "restart", "planned", "late", "stopped", "finished"]),
+EVENTS = st.lists(st.tuples(st.sampled_from(["formed", "report", "done", "restart", "planned", "late", "stopped",
+                                             "finished"]),
                             st.floats(0.0, 50.0), st.integers(0, 500), st.floats(0.0, 3.0)), max_size=40)
 
 
@@ -241,9 +303,9 @@ def test_the_categories_always_add_up_to_the_wall_time(events: list[tuple[str, f
             started = clock.now if started is None else started
             book.formed(generation, ["a"])
             save = 0.0
-        elif kind == "report":
+        elif kind in ("report", "done"):
             save += saved
-            book.reported(ChiefReport(step, save_seconds=save, other_seconds=saved / 2))
+            book.reported(ChiefReport(step, save_seconds=save, other_seconds=saved / 2, done=kind == "done"))
         elif kind in ("restart", "planned"):
             book.restarting("r", planned=kind == "planned")
         elif kind == "late":  # the chief's last report, read ``saved`` seconds ago, after the decision
@@ -347,3 +409,29 @@ def test_the_chiefs_last_steps_reported_after_the_restart_decision_count_as_reac
     goodput = rv.snapshot().goodput
     assert goodput is not None and goodput.generations[-1].steps_redone == 8
     assert rv.snapshot().steps_redone == 9  # status's count: any member's furthest
+
+
+def test_the_chiefs_end_of_training_reaches_the_ledger_through_the_wire() -> None:
+    """The agent's report says the trainer finished training; the coordinator books what follows as other."""
+    from tfelastic.daemon.rendezvous import convert
+    from tfelastic.daemon.rendezvous.api import JobState, WorkerProgress
+
+    from tests.unit.test_rendezvous_state import at, running
+
+    def wired(progress: WorkerProgress) -> WorkerProgress:
+        return convert.progress_from_proto(convert.progress_to_proto(progress, clock.now), clock.now)
+
+    clock = FakeClock(0.0)
+    rv = running(clock, ["a", "b"])
+    start = clock.now
+    rv.progress("a", 1, wired(WorkerProgress(step=0, reported_at=clock.now)))
+    rv.progress("a", 1, wired(WorkerProgress(step=1, reported_at=clock.now)))
+    at(clock, rv, start + 10.0)
+    rv.progress("a", 1, wired(WorkerProgress(step=100, reported_at=clock.now, training_done=True)))
+    at(clock, rv, start + 50.0)  # the evaluation, the exit
+    rv.worker_succeeded("a", 1)
+    rv.worker_succeeded("b", 1)
+    assert rv.state is JobState.SUCCEEDED
+    goodput = rv.snapshot().goodput
+    assert goodput is not None
+    assert {c: round(s, 6) for c, s in goodput.seconds.items() if s} == {"training": 10.0, "other": 40.0}
