@@ -111,3 +111,19 @@ def test_the_report_of_an_ended_job_on_etcd_comes_from_etcd(make_cluster: Cluste
     text = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "report", "--rendezvous", etcd.url],
                           capture_output=True, text=True, timeout=60)
     assert text.returncode == 0 and "goodput " in text.stdout and "  training " in text.stdout, text
+
+
+def test_the_time_after_the_chiefs_training_is_other(make_cluster: ClusterFactory, etcd: EtcdCluster,
+                                                     tmp_path: Path) -> None:
+    """The trainers report their training done, then spend 4 s before they exit (an evaluation, an export, the
+    teardown of an input pipeline): the ledger books those seconds as other, not as training."""
+    events = tmp_path / "ledger-events.jsonl"
+    cluster = make_cluster([sys.executable, LEDGER_TRAINER], extra_args=FAST, etcd=etcd.url, env={
+        "LEDGER_EVENTS": str(events), "LEDGER_STEPS": "40", "LEDGER_STEP_SECONDS": "0.02",
+        "LEDGER_AFTER_SECONDS": "4"})
+    cluster.start("a")
+    cluster.start("b")
+    assert cluster.wait_all(90) == [0, 0], cluster.logs()
+    seconds = report(etcd.url)["goodput"]["seconds"]
+    assert seconds["other"] >= 3.5, seconds  # the done report read at once, both exits 4 s later
+    assert seconds["training"] <= trainer_fresh_seconds(events) + 1.0, seconds

@@ -20,7 +20,8 @@ is skipped (its start event names it).
 Knobs: LEDGER_TARGET_FILE (the target step, read every 10 steps: the soak sets it when its faults are done;
 default LEDGER_STEPS, 100), LEDGER_STEP_SECONDS (default 0.05), LEDGER_REPORT_INTERVAL (at most one report per
 this many seconds unless urgent, default 0: every step; each step is marked in the agent's step file either way),
-LEDGER_CONTROL_DIR (<dir>/hang-<node> holding a generation: this rank of that generation stops stepping and stays
+LEDGER_AFTER_SECONDS (each rank's seconds after its last step and its report that training is done, before
+it exits: an evaluation, an export, default 0), LEDGER_CONTROL_DIR (<dir>/hang-<node> holding a generation: this rank of that generation stops stepping and stays
 alive, a live hang; while <dir>/bad-<node> exists the rank exits 1 at start, a bad GPU), LEDGER_EVENTS (one JSON
 line per start and end).
 
@@ -228,6 +229,7 @@ def main() -> int:
         event("saved", step=step)
     reporter.report(step, done=True)
     event("end", step=step, digest=digest)
+    time.sleep(float(env.get("LEDGER_AFTER_SECONDS", "0")))
     return 0
 
 
