@@ -21,9 +21,9 @@ Knobs: LEDGER_TARGET_FILE (the target step, read every 10 steps: the soak sets i
 default LEDGER_STEPS, 100), LEDGER_STEP_SECONDS (default 0.05), LEDGER_REPORT_INTERVAL (at most one report per
 this many seconds unless urgent, default 0: every step; each step is marked in the agent's step file either way),
 LEDGER_AFTER_SECONDS (each rank's seconds after its last step and its report that training is done, before
-it exits: an evaluation, an export, default 0), LEDGER_CONTROL_DIR (<dir>/hang-<node> holding a generation: this rank of that generation stops stepping and stays
-alive, a live hang; while <dir>/bad-<node> exists the rank exits 1 at start, a bad GPU), LEDGER_EVENTS (one JSON
-line per start and end).
+it exits: an evaluation, an export, default 0), LEDGER_CONTROL_DIR (<dir>/hang-<node> holding a generation: this
+rank of that generation stops stepping and stays alive, a live hang; while <dir>/bad-<node> exists the rank exits 1
+at start, a bad GPU), LEDGER_EVENTS (one JSON line per start and end).
 
 Progress: a report per step, announcing start-up, the step it restored and saves as the library's trainers do (so
 that an agent with the default hang detection learns the step times: docs/configuration.md). Each rank keeps the
