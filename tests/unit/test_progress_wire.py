@@ -455,3 +455,23 @@ def test_decode_refuses_numbers_that_parse_as_infinity_or_are_beyond_their_bound
 
 def test_a_stall_of_a_whole_day_is_still_a_measurement() -> None:
     assert decode(b'{"g":1,"pid":2,"step":3,"ckpt":3,"st":86400}').stall == 86400.0
+
+
+def test_a_runtime_dir_too_deep_for_a_unix_socket_moves_the_socket_under_tmp(tmp_path: Path,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A deep $TMPDIR (an xdist worker's tmp_path under a kept folder) made the agent die of 'AF_UNIX path too
+    long' with a traceback: the socket goes to a private directory under /tmp, and the agent says so."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+
+    async def main() -> tuple[str, bool]:
+        listener = ProgressListener(lambda m: None, runtime_dir=str(deep))
+        path, private = listener.path, os.stat(os.path.dirname(listener.path)).st_mode & 0o777 == 0o700
+        listener.close()
+        return path, private
+
+    with caplog.at_level("WARNING", logger="tfelastic.progress"):
+        path, private = asyncio.run(main())
+    assert path.startswith("/tmp/tfelastic-") and len(path) <= 107 and private, path
+    assert not os.path.exists(os.path.dirname(path)) and list(deep.iterdir()) == []
+    assert "set a shorter TMPDIR" in caplog.text
