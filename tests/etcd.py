@@ -19,9 +19,9 @@ from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.etcd.client import EtcdClient, EtcdCredentials, EtcdError
 from tfelastic.daemon.etcd.election import Election, LeaderInfo
 from tfelastic.daemon.etcd.url import EtcdTarget, parse_etcd_url
-from tfelastic.daemon.netutil import free_port
 
 from tests.cluster import wait_for
+from tests.ports import free_port
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 ETCDCTL = shutil.which("etcdctl") or "/usr/bin/etcdctl"

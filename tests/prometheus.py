@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tfelastic.daemon.netutil import free_port
-
 from tests.cluster import wait_for
+from tests.ports import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 

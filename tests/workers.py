@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tfelastic.daemon.netutil import free_port
-
 from tests.cluster import ROOT, wait_for
+from tests.ports import free_port
 
 EXAMPLES = ROOT / "examples"
 

@@ -15,12 +15,14 @@ import socket
 from collections.abc import Iterator
 
 import pytest
-from tfelastic.daemon.netutil import bind_addresses, free_port
+from tfelastic.daemon.netutil import bind_addresses
 from tfelastic.daemon.rendezvous import api, bind
 from tfelastic.daemon.rendezvous.bind import BindError
 from tfelastic.daemon.rendezvous.host import create_server
 
-pytestmark = pytest.mark.integration
+from tests.ports import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 both_loopbacks = pytest.mark.skipif(bind_addresses("localhost") != ["127.0.0.1", "::1"],
                                     reason="this machine cannot bind both 127.0.0.1 and ::1")

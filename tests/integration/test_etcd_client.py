@@ -22,12 +22,12 @@ from tfelastic.daemon.etcd.election import Election, JobKeys, LeaderInfo
 from tfelastic.daemon.etcd.metrics import EtcdMetrics
 from tfelastic.daemon.etcd.rpc import rpc_pb2
 from tfelastic.daemon.etcd.url import EtcdTarget
-from tfelastic.daemon.netutil import free_port
 from tfelastic.daemon.rendezvous.api import JobState
 from tfelastic.daemon.rendezvous.durable import Deposed, DurableState
 
 from tests.certs import Pki
 from tests.etcd import EtcdCluster
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 

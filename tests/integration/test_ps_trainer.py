@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tfelastic.daemon.netutil import free_port
 from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.instrument import SITE_DIR
 from tfelastic.trainer.progress import Phase, ProgressMessage, decode
 
 from tests.cluster import ROOT, alive, processes_of, wait_for
+from tests.ports import free_port
 from tests.workers import example, summaries, worker_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]

@@ -13,7 +13,6 @@ import grpc
 import pytest
 from tfelastic.daemon.auth import bearer
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
-from tfelastic.daemon.netutil import free_port
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.rendezvous.client import fetch_status, open_channel
 from tfelastic.daemon.rendezvous.host import create_server
@@ -22,8 +21,9 @@ from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
 
 from tests.cluster import COUNTER
 from tests.conftest import ClusterFactory
+from tests.ports import free_port
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 
 def write_token(path: Path, secret: str) -> str:

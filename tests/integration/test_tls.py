@@ -14,7 +14,6 @@ from pathlib import Path
 import grpc
 import pytest
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
-from tfelastic.daemon.netutil import free_port
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.rendezvous.client import call_metadata, fetch_status, open_channel
 from tfelastic.daemon.rendezvous.host import create_server
@@ -23,8 +22,9 @@ from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
 
 from tests.certs import Certificates, make_certificates
 from tests.cluster import wait_for
+from tests.ports import free_port
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 TOKEN = "tls-test-token"
 SPEC = api.JobSpec(job="tls", command_digest=b"\x07" * 32, min_nodes=1, max_nodes=3, max_restarts=3,

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tfelastic.daemon.netutil import free_port
 
 from tests.cluster import kill, members, wait_for
 from tests.conftest import ClusterFactory
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 

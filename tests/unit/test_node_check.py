@@ -15,9 +15,9 @@ import pynvml  # type: ignore[import-untyped]
 import pytest
 from tfelastic.daemon.agent.nodecheck import NO_TENSORFLOW, NodeCheck, PortListener
 from tfelastic.daemon.metrics.gpu import GpuCollector
-from tfelastic.daemon.netutil import free_port
 
 from tests.nvml_fake import FakeGpu, FakeNvml
+from tests.ports import free_port
 
 
 def test_a_writable_backup_dir_with_room_passes_and_is_created_if_missing(tmp_path: Path) -> None:

@@ -1,0 +1,32 @@
+"""The suite's own ports (tests/ports.py): one slice per pytest-xdist worker, none shared, none in the range the
+daemon picks its own from."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import ports
+
+
+def slices(monkeypatch: pytest.MonkeyPatch, count: int) -> list[range]:
+    found = []
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(count))
+    for index in range(count):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{index}")
+        found.append(ports.worker_slice())
+    return found
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 8])
+def test_the_workers_slices_are_disjoint_and_below_the_daemons_picks(monkeypatch: pytest.MonkeyPatch,
+                                                                     count: int) -> None:
+    found = slices(monkeypatch, count)
+    taken = [port for s in found for port in s]
+    assert len(taken) == len(set(taken)) and all(len(s) > 100 for s in found)
+    assert max(taken) < ports._ephemeral_low() // 2  # the daemon's own free_port starts there
+
+
+def test_a_port_comes_from_this_workers_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw2")
+    assert ports.free_port() in ports.worker_slice()
