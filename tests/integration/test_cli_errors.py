@@ -1,8 +1,15 @@
 """The real `tfelastic` CLI refuses bad configuration before it starts anything: exit code 78 (EX_CONFIG) and one
-clear line on stderr that names the option, never a Python traceback."""
+clear line on stderr that names the option, never a Python traceback.
+
+A refusal is the CLI's own ``main()`` run in this process (:func:`tfelastic`): what it returns or exits with, and
+what it prints. The cases where the process is the point (a retry until a timeout, a coordinator that answers, a
+reader gone from a pipe, a foreign program on the port, and one refusal of each kind as a real process: exit
+status 78 and 2 from ``python -m tfelastic.daemon``) run the real process (:func:`tfelastic_process`)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -11,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from tfelastic.daemon.netutil import free_port, port_taken
+from tfelastic.daemon import cli, commands
+from tfelastic.daemon.netutil import port_taken
 
 from tests.cluster import wait_for
+from tests.ports import free_port
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 EX_CONFIG = 78
 USAGE = 2
@@ -29,10 +38,34 @@ class Result:
     stderr: str
 
 
-def tfelastic(*args: str, cwd: Path) -> Result:
+def tfelastic_process(*args: str, cwd: Path) -> Result:
     proc = subprocess.run([sys.executable, "-m", "tfelastic.daemon", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=60, check=False)
     return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+class WouldStart(Exception):
+    """The command got past its checks: a real process would now set up its logging and start."""
+
+
+def tfelastic(*args: str, cwd: Path) -> Result:
+    """``tfelastic ARGS`` as ``main()`` in this process, from ``cwd``: its exit code (returned, or argparse's
+    SystemExit), stdout and stderr. An exception out of main() is what the real process would print as a
+    traceback: it fails the test. A command that passes its checks raises :class:`WouldStart` instead of starting."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(cwd)
+        patch.setattr(commands, "setup_logging", would_start)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+    return Result(code, stdout.getvalue(), stderr.getvalue())
+
+
+def would_start(*_: object) -> None:
+    raise WouldStart("the configuration was accepted: the daemon would start")
 
 
 def assert_config_error(result: Result, *expected: str) -> None:
@@ -49,6 +82,16 @@ def config_error_line(result: Result) -> str:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("tfelastic: configuration error: "), result.stderr
     return lines[0].removeprefix("tfelastic: configuration error: ")
+
+
+def test_a_refusal_and_a_usage_error_as_real_processes(tmp_path: Path) -> None:
+    """The exit statuses a shell sees: 78 with the one-line message, 2 with the usage, no traceback."""
+    refused = tfelastic_process("run", "--nodes", "0", "--rendezvous", LOOPBACK, "--", "true", cwd=tmp_path)
+    assert_config_error(refused)
+    assert config_error_line(refused) == "--nodes: '0': the minimum must be at least 1"
+    usage = tfelastic_process("run", "--bogus", "--rendezvous", LOOPBACK, "--", "true", cwd=tmp_path)
+    assert usage.returncode == USAGE and "Traceback" not in usage.stderr and usage.stdout == "", usage
+    assert all(text in usage.stderr for text in UNRECOGNIZED_BOGUS), usage.stderr
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -134,7 +177,7 @@ def test_an_etcd_agent_on_a_routable_address_needs_a_token(tmp_path: Path) -> No
 
 def test_an_unreachable_etcd_is_retried_for_join_timeout_then_exits_1(tmp_path: Path) -> None:
     url = f"etcd://127.0.0.1:{free_port()}"
-    result = tfelastic("run", "--rendezvous", url, "--join-timeout", "2", "--metrics-port", "off", "--", "true",
+    result = tfelastic_process("run", "--rendezvous", url, "--join-timeout", "2", "--metrics-port", "off", "--", "true",
                        cwd=tmp_path)
     assert result.returncode == 1, result
     assert "Traceback" not in result.stderr, result.stderr
@@ -207,7 +250,7 @@ def test_command_line_usage_error(tmp_path: Path, args: list[str], expected: lis
 
 def test_status_with_nothing_listening_exits_1(tmp_path: Path) -> None:
     port = free_port()
-    result = tfelastic("status", "--rendezvous", f"127.0.0.1:{port}", cwd=tmp_path)
+    result = tfelastic_process("status", "--rendezvous", f"127.0.0.1:{port}", cwd=tmp_path)
     assert result.returncode == 1, result
     assert "Traceback" not in result.stderr, result.stderr
     assert result.stdout == ""
@@ -219,7 +262,7 @@ def test_status_with_nothing_listening_exits_1(tmp_path: Path) -> None:
 def test_status_json_with_nothing_listening_prints_an_error_object(tmp_path: Path) -> None:
     """A script that reads `status --json` always gets a JSON object: here one whose "error" says what is wrong."""
     port = free_port()
-    result = tfelastic("status", "--json", "--rendezvous", f"127.0.0.1:{port}", "--job", "j7", cwd=tmp_path)
+    result = tfelastic_process("status", "--json", "--rendezvous", f"127.0.0.1:{port}", "--job", "j7", cwd=tmp_path)
     assert result.returncode == 1, result
     document = json.loads(result.stdout)
     assert document["error"].startswith(f"nothing listens at 127.0.0.1:{port}"), document
@@ -321,7 +364,7 @@ def test_status_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     command = [sys.executable, "-m", "tfelastic.daemon", "status", "--json", "--rendezvous", f"127.0.0.1:{port}"]
     try:
-        wait_for(lambda: tfelastic(*command[3:], cwd=tmp_path).returncode == 0, 30, "the coordinator to answer")
+        wait_for(lambda: tfelastic_process(*command[3:], cwd=tmp_path).returncode == 0, 30, "the coordinator to answer")
         for _ in range(3):
             status = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             assert status.stdout is not None and status.stderr is not None
@@ -348,7 +391,7 @@ def test_a_foreign_program_on_the_local_rendezvous_port_is_named_and_ends_the_ag
     foreign = subprocess.Popen([sys.executable, "-c", program, str(port)], cwd=tmp_path)
     try:
         wait_for(lambda: port_taken("127.0.0.1", port), 10, "the foreign program to listen")
-        result = tfelastic("run", "--nodes", "1", "--rendezvous", f"127.0.0.1:{port}", "--join-timeout", "8",
+        result = tfelastic_process("run", "--nodes", "1", "--rendezvous", f"127.0.0.1:{port}", "--join-timeout", "8",
                            "--metrics-port", "off", "--", "true", cwd=tmp_path)
     finally:
         foreign.kill()
