@@ -34,9 +34,9 @@ from typing import Any
 import psutil
 import pytest
 from tfelastic.daemon.exit_codes import EX_CONFIG
-from tfelastic.daemon.netutil import free_port
 
 from tests.cluster import COUNTER, ROOT, wait_for
+from tests.ports import free_port
 
 HERMETIC = ROOT / "tests" / "hermetic-systemd.sh"
 # The checkout and the interpreter's environment stay visible inside, wherever they are (a clone under /tmp).
@@ -95,11 +95,16 @@ class Hermetic:
 
 
 def _dropin(*lines: str) -> str:
-    """What this machine needs beyond an installed unit."""
-    hidden = sorted({p for p in (os.path.realpath(sys.base_prefix), str(ROOT))
-                     if p.startswith(("/root/", "/home/", "/run/user/"))})
-    if hidden:  # e.g. pyenv under /root: ProtectHome=yes would hide the interpreter
-        lines += ("ProtectHome=tmpfs", *(f"BindReadOnlyPaths={p}" for p in hidden))
+    """What this machine needs beyond an installed unit: the interpreter, its environment and the checkout stay
+    visible to the service, wherever they are."""
+    needed = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)} | {str(ROOT)}
+    in_home = sorted(p for p in needed if p.startswith(("/root/", "/home/", "/run/user/")))
+    in_tmp = sorted(p for p in needed if p.startswith(("/tmp/", "/var/tmp/")))
+    if in_home:  # e.g. pyenv under /root: ProtectHome=yes would hide the interpreter
+        lines += ("ProtectHome=tmpfs", *(f"BindReadOnlyPaths={p}" for p in in_home))
+    # A clone under /tmp: PrivateTmp=yes gives the service an empty /tmp; bound into it, the checkout and its
+    # virtual environment are there again (the rest of /tmp stays private).
+    lines += tuple(f"BindReadOnlyPaths={p}" for p in in_tmp)
     return "\n".join(["[Service]", *lines]) + "\n"
 
 
@@ -444,7 +449,9 @@ def test_a_checkout_under_tmp_stays_visible_inside(tmp_path: Path) -> None:
         ns = Hermetic(int(started.stdout.strip()))
         try:
             assert ns.run("bash", str(clone / "systemd" / "install.sh")).stdout == "installed\n"
-            assert ns.run("ls", "-A", "/tmp").stdout.split() == [clone.name]  # the rest of /tmp stays private
+            # The rest of /tmp stays private: only the kept paths are there (the suite's own, for a clone under /tmp)
+            kept = {Path(p).relative_to("/tmp").parts[0] for p in KEEP.split(":") if p.startswith("/tmp/")}
+            assert sorted(ns.run("ls", "-A", "/tmp").stdout.split()) == sorted({clone.name} | kept)
         finally:
             subprocess.run(["bash", str(HERMETIC), "stop", str(ns.pid)], check=False)
     finally:
