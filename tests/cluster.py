@@ -74,6 +74,10 @@ class Cluster:
     token: str | None = None
     netns_prefix: str = ""  # "tfe" runs agent i in namespace tfe-h<i+1>
     etcd: str = ""  # an etcd rendezvous (etcd://...) instead of ``endpoint``
+    # Warm start builds a standby per agent and generation that imports TensorFlow (a core for seconds), used only
+    # by a relaunch: off unless a test asks for it (the warm-start tests, and one TensorFlow job recovering with
+    # the agent's defaults, tests/integration/test_examples.py). A test's own --warm-start comes later and wins.
+    warm_start: bool = False
     agents: list[Agent] = field(default_factory=list)
 
     @property
@@ -109,7 +113,7 @@ class Cluster:
         """``env``: this agent's own extra variables. ``placement=False`` leaves out --nodes, --rendezvous and
         --node-id, for agents that take them from their environment (SLURM)."""
         flags = ["--nodes", self.nodes, "--rendezvous", self.rendezvous, "--node-id", node_id] if placement else []
-        command = [sys.executable, "-m", "tfelastic.daemon", "run", *flags,
+        command = [sys.executable, "-m", "tfelastic.daemon", "run", *flags, *self.warm_start_flags(),
                    "--metrics-port", "0", "--metrics-linger", "0",
                    "--backup-dir", str(self.tmp / "backup"),
                    "--local-checkpoint-dir", str(self.tmp / "shm"),  # the fast tier: not the host's shared /dev/shm
@@ -117,6 +121,9 @@ class Cluster:
         if netns:
             command = ["ip", "netns", "exec", netns, *command]
         return self.launch(node_id, command, env)
+
+    def warm_start_flags(self) -> list[str]:
+        return [] if self.warm_start else ["--warm-start", "off"]
 
     def start_host(self, node_id: str, timeout: float = 20.0) -> Agent:
         """Starts an agent and waits until it hosts the coordinator, so later agents connect to it."""

@@ -134,10 +134,11 @@ def final_summaries(text: str, generation: int, logs: str) -> list[dict[str, Any
 
 
 def test_keras_fit_under_two_agents_survives_a_killed_worker(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    """With the agent's defaults, warm start included (the other clusters of the suite run without it)."""
     summary_file = tmp_path / "summary.jsonl"
     trainer = example("keras_fit", "--epochs", "3", "--steps-per-epoch", "60", "--save-every", "10",
                       "--step-seconds", "0.02", "--train-examples", "2048", "--summary-file", str(summary_file))
-    cluster = make_cluster(trainer, extra_args=AGENT_ARGS)
+    cluster = make_cluster(trainer, extra_args=AGENT_ARGS, warm_start=True)
     cluster.start("a")
     cluster.start("b")
     doc = cluster.wait_running(1, 2, timeout=120, step=25)

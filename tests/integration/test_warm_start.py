@@ -189,7 +189,7 @@ def launches(address: str) -> dict[str, float]:
 
 
 def test_a_failed_generation_relaunches_through_the_standby(make_cluster: ClusterFactory, tmp_path: Path) -> None:
-    cluster = make_cluster([sys.executable, COUNTER], nodes="1", extra_args=AGENT_FLAGS,
+    cluster = make_cluster([sys.executable, COUNTER], nodes="1", extra_args=AGENT_FLAGS, warm_start=True,
                            env={"COUNTER_STEPS": "100000", "COUNTER_STEP_SECONDS": "0.05"})
     agent = cluster.start("a")
     address = agent.metrics_address()
@@ -207,7 +207,7 @@ def test_a_failed_generation_relaunches_through_the_standby(make_cluster: Cluste
 
 
 def test_a_standby_dies_with_its_agent(make_cluster: ClusterFactory, tmp_path: Path) -> None:
-    cluster = make_cluster([sys.executable, COUNTER], nodes="1", extra_args=AGENT_FLAGS,
+    cluster = make_cluster([sys.executable, COUNTER], nodes="1", extra_args=AGENT_FLAGS, warm_start=True,
                            env={"COUNTER_STEPS": "100000"})
     agent = cluster.start("a")
     wait_for(lambda: standby_ready(agent.metrics_address()), 120, "the standby interpreter ready")
@@ -231,7 +231,7 @@ def test_warm_start_off_starts_every_generation_cold(make_cluster: ClusterFactor
 
 
 def test_a_standby_that_died_falls_back_to_a_cold_start(make_cluster: ClusterFactory, tmp_path: Path) -> None:
-    cluster = make_cluster([sys.executable, COUNTER], nodes="1", extra_args=AGENT_FLAGS,
+    cluster = make_cluster([sys.executable, COUNTER], nodes="1", extra_args=AGENT_FLAGS, warm_start=True,
                            env={"COUNTER_STEPS": "100000"})
     agent = cluster.start("a")
     address = agent.metrics_address()
@@ -257,7 +257,7 @@ def test_a_launch_never_waits_for_a_standby_still_importing(make_cluster: Cluste
         "    time.sleep(60)  # a standby that takes its time to import\n")
     slow = tmp_path / "slow"
     slow.touch()
-    cluster = make_cluster([sys.executable, COUNTER], nodes="1", extra_args=AGENT_FLAGS,
+    cluster = make_cluster([sys.executable, COUNTER], nodes="1", extra_args=AGENT_FLAGS, warm_start=True,
                            env={"COUNTER_STEPS": "100000", "PYTHONPATH": str(hook), "SLOW": str(slow)})
     agent = cluster.start("a")
     address = agent.metrics_address()
