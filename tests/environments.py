@@ -60,7 +60,9 @@ def venv_with(folder: Path, requirements: list[str]) -> Path:
     others = [d for d in PROJECT["dependencies"] if name_of(d) not in given]
     test_tools = [d for d in PROJECT["optional-dependencies"]["dev"]
                   if name_of(d) in ("pytest", "pytest-timeout", "hypothesis")]
-    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--only-binary=:all:",
+    # --no-compile: the install would byte-compile every module of TensorFlow's wheel; a test imports a fraction
+    # of them, compiled as they are imported.
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--only-binary=:all:", "--no-compile",
                               *requirements, *others, *test_tools], capture_output=True, text=True)
     assert install.returncode == 0, install.stderr[-3000:]
     # The installed layout (tfelastic.daemon, tfelastic.trainer) as links into the checkout, as tests/lint.sh does.
