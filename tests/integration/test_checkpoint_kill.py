@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import ROOT, wait_for
+from tests.conftest import Reaper
 from tests.workers import worker_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
@@ -36,7 +37,8 @@ def wait_saved(log: Path, step: int) -> None:
     wait_for(lambda: f"saved {step}\n" in log.read_text(), 120, f"step {step} saved")
 
 
-def test_kills_during_saves_always_leave_the_last_completed_checkpoint_restorable(tmp_path: Path) -> None:
+def test_kills_during_saves_always_leave_the_last_completed_checkpoint_restorable(tmp_path: Path,
+                                                                                 reaper: Reaper) -> None:
     directory = tmp_path / "ckpt"
     rng = random.Random(7)
     last_saved = 0
@@ -44,8 +46,7 @@ def test_kills_during_saves_always_leave_the_last_completed_checkpoint_restorabl
     out = tmp_path / "writer.log"
     for attempt in range(7):  # the seventh start only checks what the sixth kill left
         with open(out, "w") as log:
-            writer = subprocess.Popen([*WRITER, str(directory)], stdout=log, stderr=subprocess.STDOUT,
-                                      env=worker_env())
+            writer = reaper.popen([*WRITER, str(directory)], stdout=log, stderr=subprocess.STDOUT, env=worker_env())
         restored = wait_for(lambda: re.search(r"^restored (\d+) (.*)$", out.read_text(), re.M), 120, "restore")
         step, values = int(restored.group(1)), restored.group(2).split()
         assert step >= last_saved, f"restored {step}, but the save of step {last_saved} had completed"
@@ -71,7 +72,7 @@ def last_number(pattern: str, text: str) -> int:
     return max((int(n) for n in re.findall(pattern, text, re.M)), default=0)
 
 
-def test_kills_during_fast_tier_snapshots_never_restore_a_torn_one(tmp_path: Path) -> None:
+def test_kills_during_fast_tier_snapshots_never_restore_a_torn_one(tmp_path: Path, reaper: Reaper) -> None:
     """The same with the fast tier: asynchronous snapshots into a local directory (the tier's /dev/shm in
     production) and the background copy to the shared one, killed at random times. A restore takes the newest
     complete snapshot of either tier, never one the kill cut off, and never goes behind a snapshot that was
@@ -85,7 +86,7 @@ def test_kills_during_fast_tier_snapshots_never_restore_a_torn_one(tmp_path: Pat
     env = worker_env() | {"TFELASTIC_LOCAL_CHECKPOINT_DIR": str(local)}
     for attempt in range(7):  # the seventh start only checks what the sixth kill left
         with open(out, "w") as log:
-            writer = subprocess.Popen([*SNAPSHOT_WRITER, str(shared)], stdout=log, stderr=subprocess.STDOUT, env=env)
+            writer = reaper.popen([*SNAPSHOT_WRITER, str(shared)], stdout=log, stderr=subprocess.STDOUT, env=env)
         restored = wait_for(lambda: re.search(r"^restored (\d+) (\w+) (.*)$", out.read_text(), re.M), 120,
                             "restore")
         step, tier, values = int(restored.group(1)), restored.group(2), restored.group(3).split()

@@ -84,6 +84,7 @@ def test_the_head_node_coordinator_dies_and_training_goes_on_without_a_restart(
     from etcd within the lease TTL, the members attach with their workers running: 0 restarts."""
     cluster = make_cluster(TRAINER, extra_args=FAST, env={"COUNTER_STEPS": "300"}, etcd=etcd.url)
     coordinator = head_node(cluster, etcd)
+    watch: subprocess.Popen[bytes] | None = None
     try:
         wait_for(lambda: (leader := leader_of(etcd.url)) is not None and leader.node == "head-1", 30,
                  "the head node to lead")
@@ -111,8 +112,10 @@ def test_the_head_node_coordinator_dies_and_training_goes_on_without_a_restart(
         assert [e["generation"] for e in starts(cluster)] == [1, 1], starts(cluster)  # no worker restarted
         assert "fencing" not in cluster.logs()
     finally:
-        if coordinator.poll() is None:
-            coordinator.kill()
+        for process in (coordinator, watch):  # the watch polls etcd until it is ended, whatever the test's outcome
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(10)
 
 
 def test_a_head_node_coordinator_keeps_a_failed_jobs_verdict_on_metrics_for_the_linger(
