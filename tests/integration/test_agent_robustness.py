@@ -71,6 +71,7 @@ def test_a_launch_failure_is_reported_as_such_with_backoff(make_cluster: Cluster
     assert len(waits) == 2 and waits[1] > waits[0] > 0, logs  # growing
 
 
+@pytest.mark.quick
 def test_a_failing_trainers_exception_is_the_reason(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster(TRAINER, extra_args=[*FAST, "--max-restarts", "0"],
                            env={"COUNTER_STEPS": "50", "COUNTER_RAISE_AT": "3"})

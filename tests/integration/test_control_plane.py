@@ -36,6 +36,7 @@ def starts(events: list[dict[str, Any]], generation: int) -> list[dict[str, Any]
     return [e for e in events if e["event"] == "start" and e["generation"] == generation]
 
 
+@pytest.mark.quick
 def test_worker_exit_restarts_the_whole_set_and_resumes(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster(TRAINER, extra_args=FAST, env={"COUNTER_STEPS": "60", "COUNTER_FAIL_AT": "20"})
     cluster.start("a")
@@ -50,6 +51,7 @@ def test_worker_exit_restarts_the_whole_set_and_resumes(make_cluster: ClusterFac
     assert "trainer exited with code 3" in cluster.logs()
 
 
+@pytest.mark.quick
 def test_trainer_environment(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster(TRAINER, env={"COUNTER_STEPS": "3"})
     cluster.start("a")
@@ -127,6 +129,7 @@ def test_killed_agent_takes_its_worker_along_and_the_others_reform(make_cluster:
     assert_no_stale_workers(cluster.events())
 
 
+@pytest.mark.quick
 def test_sigterm_leaves_cleanly_and_is_not_a_failure(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster(TRAINER, nodes="2:3", extra_args=[*FAST, *FORM_WITH_ALL], env={"COUNTER_STEPS": "100"})
     cluster.start_host("a")
@@ -155,6 +158,7 @@ def test_scale_up_when_a_node_joins_a_running_job(make_cluster: ClusterFactory) 
     assert len(gen2) == 3 and all(e["step"] >= 10 for e in gen2)
 
 
+@pytest.mark.quick
 def test_restart_budget_exhausted_fails_the_job(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster([sys.executable, "-c", "import sys; sys.exit(5)"],
                            extra_args=[*FAST, "--max-restarts", "2"])
@@ -208,6 +212,7 @@ def test_different_job_settings_are_refused(make_cluster: ClusterFactory) -> Non
     assert doc is not None and [n["node_id"] for n in doc["nodes"]] == ["a"]
 
 
+@pytest.mark.quick
 def test_duplicate_node_id_is_refused(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster(TRAINER, nodes="2", env={"COUNTER_STEPS": "3"})
     cluster.start("a")
@@ -234,6 +239,7 @@ def test_trainer_output_goes_to_the_agent_log_prefixed_with_the_rank(make_cluste
         ["[rank 0] hello from a", "[rank 1] hello from b"], ["[rank 0] hello from b", "[rank 1] hello from a"])
 
 
+@pytest.mark.quick
 def test_standalone_coordinator_and_agents_from_job_files(make_cluster: ClusterFactory, tmp_path: Path) -> None:
     cluster = make_cluster(TRAINER, nodes="2", env={"COUNTER_STEPS": "20"})
     coordinator = subprocess.Popen([sys.executable, "-m", "tfelastic.daemon", "coordinator", "--listen",
@@ -302,6 +308,7 @@ def test_exit_0_in_answer_to_a_planned_stop_does_not_end_the_job(make_cluster: C
     assert [e["step"] for e in cluster.events() if e["event"] == "end"] == [120, 120, 120]
 
 
+@pytest.mark.quick
 def test_status_shows_step_rate_checkpoint_age_and_gpus(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster(TRAINER, nodes="2", env={"COUNTER_STEPS": "400", "COUNTER_STEP_SECONDS": "0.05"})
     cluster.start("a")

@@ -24,7 +24,7 @@ from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tests.fuzz_strategies import LEAVES, MESSAGES, PAYLOADS, REPORTS
 from tests.rpc_harness import SPEC, FormedJob, Outcome, formed_job, join_message
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -20,7 +20,7 @@ from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
 from tests.cluster import wait_for
 from tests.rpc_harness import SPEC, TOKEN, FormedJob, formed_job, join_message
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 HEARTBEAT = pb.AgentMessage(heartbeat=pb.Heartbeat()).SerializeToString()
 

@@ -16,7 +16,7 @@ from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec, group_mem
 
 from tests.cluster import alive, processes_of, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 # A trainer that starts a child, a grandchild that escapes into its own session, and records all their pids.
 FAMILY = textwrap.dedent("""
