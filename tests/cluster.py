@@ -74,10 +74,10 @@ class Cluster:
     token: str | None = None
     netns_prefix: str = ""  # "tfe" runs agent i in namespace tfe-h<i+1>
     etcd: str = ""  # an etcd rendezvous (etcd://...) instead of ``endpoint``
-    # Warm start builds a standby per agent and generation that imports TensorFlow (a core for seconds), used only
-    # by a relaunch: off unless a test asks for it (the warm-start tests, and one TensorFlow job recovering with
-    # the agent's defaults, tests/integration/test_examples.py). A test's own --warm-start comes later and wins.
-    warm_start: bool = False
+    # False: --warm-start off, before the test's own flags (a --warm-start there wins). The suite's clusters
+    # (make_cluster) run without it unless a test asks: the standby it builds per agent and generation imports
+    # TensorFlow (a core for seconds) for a relaunch no assertion needs. The benchmarks keep the agent's default.
+    warm_start: bool = True
     agents: list[Agent] = field(default_factory=list)
 
     @property

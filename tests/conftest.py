@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import subprocess
@@ -97,17 +96,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def start_order(items: list[pytest.Item]) -> list[pytest.Item]:
     """Under xdist (run with --no-loadscope-reorder, so that it keeps this order): the two longest chains start
-    first (the lowest-TensorFlow run, the serial group), then tests that keep cores busy (TensorFlow processes)
-    alternate with tests that mostly wait (agents on the counter trainer), so that neither kind piles up on the
-    two cores; the many short unit tests fill the workers' ends."""
-    floor = [i for i in items if i.nodeid.startswith("tests/test_tensorflow_floor.py")]
-    serial = [i for i in items if xdist_group_of(i) == "serial" and i not in floor]
-    rest = [i for i in items if i not in floor and i not in serial]
-    busy = [i for i in rest if "tensorflow" in i.keywords]
-    waiting = [i for i in rest if "tensorflow" not in i.keywords and "integration" in i.keywords]
-    unit = [i for i in rest if "tensorflow" not in i.keywords and "integration" not in i.keywords]
-    mixed = [i for pair in itertools.zip_longest(busy, waiting) for i in pair if i is not None]
-    return [*floor, *serial, *mixed, *unit]
+    first (the lowest-TensorFlow run, the serial group), then the tests that keep cores busy (TensorFlow
+    processes), then those that mostly wait (agents on the counter trainer), and the many short unit tests fill the
+    workers' ends. Measured: mixing busy and waiting tests instead made the waiting ones slow without making the
+    busy ones faster (docs/testing.md)."""
+    def rank(item: pytest.Item) -> int:
+        if item.nodeid.startswith("tests/test_tensorflow_floor.py"):
+            return 0
+        if xdist_group_of(item) == "serial":
+            return 1
+        if "tensorflow" in item.keywords:
+            return 2
+        return 3 if "integration" in item.keywords else 4
+
+    return sorted(items, key=rank)  # stable: each kind keeps the collection's order
 
 
 SERIAL = ("netns", "systemd", "serial")  # the markers of tests that cannot share the machine with each other
@@ -132,11 +134,13 @@ def xdist_group_of(item: pytest.Item) -> str:
 
 @pytest.fixture
 def make_cluster(tmp_path: Path) -> Iterator[ClusterFactory]:
-    """Builds clusters whose processes are all checked to be gone when the test ends."""
+    """Builds clusters whose processes are all checked to be gone when the test ends; without warm start unless a
+    test asks for it (``warm_start=True``)."""
     clusters: list[Cluster] = []
 
     def factory(trainer: list[str], **kwargs: Any) -> Cluster:
         endpoint = kwargs.pop("endpoint", None) or Endpoint("127.0.0.1", free_port())
+        kwargs.setdefault("warm_start", False)  # tests/cluster.py: Cluster.warm_start
         cluster = Cluster(tmp_path, endpoint, trainer, **kwargs)
         clusters.append(cluster)
         return cluster
