@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from dataclasses import dataclass
 
 import psutil
 from prometheus_client import CollectorRegistry
@@ -22,8 +24,25 @@ from tfelastic.daemon.serving import CoordinatorSetup, start_coordinator
 log = logging.getLogger("tfelastic.agent")
 
 
-def listener_of(port: int) -> str | None:
-    """``pid N (its command line)`` of the process that listens on TCP ``port`` here, if it can be read."""
+@dataclass(frozen=True)
+class Listener:
+    """The process that listens on a TCP port of this host."""
+
+    pid: int
+    argv: tuple[str, ...]
+
+    def is_tfelastic(self) -> bool:
+        """An agent or coordinator: ``python -m tfelastic.daemon ...`` or the ``tfelastic`` command. By its
+        arguments, not by any mention of the name: a checkout or virtual environment may be named after it."""
+        module = any(a == "-m" and b == "tfelastic.daemon" for a, b in zip(self.argv, self.argv[1:], strict=False))
+        return module or any(os.path.basename(arg) == "tfelastic" for arg in self.argv[:2])
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} ({' '.join(self.argv)[:200] or '?'})"
+
+
+def listener_of(port: int) -> Listener | None:
+    """The process that listens on TCP ``port`` here, if it can be read."""
     try:
         connections = psutil.net_connections(kind="tcp")
     except psutil.Error:
@@ -31,10 +50,10 @@ def listener_of(port: int) -> str | None:
     for c in connections:
         if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
             try:
-                command = " ".join(psutil.Process(c.pid).cmdline())[:200]
+                argv = tuple(psutil.Process(c.pid).cmdline())
             except psutil.Error:
-                command = "?"
-            return f"pid {c.pid} ({command})"
+                argv = ()
+            return Listener(c.pid, argv)
     return None
 
 
@@ -58,9 +77,9 @@ class EmbeddedCoordinator:
         """Says once which program holds the rendezvous port, when it is not one of ours: the agents would
         otherwise only see that nothing answers there in gRPC."""
         holder = listener_of(self._endpoint.port)
-        if holder is None or "tfelastic" in holder or holder == self._named_holder:
+        if holder is None or holder.is_tfelastic() or str(holder) == self._named_holder:
             return
-        self._named_holder = holder
+        self._named_holder = str(holder)
         log.error("the rendezvous port %d of this host is held by %s, which is not a tfelastic agent or "
                   "coordinator: stop it, or give --rendezvous a port that is free", self._endpoint.port, holder)
 
