@@ -10,7 +10,6 @@ anywhere but where the previous one stopped.
 
 from __future__ import annotations
 
-import itertools
 import shutil
 import signal
 import subprocess
@@ -97,11 +96,21 @@ def resumed_at(cluster: Cluster) -> int:
 
 
 def assert_every_generation_resumed_where_the_last_stopped(events: list[dict[str, Any]]) -> None:
+    """Every generation resumes at the chief's newest save (the chief's save is the job's; counters do not wait
+    for each other), and every chief that started saved when it was stopped. A generation that a rejoin
+    superseded before its chief started (seen on a loaded machine: only rank 1 ran) saves nothing, and the next
+    resumes at the save before it."""
     generations = sorted({e["generation"] for e in events if e["event"] == "start"})
     # Each node's return starts a generation; its leave may not (a rejoin inside `settle` supersedes it).
     assert len(generations) >= 1 + len(NODES), generations
-    for before, after in itertools.pairwise(generations):
-        stopped = {e["step"] for e in events if e["event"] == "checkpointed" and e["generation"] == before
-                   and e["rank"] == 0}  # the chief's save is the job's; counters do not wait for each other
-        resumed = {e["step"] for e in events if e["event"] == "start" and e["generation"] == after}
-        assert len(stopped) == 1 and stopped == resumed and resumed != {0}, (before, after, stopped, resumed)
+    newest_save: int | None = None
+    for generation in generations:
+        resumed = {e["step"] for e in events if e["event"] == "start" and e["generation"] == generation}
+        if newest_save is not None:
+            assert resumed == {newest_save} and newest_save != 0, (generation, newest_save, resumed)
+        chief_started = any(e["event"] == "start" and e["generation"] == generation and e["rank"] == 0
+                            for e in events)
+        saved = {e["step"] for e in events if e["event"] == "checkpointed" and e["generation"] == generation
+                 and e["rank"] == 0}
+        assert len(saved) == (1 if chief_started else 0), (generation, saved, chief_started)
+        newest_save = saved.pop() if saved else newest_save
