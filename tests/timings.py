@@ -1,7 +1,9 @@
 """Where the suite's time goes, from a JUnit XML report (``pytest --junitxml FILE``): seconds and tests per file,
 and the slowest tests, as the Markdown tables of docs/testing.md.
 
-    python -m tests.timings FILE [--slowest N]
+    python -m tests.timings FILE [--slowest N] [--before EARLIER_FILE]
+
+With ``--before``, one table of both runs: each file's tests and seconds then and now.
 
 Under pytest-xdist the seconds of a file are the sum over its tests (setup, call and teardown, as JUnit counts
 them), not the wall time it took beside the other workers' files.
@@ -63,12 +65,30 @@ def render(cases: Sequence[Case], slowest: int) -> str:
     return "\n".join(lines)
 
 
+def compare(before: Sequence[Case], after: Sequence[Case]) -> str:
+    then = {file: (seconds, count) for file, seconds, count in per_file(before)}
+    now = {file: (seconds, count) for file, seconds, count in per_file(after)}
+    files = sorted(then.keys() | now.keys(), key=lambda f: (-then.get(f, (0.0, 0))[0], f))
+    lines = ["| file | tests before | seconds before | tests after | seconds after |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for file in files:
+        (s0, n0), (s1, n1) = then.get(file, (0.0, 0)), now.get(file, (0.0, 0))
+        lines.append(f"| `{file}` | {n0} | {s0:.1f} | {n1} | {s1:.1f} |")
+    lines.append(f"| **all** | **{len(before)}** | **{sum(c.seconds for c in before):.1f}** | **{len(after)}** | "
+                 f"**{sum(c.seconds for c in after):.1f}** |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.timings", description=__doc__.splitlines()[0])
     parser.add_argument("report", help="a JUnit XML file written by pytest --junitxml")
     parser.add_argument("--slowest", type=int, default=30, help="how many of the slowest tests to list")
+    parser.add_argument("--before", help="an earlier run's JUnit XML: print both runs' files side by side")
     args = parser.parse_args(argv)
-    print(render(read_cases(args.report), args.slowest))
+    if args.before:
+        print(compare(read_cases(args.before), read_cases(args.report)))
+    else:
+        print(render(read_cases(args.report), args.slowest))
     return 0
 
 
