@@ -1,4 +1,4 @@
-"""Coordinator failover on etcd (issue 10): real agents, a real 3-member etcd, the trivial trainer.
+"""Coordinator failover on etcd: real agents, a real 3-member etcd, the trivial trainer.
 
     python -m bench.failover [--runs 5] [--no-partition]
 

@@ -1,4 +1,4 @@
-"""What careless operators and failing trainers do to real agents (issue 13): a terminal closed under
+"""What careless operators and failing trainers do to real agents: a terminal closed under
 `tfelastic run`, a working directory that disappears, a trainer that raises at once, output lost in a buffer,
 agents started by hand a second apart. Real agents, real gRPC, the counter trainer (no TensorFlow)."""
 

@@ -1,5 +1,5 @@
 """A checkpoint write cut off by SIGKILL never leaves a checkpoint that cannot be restored: the previous one is
-used (issue 3 §4). Real TensorFlow saves of 64 MiB, killed at random times, six times over one directory."""
+used. Real TensorFlow saves of 64 MiB, killed at random times, six times over one directory."""
 
 from __future__ import annotations
 

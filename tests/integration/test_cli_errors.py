@@ -301,7 +301,7 @@ def test_token_with_whitespace_is_refused(tmp_path: Path) -> None:
     assert config_error_line(result).startswith(f"--token-file: {str(token)!r} must hold one word of printable ASCII")
 
 
-# ------------------------------------------------------------------- values the coordinator would refuse (issue 13)
+# ------------------------------------------------------------------------------ values the coordinator would refuse
 
 @pytest.mark.parametrize(("args", "start"), [
     (["--nodes", "2:4294967296"], "--nodes: node range 2:4294967296 is out of range 1..100000"),

@@ -1,4 +1,4 @@
-"""No single point of failure: the coordinator fails over on etcd (issue 10). A real 3-member etcd on loopback,
+"""No single point of failure: the coordinator fails over on etcd. A real 3-member etcd on loopback,
 real agents with the counter trainer, a standalone head-node coordinator where a case needs one."""
 
 from __future__ import annotations

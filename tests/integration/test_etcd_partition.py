@@ -1,4 +1,4 @@
-"""Case 3 of the etcd failover (issue 10): the leader's host is cut off by a real partition. Three hosts in network
+"""Case 3 of the etcd failover: the leader's host is cut off by a real partition. Three hosts in network
 namespaces (tests/netns-hosts.sh), each with one etcd member and one agent."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Correctness of training under failure (issue 3 §4): real TensorFlow, 2-3 workers under real agents, on the CPU.
+"""Correctness of training under failure: real TensorFlow, 2-3 workers under real agents, on the CPU.
 
 How the work lost to a kill is measured: the examples report every step to their agent (a step takes longer
 than the reporter's 0.1 s interval here). Once the chief is frozen with SIGSTOP, the step the cluster status

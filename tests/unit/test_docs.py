@@ -48,3 +48,14 @@ def test_the_readme_lists_every_exit_code() -> None:
 
     table = {int(code) for code in re.findall(r"^\| (\d+) \|", (ROOT / "README.md").read_text(), re.MULTILINE)}
     assert table == {int(code) for code in ExitCode}
+
+
+ISSUE_NUMBER = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+
+
+def test_no_page_cites_an_internal_issue_number() -> None:
+    """A user cannot look the project's internal issues up: a page says what changed and why instead."""
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    offenders = [f"{page.relative_to(ROOT)}:{number}: {line.strip()}" for page in pages
+                 for number, line in enumerate(_lines(page), 1) if ISSUE_NUMBER.search(line)]
+    assert offenders == [], "\n".join(offenders)
