@@ -13,16 +13,17 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", within: range | None = None) -> int:
     """A port that is free now, for something that binds it later (a trainer, a test's coordinator).
 
-    It comes from below the kernel's ephemeral range: a port the kernel hands out for bind(0) or an outgoing
-    connection in the meantime can then never be the one we promised to someone else.
+    It comes from ``within``, by default :func:`daemon_ports`: below the kernel's ephemeral range, so that a port
+    the kernel hands out for bind(0) or an outgoing connection in the meantime can never be the one we promised to
+    someone else.
     """
     family = _family(host)
-    low = _ephemeral_low()
+    ports = within or daemon_ports()
     for _ in range(64):
-        port = random.randint(max(1024, low // 2), low - 1)
+        port = random.choice(ports)
         with socket.socket(family, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
@@ -34,7 +35,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _ephemeral_low() -> int:
+def daemon_ports() -> range:
+    """Where :func:`free_port` picks by default: ``[low/2, low)``, ``low`` the start of the ephemeral range."""
+    low = ephemeral_low()
+    return range(max(1024, low // 2), low)
+
+
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (bind(0), outgoing connections)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             return int(f.read().split()[0])

@@ -41,26 +41,13 @@ def pytest_configure(config: pytest.Config) -> None:
 _owns_session = pytest.StashKey[str]()
 
 
-def processes_of_session(marker: str) -> list[psutil.Process]:
-    """Live processes (not zombies, not this one) started with ``SESSION_ENV=marker``."""
-    found = []
-    for p in psutil.process_iter(["environ", "status"]):
-        try:
-            if p.pid != os.getpid() and p.info["status"] != psutil.STATUS_ZOMBIE \
-                    and (p.info["environ"] or {}).get(SESSION_ENV) == marker:
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
-
-
 @pytest.hookimpl(trylast=True)  # after xdist has ended its workers
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     marker = session.config.stash.get(_owns_session, None)
     if marker is None:
         return
     deadline = time.monotonic() + LEAK_GRACE_SECONDS
-    while (leftovers := processes_of_session(marker)) and time.monotonic() < deadline:
+    while (leftovers := processes_of(f"{SESSION_ENV}={marker}")) and time.monotonic() < deadline:
         time.sleep(0.2)
     if not leftovers:
         return
@@ -84,17 +71,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_tf = pytest.mark.skip(reason="TensorFlow is not installed (pip install -e '.[trainer-cpu]')")
     skip_ns = pytest.mark.skip(reason="network namespaces need root and iproute2")
     can_netns = os.geteuid() == 0 and shutil.which("ip") is not None
+    groups: dict[str, str] = {}
     for item in items:
         if "tensorflow" in item.keywords and not _has_tensorflow():
             item.add_marker(skip_tf)
         if "netns" in item.keywords and not can_netns:
             item.add_marker(skip_ns)
-        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+        groups[item.nodeid] = xdist_group_of(item)
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker orders its collection the same way
-        items[:] = start_order(items)
+        items[:] = start_order(items, groups)
 
 
-def start_order(items: list[pytest.Item]) -> list[pytest.Item]:
+def start_order(items: list[pytest.Item], groups: dict[str, str]) -> list[pytest.Item]:
     """Under xdist (run with --no-loadscope-reorder, so that it keeps this order): the two longest chains start
     first (the lowest-TensorFlow run, the serial group), then the tests that keep cores busy (TensorFlow
     processes), then those that mostly wait (agents on the counter trainer), and the many short unit tests fill the
@@ -103,7 +92,7 @@ def start_order(items: list[pytest.Item]) -> list[pytest.Item]:
     def rank(item: pytest.Item) -> int:
         if item.nodeid.startswith("tests/test_tensorflow_floor.py"):
             return 0
-        if xdist_group_of(item) == "serial":
+        if groups[item.nodeid] == "serial":
             return 1
         if "tensorflow" in item.keywords:
             return 2

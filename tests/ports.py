@@ -1,31 +1,21 @@
 """Ports for the suite's own listeners (a test's coordinator, etcd, Prometheus, a hand-made TF_CONFIG), chosen so
 that two pytest-xdist workers can never pick the same one.
 
-The daemon picks its free ports (a trainer's, with --worker-port 0) from ``[low/2, low)``, where ``low`` starts the
-kernel's ephemeral range (``tfelastic.daemon.netutil.free_port``). The suite takes ``[low/4, low/2)`` instead, cut
+The daemon picks its free ports (a trainer's, with --worker-port 0) from ``netutil.daemon_ports()``,
+``[low/2, low)`` where ``low`` starts the kernel's ephemeral range. The suite takes ``[low/4, low/2)`` instead, cut
 into one slice per worker: a test's port is then neither another worker's nor one an agent picks for itself.
 """
 
 from __future__ import annotations
 
 import os
-import random
-import socket
 
-DEFAULT_EPHEMERAL_LOW = 32768
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return DEFAULT_EPHEMERAL_LOW
+from tfelastic.daemon import netutil
 
 
 def worker_slice() -> range:
     """This worker's ports: its share of ``[low/4, low/2)`` (all of it without xdist)."""
-    low = _ephemeral_low()
+    low = netutil.ephemeral_low()
     start, stop = max(1024, low // 4), max(2048, low // 2)
     count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
@@ -36,17 +26,4 @@ def worker_slice() -> range:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port of this worker's slice that ``host`` can bind now."""
-    ports = worker_slice()
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for _ in range(256):
-        port = random.choice(ports)
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {ports} on {host}")
-
-
-__all__ = ["free_port", "worker_slice"]
+    return netutil.free_port(host, within=worker_slice())

@@ -50,7 +50,7 @@ installed() {
   [[ -f $stamp && $(cat "$stamp") == "$wanted" ]] && .venv/bin/python - "$root" <<'EOF' 2>/dev/null
 import pathlib, sys
 import pytest, xdist, tfelastic.daemon  # noqa: F401 (the test tools and the package import)
-sys.exit(pathlib.Path(tfelastic.daemon.__file__).resolve().is_relative_to(pathlib.Path(sys.argv[1]).resolve()) is False)
+sys.exit(not pathlib.Path(tfelastic.daemon.__file__).resolve().is_relative_to(pathlib.Path(sys.argv[1]).resolve()))
 EOF
 }
 if ! installed; then

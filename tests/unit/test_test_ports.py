@@ -4,6 +4,7 @@ daemon picks its own from."""
 from __future__ import annotations
 
 import pytest
+from tfelastic.daemon import netutil
 
 from tests import ports
 
@@ -23,7 +24,7 @@ def test_the_workers_slices_are_disjoint_and_below_the_daemons_picks(monkeypatch
     found = slices(monkeypatch, count)
     taken = [port for s in found for port in s]
     assert len(taken) == len(set(taken)) and all(len(s) > 100 for s in found)
-    assert max(taken) < ports._ephemeral_low() // 2  # the daemon's own free_port starts there
+    assert max(taken) < netutil.daemon_ports().start  # the daemon's own picks start there
 
 
 def test_a_port_comes_from_this_workers_slice(monkeypatch: pytest.MonkeyPatch) -> None:
