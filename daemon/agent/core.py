@@ -164,7 +164,10 @@ class AgentCore(WorkerCore):
         self._contact.heard()
         self._checks.answered(self._contact.session, message)
         if isinstance(message, api.Assignment):
-            return [Announce("", ready=True), *self._assigned(message)]
+            launch = self._assigned(message)
+            # READY=1 carries a status of its own: the one before it (say, "retrying the coordinator") is over
+            status = f"launching generation {message.generation} as rank {message.rank} of {message.world_size}"
+            return [Announce(status if launch else "", ready=True), *launch]
         if isinstance(message, api.StopWorkers):
             return self._stop_ordered(message)
         if isinstance(message, api.Finished):

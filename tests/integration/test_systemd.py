@@ -320,7 +320,8 @@ def test_start_returns_only_once_the_agent_is_in_a_rendezvous(systemd_ns: Hermet
     assert start.wait(60) == 0, start.communicate()
     state = ns.show(unit)
     assert state["ActiveState"] == "active", state
-    assert state["StatusText"].startswith(("waiting in rendezvous", "running generation")), state
+    statuses = ("waiting in rendezvous", "launching generation", "running generation")
+    assert state["StatusText"].startswith(statuses), state
     warnings = ns.journal(unit, "-p", "warning")  # the agent's log levels reach journald as priorities
     assert "lost the coordinator" in warnings and " INFO " not in warnings
     ns.run("systemctl", "stop", unit)

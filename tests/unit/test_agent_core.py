@@ -119,7 +119,7 @@ def test_an_assignment_launches_the_worker_and_says_ready() -> None:
     h = Harness()
     h.core.session_opened()
     actions = h.core.received(assignment(1, rank=1))
-    assert actions[0] == Announce("", ready=True)
+    assert actions[0] == Announce("launching generation 1 as rank 1 of 2", ready=True)
     assert actions[1] == Launch(assignment(1, rank=1))
     assert h.core.worker_started(1, 4242) == [Announce("running generation 1 as rank 1 of 2")]
     assert h.metric("tfelastic_rank") == 1.0 and h.metric("tfelastic_generation") == 1.0
