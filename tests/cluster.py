@@ -32,6 +32,10 @@ TF_TRAINER = [sys.executable, "-m", "tfelastic.trainer.demo_trainer"]
 # For a cluster whose agents start together and must form the first generation together: past min_nodes the
 # round waits for the others (max_nodes closes it at once), however slowly a loaded machine starts them.
 FORM_WITH_ALL = ["--last-call", "30"]
+# How long a test waits for TensorFlow trainers to reach a step: the imports of a new generation's processes take
+# seconds of CPU each, and with one of the two cores busy elsewhere a start took past 120 s. A deadline bounds a
+# failure's wait, not a success's: a passing test waits only as long as the trainers take.
+TF_DEADLINE = 300
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:

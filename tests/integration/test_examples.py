@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tfelastic.trainer.snapshots import snapshot_name
 
-from tests.cluster import kill, members
+from tests.cluster import TF_DEADLINE, kill, members
 from tests.conftest import ClusterFactory
 from tests.workers import EXAMPLES, WorkerSet, example, run_alone, summaries, worker_env
 
@@ -141,7 +141,7 @@ def test_keras_fit_under_two_agents_survives_a_killed_worker(make_cluster: Clust
     cluster = make_cluster(trainer, extra_args=AGENT_ARGS, warm_start=True)
     cluster.start("a")
     cluster.start("b")
-    doc = cluster.wait_running(1, 2, timeout=120, step=25)
+    doc = cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=25)
     kill(members(doc)[1]["worker_pid"])
     assert cluster.wait_all(240) == [0, 0], cluster.logs()
     done = final_summaries(summary_file.read_text(), 2, cluster.logs())
@@ -158,7 +158,7 @@ def test_custom_loop_under_two_agents_survives_a_killed_worker(make_cluster: Clu
     cluster = make_cluster(trainer, extra_args=AGENT_ARGS)
     cluster.start("a")
     cluster.start("b")
-    doc = cluster.wait_running(1, 2, timeout=120, step=25)
+    doc = cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=25)
     kill(members(doc)[0]["worker_pid"])
     assert cluster.wait_all(240) == [0, 0], cluster.logs()
     done = final_summaries(summary_file.read_text(), 2, cluster.logs())

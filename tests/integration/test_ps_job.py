@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import Cluster, alive, kill, wait_for
+from tests.cluster import TF_DEADLINE, Cluster, alive, kill, wait_for
 from tests.conftest import ClusterFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
@@ -73,7 +73,7 @@ def ps_cluster(make_cluster: ClusterFactory, trainer: list[str], nodes: str = "4
     return make_cluster(trainer, nodes=nodes, extra_args=PS_ARGS)
 
 
-def wait_training(cluster: Cluster, generation: int, step: int, timeout: float = 120) -> dict[str, Any]:
+def wait_training(cluster: Cluster, generation: int, step: int, timeout: float = TF_DEADLINE) -> dict[str, Any]:
     return cluster.wait_status(
         lambda d: d["state"] == "running" and d["generation"] == generation
         and (roles(d).get("chief") or {}).get("step") is not None and roles(d)["chief"]["step"] >= step,
@@ -91,7 +91,8 @@ def replaced(task: str, pid: int, times: int) -> Callable[[dict[str, Any]], bool
 def wait_serving(cluster: Cluster, node_id: str, task: str, times: int) -> None:
     """Until the node's agent has seen its worker task's server answer after ``times`` launches."""
     agent = next(a for a in cluster.agents if a.node_id == node_id)
-    wait_for(lambda: agent.log().count(f"{task} serves") >= times, 90, f"{task} on {node_id} serving ({times})")
+    wait_for(lambda: agent.log().count(f"{task} serves") >= times, TF_DEADLINE,
+             f"{task} on {node_id} serving ({times})")
 
 
 def test_workers_killed_and_hung_are_replaced_alone_while_the_chief_trains_on(
@@ -102,7 +103,7 @@ def test_workers_killed_and_hung_are_replaced_alone_while_the_chief_trains_on(
     cluster = ps_cluster(make_cluster, trainer)
     for node in ("head", "cpu1", "gpu1", "gpu2"):
         cluster.start(node, extra=["--role", {"head": "chief", "cpu1": "ps"}.get(node, "worker")])
-    doc = wait_training(cluster, 1, 20, timeout=180)
+    doc = wait_training(cluster, 1, 20, timeout=TF_DEADLINE)
     steps = ChiefSteps(cluster)
     watch.append(steps)
     tasks = roles(doc)
@@ -173,7 +174,7 @@ def test_model_fit_workers_are_replaced_alone_and_a_killed_ps_or_chief_restarts_
     cluster = ps_cluster(make_cluster, trainer)
     for node in ("a", "b", "c", "d"):
         cluster.start(node)
-    doc = wait_training(cluster, 1, 25, timeout=180)
+    doc = wait_training(cluster, 1, 25, timeout=TF_DEADLINE)
     chief_pid = roles(doc)["chief"]["worker_pid"]
     for i in range(2):  # Model.fit's coordinator too re-attaches a worker replaced alone
         worker = roles(doc)[f"worker {i}"]
@@ -182,16 +183,16 @@ def test_model_fit_workers_are_replaced_alone_and_a_killed_ps_or_chief_restarts_
         doc = cluster.wait_status(replaced(f"worker {i}", worker["worker_pid"], 1), 60, f"worker {i} replaced")
         wait_serving(cluster, worker["node_id"], f"worker {i}", 2)
     step = roles(doc)["chief"]["step"]
-    doc = wait_training(cluster, 1, step + 10, timeout=120)
+    doc = wait_training(cluster, 1, step + 10, timeout=TF_DEADLINE)
     assert doc["restarts_by_reason"] == {"worker_replaced": 2} and roles(doc)["chief"]["worker_pid"] == chief_pid
     kill(roles(doc)["ps 0"]["worker_pid"])
-    doc = wait_training(cluster, 2, 1, timeout=120)
+    doc = wait_training(cluster, 2, 1, timeout=TF_DEADLINE)
     assert doc["restarts_by_reason"] == {"worker_replaced": 2, "worker_exit": 1}
     resumed = roles(doc)["chief"]["step"]
-    wait_training(cluster, 2, resumed + 45, timeout=120)
+    wait_training(cluster, 2, resumed + 45, timeout=TF_DEADLINE)
     chief = roles(cluster.status() or doc)["chief"]
     kill(chief["worker_pid"])
-    doc = wait_training(cluster, 3, 1, timeout=120)
+    doc = wait_training(cluster, 3, 1, timeout=TF_DEADLINE)
     assert doc["restarts_by_reason"] == {"worker_replaced": 2, "worker_exit": 2}
     assert cluster.wait_all(300) == [0, 0, 0, 0], cluster.logs()
     [done] = [s for s in summaries(summary) if not s["preempted"]]
@@ -213,7 +214,7 @@ def test_a_lost_workers_node_leaves_its_task_vacant_and_returns_through_a_planne
     cluster = ps_cluster(make_cluster, trainer, nodes="3:4")
     for node in ("a", "b", "c", "d"):
         cluster.start(node)
-    doc = wait_training(cluster, 1, 20, timeout=180)
+    doc = wait_training(cluster, 1, 20, timeout=TF_DEADLINE)
     lost = roles(doc)["worker 1"]
     agent = next(a for a in cluster.agents if a.node_id == lost["node_id"])
     agent.proc.send_signal(signal.SIGKILL)
@@ -222,11 +223,11 @@ def test_a_lost_workers_node_leaves_its_task_vacant_and_returns_through_a_planne
     [vacant] = doc["vacant"]
     assert vacant.startswith(f"worker 1: node {lost['node_id']} lost"), vacant
     step = roles(doc)["chief"]["step"]
-    doc = wait_training(cluster, 1, step + 60, timeout=120)  # short-handed, on the same generation
+    doc = wait_training(cluster, 1, step + 60, timeout=TF_DEADLINE)  # short-handed, on the same generation
     assert doc["restarts_total"] == 0
 
     cluster.start(lost["node_id"])  # the node comes back
-    doc = wait_training(cluster, 2, 1, timeout=120)
+    doc = wait_training(cluster, 2, 1, timeout=TF_DEADLINE)
     assert doc["restarts_by_reason"] == {"scale_up": 1} and doc["vacant"] == []
     assert roles(doc)["worker 1"]["node_id"] == lost["node_id"]  # its old task again
     codes = [a.proc.wait(300) for a in cluster.agents if a is not agent]
@@ -247,7 +248,7 @@ def test_every_agent_stopped_at_once_lets_the_chief_save_and_the_next_run_resume
     cluster = ps_cluster(make_cluster, trainer)
     for node in ("a", "b", "c", "d"):
         cluster.start(node)
-    doc = wait_training(cluster, 1, 120, timeout=180)
+    doc = wait_training(cluster, 1, 120, timeout=TF_DEADLINE)
     tasks = roles(doc)
     for agent in cluster.agents:
         agent.proc.send_signal(signal.SIGTERM)
@@ -280,7 +281,7 @@ def test_an_unmodified_tensorflow_tutorial_script_runs_and_its_worker_is_replace
     worker = roles(doc)["worker 0"]
     chief_agent = next(a for a in cluster.agents if a.node_id == roles(doc)["chief"]["node_id"])
     wait_serving(cluster, worker["node_id"], "worker 0", 1)
-    wait_for(lambda: "Epoch 2/12" in chief_agent.log(), 120, "the chief's second epoch")
+    wait_for(lambda: "Epoch 2/12" in chief_agent.log(), TF_DEADLINE, "the chief's second epoch")
     kill(worker["worker_pid"])
     doc = cluster.wait_status(lambda d: roles(d)["worker 0"]["worker_pid"] not in (None, worker["worker_pid"]), 60,
                               "worker 0 replaced")

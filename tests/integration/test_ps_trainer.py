@@ -27,7 +27,7 @@ from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.instrument import SITE_DIR
 from tfelastic.trainer.progress import Phase, ProgressMessage, decode
 
-from tests.cluster import ROOT, alive, processes_of, wait_for
+from tests.cluster import ROOT, TF_DEADLINE, alive, processes_of, wait_for
 from tests.ports import free_port
 from tests.workers import example, summaries, worker_env
 
@@ -340,7 +340,7 @@ def test_tensorflows_tutorial_script_runs_unmodified(ps_job: JobFactory, tmp_pat
     job = ps_job([*TUTORIAL, str(tmp_path / "tutorial-backup")],
                  extra_env={"PS_TUTORIAL_EPOCHS": "6", "PS_TUTORIAL_STEPS": "20", "PS_TUTORIAL_EPOCH_SECONDS": "1"})
     job.start_all()
-    wait_for(lambda: "Epoch 2/6" in job.chief.output() or job.chief.proc.poll() is not None, 90,
+    wait_for(lambda: "Epoch 2/6" in job.chief.output() or job.chief.proc.poll() is not None, TF_DEADLINE,
              "the tutorial's second epoch")
     job.tasks["worker0"].proc.send_signal(signal.SIGKILL)
     job.tasks["worker0"].proc.wait()

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import FORM_WITH_ALL, TF_TRAINER, alive, kill, members, wait_for
+from tests.cluster import FORM_WITH_ALL, TF_DEADLINE, TF_TRAINER, alive, kill, members, wait_for
 from tests.conftest import ClusterFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
@@ -42,7 +42,7 @@ def test_killed_worker_restarts_the_set_from_the_checkpoint(make_cluster: Cluste
     cluster = make_cluster(TRAINER, extra_args=ARGS)
     cluster.start("a")
     cluster.start("b")
-    doc = cluster.wait_running(1, 2, timeout=90, step=25)
+    doc = cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=25)
     kill(members(doc)[1]["worker_pid"])
     assert cluster.wait_all(180) == [0, 0], cluster.logs()
     assert_finished_at_target_after_resuming(cluster.events(), 2)
@@ -55,7 +55,7 @@ def test_wedged_worker_is_caught_as_a_stall(make_cluster: ClusterFactory) -> Non
     cluster = make_cluster([*TRAINER, "--wedge-at-step", "40"], extra_args=ARGS)
     cluster.start("a")
     cluster.start("b")
-    doc = cluster.wait_running(1, 2, timeout=90, step=25)
+    doc = cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=25)
     victim = members(doc)[1]["worker_pid"]
     doc = cluster.wait_status(lambda d: d["generation"] >= 2, 60, "the restart after the stall")
     assert "stalled" in doc["restarts_by_reason"], doc
@@ -69,7 +69,7 @@ def test_killed_agent_takes_its_worker_and_the_others_reform(make_cluster: Clust
     cluster.start_host("a", timeout=30)
     cluster.start("b")
     victim = cluster.start("c")
-    doc = cluster.wait_running(1, 3, timeout=120, step=15)
+    doc = cluster.wait_running(1, 3, timeout=TF_DEADLINE, step=15)
     worker = next(n["worker_pid"] for n in members(doc) if n["node_id"] == "c")
     victim.proc.send_signal(signal.SIGKILL)
     wait_for(lambda: not alive(worker), 15, "the killed agent's worker to die")
@@ -84,7 +84,7 @@ def test_third_agent_scales_the_job_up_from_the_checkpoint(make_cluster: Cluster
     cluster = make_cluster(TRAINER, nodes="2:3", extra_args=ARGS)
     cluster.start("a")
     cluster.start("b")
-    cluster.wait_running(1, 2, timeout=90, step=25)
+    cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=25)
     cluster.start("c")
     doc = cluster.wait_running(2, 3, timeout=60)
     assert doc["restarts_by_reason"] == {"scale_up": 1}

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from tfelastic.trainer.snapshots import MANIFEST, snapshot_name
 
+from tests.cluster import TF_DEADLINE
 from tests.workers import WorkerSet, example, run_alone, wait_for_file, worker_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
@@ -143,7 +144,7 @@ def test_sigterm_stops_two_custom_loop_workers_at_one_saved_step_and_the_next_ru
         tmp_path: Path) -> None:
     backup = tmp_path / "backup"
     first = WorkerSet(tmp_path, example("custom_loop", *LOOP, "--backup-dir", str(backup))).start("-1")
-    wait_for_file(backup / "step-000000000020" / MANIFEST, 120, first)
+    wait_for_file(backup / "step-000000000020" / MANIFEST, TF_DEADLINE, first)
     first.signal(signal.SIGTERM)
     assert first.wait() == [CHECKPOINTED_AND_STOPPED] * 2, first.logs()
     stopped = first.summaries()
@@ -167,7 +168,7 @@ def test_sigterm_stops_two_keras_fit_workers_at_one_saved_step_and_the_next_run_
     fit = ["--epochs", "4", "--steps-per-epoch", "100", "--save-every", "20", "--train-examples", "2048",
            "--backup-dir", str(backup)]
     first = WorkerSet(tmp_path, example("keras_fit", *fit, "--step-seconds", "0.02")).start("-1")
-    wait_for_file(backup / "step-000000000020" / MANIFEST, 120, first)
+    wait_for_file(backup / "step-000000000020" / MANIFEST, TF_DEADLINE, first)
     first.signal(signal.SIGTERM)
     assert first.wait() == [CHECKPOINTED_AND_STOPPED] * 2, first.logs()
     stopped = first.summaries()
@@ -186,7 +187,7 @@ def test_sigterm_stops_a_single_worker_and_its_restore_is_exact(tmp_path: Path) 
 
     run = WorkerSet(tmp_path, example("custom_loop", *alone, "--backup-dir", "b", "--step-seconds", "0.05"), 0)
     run.start()  # alone: no TF_CONFIG at all
-    wait_for_file(tmp_path / "b" / "step-000000000050" / MANIFEST, 120, run)
+    wait_for_file(tmp_path / "b" / "step-000000000050" / MANIFEST, TF_DEADLINE, run)
     run.signal(signal.SIGTERM)
     assert run.wait() == [CHECKPOINTED_AND_STOPPED], run.logs()
     step = run.summaries()[0]["final_step"]

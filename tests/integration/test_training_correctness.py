@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from tfelastic.trainer.snapshots import snapshot_name
 
-from tests.cluster import FORM_WITH_ALL, Cluster, members, wait_for
+from tests.cluster import FORM_WITH_ALL, TF_DEADLINE, Cluster, members, wait_for
 from tests.conftest import ClusterFactory
 from tests.workers import example, summaries
 
@@ -44,7 +44,7 @@ def chief_summaries(cluster: Cluster) -> list[dict[str, Any]]:
 def freeze_chief_and_read_its_step(cluster: Cluster, generation: int, world: int, past: int) -> tuple[int, int]:
     """Waits until the chief is past step ``past``, SIGSTOPs it, and returns (its pid, the last step it
     reported) once that has settled."""
-    doc = cluster.wait_running(generation, world, timeout=120, step=past)
+    doc = cluster.wait_running(generation, world, timeout=TF_DEADLINE, step=past)
     chief = members(doc)[0]
     os.kill(chief["worker_pid"], signal.SIGSTOP)
     readings: list[int] = []
@@ -82,7 +82,7 @@ def wait_for_start(cluster: Cluster, generation: int) -> int:
         steps = starting_steps(cluster.agents[0].log())
         return steps if len(steps) >= generation else None
 
-    steps: list[int] = wait_for(started, 120, f"generation {generation} to start")
+    steps: list[int] = wait_for(started, TF_DEADLINE, f"generation {generation} to start")
     return steps[generation - 1]
 
 
@@ -162,14 +162,14 @@ def test_world_size_2_3_2_keeps_the_batch_policy_and_loses_nothing_on_the_planne
     cluster = make_cluster(trainer, nodes="2:3", extra_args=AGENTS)
     cluster.start_host("a")
     cluster.start("b")
-    cluster.wait_running(1, 2, timeout=120, step=15)
+    cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=15)
     third = cluster.start("c")
 
-    cluster.wait_running(2, 3, timeout=120, step=1)
+    cluster.wait_running(2, 3, timeout=TF_DEADLINE, step=1)
     stopped = [s for s in chief_summaries(cluster) if s["generation"] == 1]
     assert len(stopped) == 1 and stopped[0]["preempted"] is True, chief_summaries(cluster)
     assert wait_for_start(cluster, 2) == stopped[0]["final_step"]  # zero steps lost
-    step = cluster.wait_running(2, 3, timeout=120, step=stopped[0]["final_step"] + 5)["nodes"][0]["step"]
+    step = cluster.wait_running(2, 3, timeout=TF_DEADLINE, step=stopped[0]["final_step"] + 5)["nodes"][0]["step"]
 
     third.proc.kill()
     assert [agent.wait(300) for agent in cluster.agents[:2]] == [0, 0], cluster.logs()[-4000:]
@@ -199,11 +199,11 @@ def test_sigterm_drain_loses_no_step(make_cluster: ClusterFactory, tmp_path: Pat
     cluster = make_cluster(trainer, nodes="1:2", extra_args=[*AGENTS, *FORM_WITH_ALL])
     cluster.start_host("a")
     drained = cluster.start("b")
-    cluster.wait_running(1, 2, timeout=120, step=12)  # between two saves (25, 50): a kill would lose steps
+    cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=12)  # between two saves (25, 50): a kill would lose steps
 
     drained.proc.send_signal(signal.SIGTERM)  # what systemctl stop does
     assert drained.wait(60) == 0, drained.log()
-    cluster.wait_running(2, 1, timeout=120, step=1)
+    cluster.wait_running(2, 1, timeout=TF_DEADLINE, step=1)
     [stopped] = [s for s in chief_summaries(cluster) if s["generation"] == 1]
     assert stopped["preempted"] is True and stopped["final_step"] % 25 != 0  # saved off the save schedule
     assert wait_for_start(cluster, 2) == stopped["final_step"]

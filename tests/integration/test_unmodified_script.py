@@ -13,7 +13,7 @@ import psutil
 import pytest
 from tfelastic.trainer.instrument import ENABLE_ENV, SITE_DIR
 
-from tests.cluster import ROOT, Cluster, kill, members, trainer_pids, wait_for
+from tests.cluster import ROOT, TF_DEADLINE, Cluster, kill, members, trainer_pids, wait_for
 from tests.conftest import ClusterFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
@@ -46,7 +46,7 @@ def first_epoch(cluster: Cluster, generation: int) -> int:
 
 def test_status_shows_each_nodes_step_and_the_job_completes(make_cluster: ClusterFactory, tmp_path: Path) -> None:
     cluster = start(make_cluster, tmp_path)
-    doc = cluster.wait_running(1, 2, timeout=120, step=STEPS)  # each node past the first epoch
+    doc = cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=STEPS)  # each node past the first epoch
     assert all(n["step"] >= STEPS for n in members(doc)), doc
     assert cluster.wait_all(120) == [0, 0], cluster.logs()
     assert f"[rank 0] Epoch {EPOCHS}/{EPOCHS}" in cluster.logs()
@@ -55,7 +55,7 @@ def test_status_shows_each_nodes_step_and_the_job_completes(make_cluster: Cluste
 
 def test_killed_worker_restarts_the_set_from_the_checkpoint(make_cluster: ClusterFactory, tmp_path: Path) -> None:
     cluster = start(make_cluster, tmp_path)
-    doc = cluster.wait_running(1, 2, timeout=120, step=2 * STEPS + 2)  # two epochs saved
+    doc = cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=2 * STEPS + 2)  # two epochs saved
     kill(members(doc)[1]["worker_pid"])
     doc = cluster.wait_status(lambda d: d["generation"] >= 2, 60, "the restart after the kill")
     assert set(doc["restarts_by_reason"]) == {"worker_exit"}, doc
@@ -67,9 +67,9 @@ def test_hung_input_pipeline_is_caught_as_a_stall(make_cluster: ClusterFactory, 
     marker = tmp_path / "hung-once"
     # Batch 40 of a worker's pipeline: past the first epoch's save on either worker.
     cluster = start(make_cluster, tmp_path, env={"UNMODIFIED_HANG_AT": "40", "UNMODIFIED_HANG_MARKER": str(marker)})
-    cluster.wait_running(1, 2, timeout=120, step=1)
-    hung = wait_for(lambda: next((a for a in cluster.agents if "input pipeline: hanging" in a.log()), None), 120,
-                    "the input pipeline to hang")
+    cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=1)
+    hung = wait_for(lambda: next((a for a in cluster.agents if "input pipeline: hanging" in a.log()), None),
+                    TF_DEADLINE, "the input pipeline to hang")
     assert marker.exists()
     doc = cluster.wait_status(lambda d: d["generation"] >= 2, 60, "the restart after the stall")
     assert "stalled" in doc["restarts_by_reason"], doc
@@ -82,7 +82,8 @@ def test_hung_input_pipeline_is_caught_as_a_stall(make_cluster: ClusterFactory, 
 def test_without_instrumentation_the_script_runs_and_status_has_no_step(make_cluster: ClusterFactory,
                                                                         tmp_path: Path) -> None:
     cluster = start(make_cluster, tmp_path, extra=["--no-instrument"])
-    doc = cluster.wait_status(lambda d: d["state"] == "running" and len(trainer_pids(d)) == 2, 120, "2 trainers")
+    doc = cluster.wait_status(lambda d: d["state"] == "running" and len(trainer_pids(d)) == 2, TF_DEADLINE,
+                              "2 trainers")
     for pid in trainer_pids(doc):
         env = psutil.Process(pid).environ()
         assert SITE_DIR not in env.get("PYTHONPATH", "") and env.get(ENABLE_ENV) == "0"
