@@ -104,8 +104,11 @@ class EtcdCluster:
         with open(member.log, "ab") as log:
             member.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
-    def client(self, credentials: EtcdCredentials | None = None) -> EtcdClient:
-        return EtcdClient(self.target, credentials or self._credentials())
+    def client(self, credentials: EtcdCredentials | None = None, timeout: float | None = None) -> EtcdClient:
+        """A client of every member; `timeout` (default: the daemon's) bounds each call to one member."""
+        if timeout is None:
+            return EtcdClient(self.target, credentials or self._credentials())
+        return EtcdClient(self.target, credentials or self._credentials(), timeout=timeout)
 
     def healthy(self, members: list[Member] | None = None) -> bool:
         """Every given member (default: all) answers a linearizable read."""

@@ -189,17 +189,21 @@ def test_a_leader_keeps_its_lease_while_the_member_it_talks_to_is_frozen(tmp_pat
             return True
 
         async def scenario() -> None:
-            client, observer = cluster.client(), cluster.client()
+            # The observer is a witness, not the client under test: a generous timeout, and its channel to a
+            # member that keeps answering opened before the freeze (on a loaded machine a new channel's first
+            # linearizable read passed the daemon's 1.5 s, on each live member in turn).
+            client, observer = cluster.client(), cluster.client(timeout=10.0)
             try:
                 client._current = frozen  # the member the client talks to
+                observer._current = (frozen + 1) % 3
                 leader = await Election(client, "frozen", 2).campaign(LeaderInfo("a", "127.0.0.1:1", 0.0), yes)
                 keep_alive = asyncio.create_task(leader.keep_alive())
+                await observer.get(JobKeys("frozen").leader)
                 await asyncio.sleep(0.5)
                 cluster.kill(frozen, signal.SIGSTOP)
                 try:
                     await asyncio.sleep(6.0)  # three TTLs
                     assert not leader.lost.is_set()
-                    observer._current = (frozen + 1) % 3  # read from a member that answers
                     kv = await observer.get(JobKeys("frozen").leader)
                     assert kv is not None and LeaderInfo.from_json(kv.value).node == "a"  # type: ignore[union-attr]
                 finally:
