@@ -40,11 +40,22 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source = tmp_path_factory.mktemp("source") / "tfelastic"
     shutil.copytree(ROOT, source, ignore=NOT_SOURCE, symlinks=True)
     out = tmp_path_factory.mktemp("dist")
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(source)],
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-v", "-w", str(out), str(source)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
     (path,) = out.glob("tfelastic-*.whl")
+    path.with_suffix(".log").write_text(build.stdout + build.stderr)  # the build's own output, for its checks
     return path
+
+
+@pytest.mark.integration
+def test_the_build_warns_of_nothing_in_our_configuration(wheel: Path) -> None:
+    """setuptools' warnings about the project's own configuration (a folder shipped as package data that Python
+    can import, a deprecated key) print on every install: there must be none."""
+    log = wheel.with_suffix(".log").read_text()
+    warnings = [line.strip() for line in log.splitlines()
+                if re.search(r"(BuildBackend|SetuptoolsDeprecation|Setuptools)Warning", line)]
+    assert not warnings, "\n".join(warnings)
 
 
 @pytest.mark.integration
