@@ -75,7 +75,7 @@ class Deposed(Exception):
 
 
 class JobStore(Protocol):
-    """Where a coordinator keeps the job's state (daemon/etcd/store.py)."""
+    """Where a coordinator keeps the job's state: on etcd, `Leadership` (daemon/etcd/election.py)."""
 
     async def save(self, state: DurableState) -> None:
         """Raises StoreUnavailable or Deposed."""

@@ -59,3 +59,19 @@ def test_no_page_cites_an_internal_issue_number() -> None:
     offenders = [f"{page.relative_to(ROOT)}:{number}: {line.strip()}" for page in pages
                  for number, line in enumerate(_lines(page), 1) if ISSUE_NUMBER.search(line)]
     assert offenders == [], "\n".join(offenders)
+
+
+PROJECT_PATH = re.compile(r"(?<![\w./-])((?:daemon|trainer|tests|bench|systemd|monitoring|docs|examples|proto)/"
+                          r"[\w/.-]*\w\.(?:py|md|sh|service|toml|yml|yaml|json|proto))\b")
+# Made-up names that tests/unit/test_timings.py feeds its parser.
+SYNTHETIC_PATHS = {"tests/integration/test_a.py", "tests/unit/test_b.py"}
+
+
+def test_every_file_the_project_names_exists() -> None:
+    """A docstring, comment or page that names a file of this repository names one that exists (a renamed or
+    never-written module leaves a reader looking for it)."""
+    offenders = [f"{path.relative_to(ROOT)}:{number}: {named}"
+                 for path in project_files() for number, line in enumerate(_lines(path), 1)
+                 for named in PROJECT_PATH.findall(line)
+                 if named not in SYNTHETIC_PATHS and not (ROOT / named).exists()]
+    assert offenders == [], "\n".join(offenders)
