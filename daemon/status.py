@@ -10,6 +10,7 @@ from typing import Any
 
 from tfelastic.daemon.netutil import host_port
 from tfelastic.daemon.rendezvous.api import ClusterSnapshot, GoodputView, NodeSnapshot
+from tfelastic.daemon.rendezvous.roles import WORKER, Task
 
 SCHEMA_VERSION = 1
 
@@ -94,8 +95,16 @@ def _node_json(node: NodeSnapshot, now: float, wall: float) -> dict[str, Any]:
             "seconds_left": round(max(0.0, node.quarantined_until - now), 3),
             "until": round(wall + max(0.0, node.quarantined_until - now), 3)},
         "role": node.role or None,
+        **_task_json(node),
         "replacements": node.replacements,
     }
+
+
+def _task_json(node: NodeSnapshot) -> dict[str, Any]:
+    """Its task as TF_CONFIG names it: a parameter-server job's role split in two, a mirrored member a worker
+    whose index is its rank; None for both outside the generation."""
+    task = Task.parse(node.role) if node.role else (Task(WORKER, node.rank) if node.rank >= 0 else None)
+    return {"task_type": task.type if task else None, "task_index": task.index if task else None}
 
 
 def render_table(doc: dict[str, Any]) -> str:

@@ -45,6 +45,16 @@ class Task:
     def __str__(self) -> str:
         return f"{self.type} {self.index}" if self.type != CHIEF else CHIEF
 
+    @classmethod
+    def parse(cls, described: str) -> Task | None:
+        """The inverse of str(): "chief", "ps 0", "worker 1"; None for anything else ("" outside a job)."""
+        kind, _, index = described.partition(" ")
+        if kind == CHIEF and not index:
+            return cls(CHIEF, 0)
+        if kind in (PS, WORKER) and index.isdigit():
+            return cls(kind, int(index))
+        return None
+
 
 def task_of_rank(rank: int, ps_count: int) -> Task:
     """The task of a member of a parameter-server job from its rank (see the module docstring)."""

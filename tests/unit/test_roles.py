@@ -27,6 +27,16 @@ def test_rank_order_is_chief_then_ps_then_workers() -> None:
     assert [rank_of_task(t, 2) for t in tasks] == list(range(5))
 
 
+@pytest.mark.parametrize("task", [Task(CHIEF, 0), Task(PS, 0), Task(PS, 3), Task(WORKER, 0), Task(WORKER, 12)])
+def test_a_tasks_description_parses_back_to_it(task: Task) -> None:
+    assert Task.parse(str(task)) == task
+
+
+@pytest.mark.parametrize("described", ["", "chief 1", "ps", "worker x", "worker -1", "evaluator 0", "ps  0"])
+def test_anything_else_is_no_task(described: str) -> None:
+    assert Task.parse(described) is None
+
+
 def test_any_nodes_fill_in_the_given_order() -> None:
     got = assign([Candidate(n, Role.ANY) for n in "abcd"], ps_count=1, max_nodes=4)
     assert names(got) == [("a", "chief"), ("b", "ps 0"), ("c", "worker 0"), ("d", "worker 1")]

@@ -17,7 +17,7 @@ TOP_KEYS = ["schema_version", "job", "state", "reason", "generation", "world_siz
             "coordinator", "quarantines_by_kind", "goodput", "vacant"]
 NODE_KEYS = ["node_id", "rank", "address", "state", "worker_pid", "step", "loss", "last_checkpoint_step",
              "progress_age_seconds", "steps_per_second", "last_checkpoint_age_seconds", "gpus", "gpu_utilization",
-             "version", "quarantine", "role", "replacements"]
+             "version", "quarantine", "role", "task_type", "task_index", "replacements"]
 WALL = 1795000000.0
 
 
@@ -71,15 +71,18 @@ def test_status_to_json_has_exactly_the_documented_keys_and_values() -> None:
             {"node_id": "node-a", "rank": 0, "address": "10.0.0.1:2222", "state": "running", "worker_pid": 4242,
              "step": 120, "loss": 0.25, "last_checkpoint_step": 100, "progress_age_seconds": 1.235,
              "steps_per_second": 12.5, "last_checkpoint_age_seconds": 30.25, "gpus": 8, "gpu_utilization": 0.875,
-             "version": None, "quarantine": None, "role": None, "replacements": 0},
+             "version": None, "quarantine": None, "role": None, "task_type": "worker", "task_index": 0,
+             "replacements": 0},
             {"node_id": "node-b", "rank": 1, "address": "10.0.0.2:2223", "state": "running", "worker_pid": 4343,
              "step": 119, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": 0.5,
              "steps_per_second": 0.0, "last_checkpoint_age_seconds": None, "gpus": 0, "gpu_utilization": None,
-             "version": None, "quarantine": None, "role": None, "replacements": 0},
+             "version": None, "quarantine": None, "role": None, "task_type": "worker", "task_index": 1,
+             "replacements": 0},
             {"node_id": "spare", "rank": None, "address": "10.0.0.3:0", "state": "waiting", "worker_pid": None,
              "step": None, "loss": None, "last_checkpoint_step": None, "progress_age_seconds": None,
              "steps_per_second": None, "last_checkpoint_age_seconds": None, "gpus": 0, "gpu_utilization": None,
-             "version": None, "quarantine": None, "role": None, "replacements": 0},
+             "version": None, "quarantine": None, "role": None, "task_type": None, "task_index": None,
+             "replacements": 0},
         ],
         "warnings": [],
         "steps_redone": 0,
@@ -282,6 +285,7 @@ def test_a_parameter_server_job_shows_each_nodes_task_and_the_vacant_ones() -> N
     status.vacant.append("worker 1: node gpu2 lost (silent for 2.1s)")
     doc = to_json(status)
     assert [(n["role"], n["replacements"]) for n in doc["nodes"]] == [("chief", 0), ("ps 0", 0), ("worker 0", 3)]
+    assert [(n["task_type"], n["task_index"]) for n in doc["nodes"]] == [("chief", 0), ("ps", 0), ("worker", 0)]
     assert doc["vacant"] == ["worker 1: node gpu2 lost (silent for 2.1s)"]
     table = render_table(doc)
     assert "vacant: worker 1: node gpu2 lost (silent for 2.1s)" in table
