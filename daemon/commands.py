@@ -38,7 +38,7 @@ from tfelastic.daemon.preflight import (
     token_for,
 )
 from tfelastic.daemon.rendezvous.api import JobState
-from tfelastic.daemon.sdnotify import Notifier, journal_handler, run_notifying
+from tfelastic.daemon.sdnotify import Notifier, journal_handler, run_notifying, watchdog_pinging
 from tfelastic.daemon.serving import CoordinatorSetup
 from tfelastic.daemon.slurm import SlurmStep
 from tfelastic.daemon.version import describe
@@ -154,23 +154,30 @@ def run_coordinator(config: CoordinatorConfig) -> int:
 async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, registry: CollectorRegistry,
                        notifier: Notifier, *, lingers: bool) -> int:
     from tfelastic.daemon.rendezvous.bind import BindError
+    from tfelastic.daemon.rendezvous.host import CoordinatorHost
     from tfelastic.daemon.serving import start_coordinator
 
-    try:
-        host = await start_coordinator(setup, str(config.listen), registry)
-    except BindError as e:
-        raise ConfigError(f"--listen: {e}") from None
-    listening = f"listening on {host_port(config.listen.host, host.port)}"
-    logging.getLogger("tfelastic.coordinator").info("%s", listening)
-    notifier.ready(f"job {config.job}: {listening}")
-    failed = await host.wait_finished() is JobState.FAILED
-    notifier.stopping(f"job {config.job} {'failed' if failed else 'succeeded'}")
-    if lingers:  # let Prometheus scrape the verdict: the alerts tell a finished job from a dead daemon by it
-        stop = _stop_signalled()  # a stop ends the linger with the job's exit code, as for an elected coordinator
-        await first_of(host.wait_agents_gone(), stop.wait())
-        if not stop.is_set():
-            await first_of(stop.wait(), timeout=config.metrics.linger)
-    await host.close()
+    host: CoordinatorHost | None = None
+
+    def healthy(max_age: float) -> bool:  # before it serves, that the watchdog's task runs shows the loop turns
+        return host is None or host.healthy(max_age)
+
+    async with watchdog_pinging(notifier, healthy):
+        try:
+            host = await start_coordinator(setup, str(config.listen), registry)
+        except BindError as e:
+            raise ConfigError(f"--listen: {e}") from None
+        listening = f"listening on {host_port(config.listen.host, host.port)}"
+        logging.getLogger("tfelastic.coordinator").info("%s", listening)
+        notifier.ready(f"job {config.job}: {listening}")
+        failed = await host.wait_finished() is JobState.FAILED
+        notifier.stopping(f"job {config.job} {'failed' if failed else 'succeeded'}")
+        if lingers:  # let Prometheus scrape the verdict: the alerts tell a finished job from a dead daemon by it
+            stop = _stop_signalled()  # a stop ends the linger with the job's exit code, as for an elected one
+            await first_of(host.wait_agents_gone(), stop.wait())
+            if not stop.is_set():
+                await first_of(stop.wait(), timeout=config.metrics.linger)
+        await host.close()
     return ExitCode.FAILED if failed else ExitCode.SUCCEEDED
 
 
@@ -188,26 +195,27 @@ async def _serve_elected(config: CoordinatorConfig, setup: CoordinatorSetup, tar
     candidate = candidate_for(config.job, head_node, target=target, credentials=credentials,
                               lease_ttl=config.rendezvous.lease_ttl, registry=registry)
     election = candidate.election
-    try:  # wrong credentials or TLS settings: exit 78 now, not after join_timeout
-        await first_contact(election.client, election.leader, config.rendezvous.join_timeout)
-    except EtcdAuthError as e:
-        raise ConfigError(f"--etcd-password-file: {e}") from None
-    except EtcdTlsError as e:
-        raise ConfigError(str(e)) from None
-    except EtcdUnavailable as e:
-        raise OperatorError(str(e)) from None
-    stop = _stop_signalled()
-    logging.getLogger("tfelastic.coordinator").info("a candidate for job %s's coordinator on %s (etcd %s)",
-                                                    config.job, config.listen, target)
-    notifier.ready(f"job {config.job}: a candidate for its coordinator on {config.listen}")
-    try:
-        await candidate.run(stop)
-        recorded = await election.recorded_state() if candidate.finished.is_set() else None
-    except BadJobState as e:
-        logging.getLogger("tfelastic.coordinator").error("%s", e)
-        return ExitCode.CONFIG
-    finally:
-        await election.client.close()
+    async with watchdog_pinging(notifier, candidate.healthy):
+        try:  # wrong credentials or TLS settings: exit 78 now, not after join_timeout
+            await first_contact(election.client, election.leader, config.rendezvous.join_timeout)
+        except EtcdAuthError as e:
+            raise ConfigError(f"--etcd-password-file: {e}") from None
+        except EtcdTlsError as e:
+            raise ConfigError(str(e)) from None
+        except EtcdUnavailable as e:
+            raise OperatorError(str(e)) from None
+        stop = _stop_signalled()
+        logging.getLogger("tfelastic.coordinator").info("a candidate for job %s's coordinator on %s (etcd %s)",
+                                                        config.job, config.listen, target)
+        notifier.ready(f"job {config.job}: a candidate for its coordinator on {config.listen}")
+        try:
+            await candidate.run(stop)
+            recorded = await election.recorded_state() if candidate.finished.is_set() else None
+        except BadJobState as e:
+            logging.getLogger("tfelastic.coordinator").error("%s", e)
+            return ExitCode.CONFIG
+        finally:
+            await election.client.close()
     return ExitCode.FAILED if recorded is not None and recorded.state is JobState.FAILED else ExitCode.SUCCEEDED
 
 

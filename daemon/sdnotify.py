@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable, MutableMapping
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -114,9 +114,9 @@ def _watchdog_seconds(usec: str, pid: str) -> float | None:
 async def watchdog_loop(notifier: Notifier, healthy: Callable[[float], bool]) -> None:
     """Pings systemd's watchdog every quarter interval while ``healthy(max_age)`` holds.
 
-    It runs on the agent's event loop, so a blocked loop stops it, and ``healthy`` checks that the control loop
-    itself still turns (its tick is at most ``max_age``, half the interval, old). A wedged agent therefore stops
-    pinging, and systemd kills and restarts it one interval later.
+    It runs on the daemon's event loop, so a blocked loop stops it, and ``healthy`` checks that the control loop
+    itself still turns (the agent's tick, the coordinator's ticker, at most ``max_age``, half the interval, old). A
+    wedged daemon therefore stops pinging, and systemd kills and restarts it one interval later.
     """
     interval = notifier.watchdog_seconds
     if interval is None or not notifier.enabled:
@@ -132,7 +132,7 @@ async def watchdog_loop(notifier: Notifier, healthy: Callable[[float], bool]) ->
         elif not unhealthy:
             unhealthy = True
             log.error("the control loop has not ticked for over %gs; no watchdog ping, systemd will restart "
-                      "this agent if it does not recover within %gs", max_age, interval)
+                      "this daemon if it does not recover within %gs", max_age, interval)
         await asyncio.sleep(period)
 
 
@@ -178,16 +178,26 @@ async def run_notifying(agent: Supervised, notifier: Notifier, first_status: str
     agent.hooks.status = on_status
     agent.hooks.ready = notifier.ready
     notifier.status(first_status)
+    try:
+        async with watchdog_pinging(notifier, agent.control_loop_healthy):
+            return await agent.run()
+    finally:
+        notifier.close()
+
+
+@contextlib.asynccontextmanager
+async def watchdog_pinging(notifier: Notifier, healthy: Callable[[float], bool]) -> AsyncIterator[None]:
+    """The watchdog task (:func:`watchdog_loop`) on the running loop while the block runs, for the agent and the
+    standalone coordinator alike."""
     if notifier.watchdog_seconds is not None:
         faulthandler.enable(all_threads=True)  # a watchdog kill (SIGABRT) leaves every thread's stack in the log
-    pinger = asyncio.create_task(watchdog_loop(notifier, agent.control_loop_healthy))
+    pinger = asyncio.create_task(watchdog_loop(notifier, healthy))
     try:
-        return await agent.run()
+        yield
     finally:
         pinger.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await pinger
-        notifier.close()
 
 
 _PRIORITIES = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}

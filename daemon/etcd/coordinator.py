@@ -57,6 +57,11 @@ class ElectedCoordinator:
         self._lease: int | None = None  # a head node's registration lease, which its leader key shares
         self.finished = asyncio.Event()  # a job this process coordinated has ended
 
+    def healthy(self, max_age: float) -> bool:
+        """For systemd's watchdog: the coordinator it hosts, if any, fires its timers (a campaign has none: that the
+        watchdog's own task runs shows that the event loop turns)."""
+        return self.host is None or self.host.healthy(max_age)
+
     async def run(self, stop: asyncio.Event) -> None:
         """Campaigns and serves, term after term, until ``stop`` (or the end of a job it served). Raises
         BadJobState when the job's state in etcd is not one it can continue (after giving the lead up)."""

@@ -65,6 +65,10 @@ class CoordinatorHost:
     def connected(self) -> int:
         return self._servicer.connected
 
+    def healthy(self, max_age: float) -> bool:
+        """For systemd's watchdog: its timers fire (the ticker turned within ``max_age`` seconds)."""
+        return self._servicer.ticked_within(max_age)
+
     def on_close(self, callback: Callable[[], None]) -> None:
         """``callback`` runs once the coordinator has stopped serving (e.g. to unregister its metrics)."""
         self._closers.append(callback)

@@ -75,6 +75,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._sessions: dict[str, _Session] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._ticking = True  # False: the ticker ends at its next turn (a stop, a hand-over)
+        self._ticked_at = clock()  # the ticker's last turn, for systemd's watchdog
         self._timers_changed = asyncio.Event()
         self._assignment_template: pb.Assignment | None = None
         # What other threads (the /metrics server) may read: republished by the ticker, never mutated.
@@ -108,6 +109,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     def close_sessions(self, details: str) -> None:
         for session in self._sessions.values():
             session.outbox.put_nowait(_Close(grpc.StatusCode.UNAVAILABLE, details))
+
+    def ticked_within(self, max_age: float) -> bool:
+        """For systemd's watchdog: the ticker (node timeouts, heartbeats) turned within ``max_age`` seconds, or was
+        stopped on purpose (a hand-over, the end)."""
+        return not self._ticking or self._clock() - self._ticked_at <= max_age
 
     def _stop_ticking(self) -> None:
         self._ticking = False
@@ -374,6 +380,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         """Fire the state machine's timers when they are due, and send heartbeats; sleep in between."""
         next_heartbeat = 0.0
         while self._ticking:
+            self._ticked_at = self._clock()
             deadline = self.rendezvous.next_deadline()
             if deadline is not None and self._clock() >= deadline:
                 try:

@@ -72,7 +72,8 @@ class Hermetic:
 
     def show(self, unit: str) -> dict[str, str]:
         out = self.run("systemctl", "show", unit, "-p",
-                       "ActiveState,SubState,Result,NRestarts,MainPID,ExecMainStatus,StatusText").stdout
+                       "ActiveState,SubState,Result,NRestarts,MainPID,ExecMainStatus,StatusText,"
+                       "WatchdogTimestampMonotonic").stdout
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
     def journal(self, unit: str, *args: str) -> str:
@@ -124,7 +125,7 @@ def systemd_ns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hermetic]:
     try:
         ns.run("bash", str(INSTALL), "--prefix", sys.prefix)
         for unit, dropin in (("tfelastic@", _dropin(f"ReadWritePaths={STORAGE}", f"WatchdogSec={WATCHDOG_SECONDS}s")),
-                             ("tfelastic-coordinator@", _dropin())):
+                             ("tfelastic-coordinator@", _dropin(f"WatchdogSec={WATCHDOG_SECONDS}s"))):
             dropins = ns.root / f"etc/systemd/system/{unit}.service.d"
             dropins.mkdir()
             (dropins / "test.conf").write_text(dropin)
@@ -290,6 +291,7 @@ def test_the_coordinator_unit_serves_the_job_from_the_same_job_file(systemd_ns: 
     ns.wait_journal(unit, "Deactivated successfully")
     log = ns.wait_journal(head, "Deactivated successfully")  # the job is over: exit 0, no restart
     assert f"coordinator of job {job.name}" in log and "Scheduled restart job" not in log, log
+    assert "Watchdog timeout" not in log  # a healthy coordinator pings, through the job and its end
     assert "hosting the coordinator" not in ns.journal(unit)  # the agent joined the head node's
     assert [e["step"] for e in job.events() if e["event"] == "end"] == [40]
 
@@ -381,6 +383,35 @@ def test_watchdog_restarts_a_wedged_agent(systemd_ns: Hermetic, coordinator: int
     assert "Fatal Python error: Aborted" in log  # SIGABRT: faulthandler printed where the agent was
     ns.run("systemctl", "stop", unit)
     assert not unit_processes(node)
+
+
+def test_watchdog_restarts_a_wedged_coordinator(systemd_ns: Hermetic) -> None:
+    """The coordinator's unit has a watchdog as the agent's has: a coordinator whose loop no longer turns is
+    killed with its stacks in the journal and started again, and serves the job's endpoint again."""
+    ns = systemd_ns
+    job = Job(ns, free_port())
+    node = job.node_name()
+    job.add_node(node)  # the job file, which the coordinator reads; no agent
+    head = f"tfelastic-coordinator@{node}.service"
+    ns.run("systemctl", "start", head)
+    first = ns.show(head)
+    # systemd records each ping: a healthy coordinator pings while it serves (the unhealthy one would not)
+    def pinged(state: dict[str, str]) -> bool:
+        return state["WatchdogTimestampMonotonic"] != first["WatchdogTimestampMonotonic"] and \
+            (state["MainPID"], state["NRestarts"], state["ActiveState"]) == (first["MainPID"], "0", "active")
+
+    wait_for(lambda: pinged(ns.show(head)), WATCHDOG_SECONDS * 2, "a watchdog ping of the serving coordinator")
+    wedged = first["MainPID"]
+    ns.kill(wedged, signal.SIGSTOP)
+    wait_for(lambda: (s := ns.show(head))["NRestarts"] == "1" and s["ActiveState"] == "active", 60,
+             "the watchdog to catch the stopped coordinator, and systemd to start it again (READY)")
+    state = ns.show(head)
+    assert state["MainPID"] != wedged
+    assert state["StatusText"] == f"job {job.name}: listening on 127.0.0.1:{job.port}", state
+    log = ns.journal(head)
+    assert f"Watchdog timeout (limit {WATCHDOG_SECONDS}s)!" in log, log
+    assert "Fatal Python error: Aborted" in log, log  # SIGABRT: faulthandler printed where it was
+    ns.run("systemctl", "stop", head)
 
 
 @pytest.mark.parametrize(("job_keys", "message"), [

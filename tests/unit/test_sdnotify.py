@@ -12,7 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tfelastic.daemon.rendezvous.server import RendezvousServicer
 from tfelastic.daemon.sdnotify import JournalFormatter, Notifier, stderr_is_journal, watchdog_loop
+
+from tests.fakes import FakeClock
+from tests.unit.test_rendezvous_state import running
 
 
 @pytest.fixture
@@ -116,6 +120,31 @@ def test_watchdog_pings_only_while_the_control_loop_is_healthy(listener: tuple[s
     asyncio.run(main())
     assert received(sock) == ["READY=1", "WATCHDOG=1", "WATCHDOG=1"]  # none for the unhealthy round
     assert ages == [0.02, 0.02, 0.02]  # half the interval
+
+
+def test_a_coordinator_is_healthy_while_its_ticker_turns() -> None:
+    """The standalone coordinator's watchdog asks whether its ticker (node timeouts, heartbeats) turned lately; a
+    ticker stopped on purpose (a hand-over, the end of the job) is no fault."""
+    async def scenario() -> None:
+        clock = FakeClock()
+        servicer = RendezvousServicer(running(clock, ["a", "b"], max_nodes=2), clock, 0.5)
+        servicer.start()
+        try:
+            await asyncio.sleep(0)  # its first turn
+            assert servicer.ticked_within(15.0)
+            clock.now += 16.0  # time passes, the ticker does not turn
+            assert not servicer.ticked_within(15.0)
+            servicer._timers_changed.set()  # it wakes and turns
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert servicer.ticked_within(15.0)
+            servicer.stop_deciding()
+            clock.now += 100.0
+            assert servicer.ticked_within(15.0)
+        finally:
+            await servicer.stop()
+
+    asyncio.run(scenario())
 
 
 def test_watchdog_loop_returns_without_a_watchdog(listener: tuple[socket.socket, str]) -> None:
