@@ -36,6 +36,13 @@ MAX_RESTORABLE_STEPS = 64  # a Join's restorable_steps (agents send at most trai
 MAX_STEP = progress.MAX_STEP  # a training step (or examples), exact in every field and metric it reaches
 DIGEST_BYTES = 32  # SHA-256 of the trainer command
 
+# How much of a value from the network a log line or a reply shows (printable): enough to read it, never a flood.
+SHOWN_REASON_CHARS = 200  # a Leave's or an operator's reason
+SHOWN_DETAIL_CHARS = 300  # a WorkerReport's detail (an exit, a signal, the trainer's last error)
+SHOWN_CHECK_FAILURE_CHARS = 500  # what a node check found
+SHOWN_VALUE_CHARS = 32  # a bad enum value (a strategy, a role) quoted in a refusal
+SHOWN_STORED_VALUE_CHARS = 80  # a bad value read back from etcd
+
 NODE_ID_RULE = f"1-{MAX_NAME_CHARS} letters, digits, '.', '_', ':', '@' or '-', starting with a letter or digit"
 JOB_NAME_RULE = f"non-empty letters, digits, '-', '_' or '.' (at most {MAX_NAME_CHARS})"
 _NODE_ID = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:@-]{{0,{MAX_NAME_CHARS - 1}}}")
@@ -95,7 +102,7 @@ def strategy_problems(spec: api.JobSpec) -> list[Problem]:
     range; a mirrored job has no parameter servers."""
     strategies = [s.value for s in roles.Strategy]
     if spec.strategy not in strategies:
-        return [Problem("strategy", f"{printable(spec.strategy, 32)!r} is not one of {', '.join(strategies)}")]
+        return [Problem("strategy", f"{printable(spec.strategy, SHOWN_VALUE_CHARS)!r} is not one of {', '.join(strategies)}")]
     if not spec.parameter_server:
         if spec.ps:
             return [Problem("ps", f"{spec.ps} needs --strategy parameter-server (only such a job has parameter "
@@ -144,7 +151,7 @@ def validate_join(join: pb.Join) -> None:
     elif not all(0 <= step <= MAX_STEP for step in join.restorable_steps):
         problems.append(f"restorable_steps holds a step out of range 0..{MAX_STEP}")
     if join.role and join.role not in {r.value for r in roles.Role}:
-        problems.append(f"role {printable(join.role, 32)!r} is not one of {', '.join(r.value for r in roles.Role)}")
+        problems.append(f"role {printable(join.role, SHOWN_VALUE_CHARS)!r} is not one of {', '.join(r.value for r in roles.Role)}")
     if len(join.incarnation) > MAX_INCARNATION_CHARS:
         problems.append(f"incarnation has {len(join.incarnation)} characters, more than {MAX_INCARNATION_CHARS}")
     if not join.HasField("spec"):

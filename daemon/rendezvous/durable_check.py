@@ -47,7 +47,7 @@ class BadField(ValueError):
 
 def shown(value: object) -> str:
     """A value from etcd, made short and printable for a message."""
-    return bounds.printable(reprlib.repr(value), 80)
+    return bounds.printable(reprlib.repr(value), bounds.SHOWN_STORED_VALUE_CHARS)
 
 
 class Fields:

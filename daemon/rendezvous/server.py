@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from tfelastic.daemon.aio import within
 from tfelastic.daemon.netutil import host_port
-from tfelastic.daemon.rendezvous import api, convert
+from tfelastic.daemon.rendezvous import api, bounds, convert
 from tfelastic.daemon.rendezvous.bounds import printable
 from tfelastic.daemon.rendezvous.durable import JobStore
 from tfelastic.daemon.rendezvous.limits import LimitExceededError
@@ -172,8 +172,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.OperatorReply:
         drain = convert.drain_from_proto(request)
-        node_id = printable(drain.node_id, 128)
-        reason = printable(drain.reason, 200) or "drained by an operator"
+        node_id = printable(drain.node_id, bounds.MAX_NAME_CHARS)
+        reason = printable(drain.reason, bounds.SHOWN_REASON_CHARS) or "drained by an operator"
         await self._operator(context, lambda: self.rendezvous.drain(node_id, reason, force=drain.force))
         log.info("operator drains node %s (%s)", node_id, reason)
         return pb.OperatorReply(detail=f"node {node_id} is draining: its trainer checkpoints and stops, the node "
@@ -181,7 +181,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     async def RestartJob(self, request: pb.RestartJobRequest,
                          context: grpc.aio.ServicerContext[Any, Any]) -> pb.OperatorReply:
-        reason = printable(request.reason, 200) or "requested by an operator"
+        reason = printable(request.reason, bounds.SHOWN_REASON_CHARS) or "requested by an operator"
         told: list[str] = []
 
         def restart() -> list[api.Send]:
@@ -195,7 +195,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     async def Readmit(self, request: pb.ReadmitRequest,
                       context: grpc.aio.ServicerContext[Any, Any]) -> pb.OperatorReply:
-        node_id = printable(request.node_id, 128)
+        node_id = printable(request.node_id, bounds.MAX_NAME_CHARS)
         await self._operator(context, lambda: self.rendezvous.readmit(node_id))
         connected = node_id in self._sessions
         return pb.OperatorReply(detail=f"node {node_id} is readmitted: " + (
@@ -293,9 +293,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         node_id, rdzv = session.node_id, self.rendezvous
         rdzv.heartbeat(node_id)
         if isinstance(message, api.WorkerReport):
-            self._dispatch(rdzv.report(node_id, dataclasses.replace(message, detail=printable(message.detail, 300))))
+            self._dispatch(rdzv.report(node_id, dataclasses.replace(message, detail=printable(message.detail, bounds.SHOWN_DETAIL_CHARS))))
         elif isinstance(message, api.Leave):
-            reason = printable(message.reason, 200)
+            reason = printable(message.reason, bounds.SHOWN_REASON_CHARS)
             log.info("node %s leaves: %s", node_id, reason)
             self._dispatch(rdzv.leave(node_id, reason))
 
@@ -310,7 +310,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             self._replace_stale_session(join.node)
         sends = self.rendezvous.join(join.node, join.spec, rejoin=rejoin, restart_count=join.restart_count,
                                      attached_generation=join.attached_generation, checked=join.checked,
-                                     check_failure=printable(join.check_failure, 500))
+                                     check_failure=printable(join.check_failure, bounds.SHOWN_CHECK_FAILURE_CHARS))
         if not rejoin:
             session.node_id, session.incarnation = node_id, join.node.incarnation
             self._sessions[node_id] = session
