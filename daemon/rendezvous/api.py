@@ -268,6 +268,17 @@ class Evict:
 
 
 Order = Waiting | Assignment | StopWorkers | Finished | DrainNode | CheckNode | Evict
+
+
+@dataclass(frozen=True)
+class ProbeWorkerPort:
+    """For the coordinator's shell: try to reach a joining node's trainer port before its Join counts (the last
+    part of its node check, from this side); what failed becomes the Join's ``check_failure``."""
+
+    node_id: str
+    host: str
+    port: int
+    timeout: float  # the most the try may take, the wait for a free slot among other probes included
 CoordinatorMessage = Order | Heartbeat  # what an agent reads off its session (an Evict closes it instead)
 
 

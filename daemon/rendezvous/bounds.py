@@ -102,7 +102,8 @@ def strategy_problems(spec: api.JobSpec) -> list[Problem]:
     range; a mirrored job has no parameter servers."""
     strategies = [s.value for s in roles.Strategy]
     if spec.strategy not in strategies:
-        return [Problem("strategy", f"{printable(spec.strategy, SHOWN_VALUE_CHARS)!r} is not one of {', '.join(strategies)}")]
+        shown = printable(spec.strategy, SHOWN_VALUE_CHARS)
+        return [Problem("strategy", f"{shown!r} is not one of {', '.join(strategies)}")]
     if not spec.parameter_server:
         if spec.ps:
             return [Problem("ps", f"{spec.ps} needs --strategy parameter-server (only such a job has parameter "
@@ -151,7 +152,8 @@ def validate_join(join: pb.Join) -> None:
     elif not all(0 <= step <= MAX_STEP for step in join.restorable_steps):
         problems.append(f"restorable_steps holds a step out of range 0..{MAX_STEP}")
     if join.role and join.role not in {r.value for r in roles.Role}:
-        problems.append(f"role {printable(join.role, SHOWN_VALUE_CHARS)!r} is not one of {', '.join(r.value for r in roles.Role)}")
+        shown = printable(join.role, SHOWN_VALUE_CHARS)
+        problems.append(f"role {shown!r} is not one of {', '.join(r.value for r in roles.Role)}")
     if len(join.incarnation) > MAX_INCARNATION_CHARS:
         problems.append(f"incarnation has {len(join.incarnation)} characters, more than {MAX_INCARNATION_CHARS}")
     if not join.HasField("spec"):

@@ -25,6 +25,7 @@ from tfelastic.daemon.rendezvous.bounds import printable
 from tfelastic.daemon.rendezvous.durable import JobStore
 from tfelastic.daemon.rendezvous.limits import LimitExceededError
 from tfelastic.daemon.rendezvous.persistence import Persistence
+from tfelastic.daemon.rendezvous.snapshot import while_unrecorded
 from tfelastic.daemon.rendezvous.state import Clock, Rendezvous
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
@@ -32,7 +33,6 @@ from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
 log = logging.getLogger("tfelastic.coordinator")
 
 SERVICE_NAME = "tfelastic.v1.Rendezvous"
-PROBE_SECONDS = 3.0  # the most the coordinator tries to reach a checked node's trainer port
 MIN_PROBE_SECONDS = 0.2  # below this (a job whose liveness timing leaves no room) no probe is tried
 MAX_PROBES = 32  # at once, for the whole coordinator: each may resolve a name on the default thread pool
 
@@ -60,7 +60,6 @@ class _Session:
     peer: str
     outbox: asyncio.Queue[pb.CoordinatorMessage | _Close] = field(default_factory=asyncio.Queue)
     node_id: str = ""
-    incarnation: str = ""
 
 
 class RendezvousServicer(pb_grpc.RendezvousServicer):
@@ -162,13 +161,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         """The job now, with who serves it, and what waits for etcd."""
         snap = dataclasses.replace(self.rendezvous.snapshot(), coordinator=self.info)
         persistence = self.persistence
-        if persistence is None or not persistence.problem or not persistence.holding:
+        if persistence is None:
             return snap
-        waiting = f"waiting for etcd to record the job's state ({persistence.problem})"
-        if persistence.holding_assignments:  # formed, but not one worker may start before it is recorded
-            return dataclasses.replace(snap, state=api.JobState.WAITING,
-                                       reason=f"generation {snap.generation} formed; {waiting}")
-        return dataclasses.replace(snap, reason=f"{snap.reason}; {waiting}" if snap.reason else waiting)
+        return while_unrecorded(snap, persistence.problem, holding=persistence.holding,
+                                holding_assignments=persistence.holding_assignments)
 
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.OperatorReply:
         drain = convert.drain_from_proto(request)
@@ -217,8 +213,12 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     async def _read(self, requests: AsyncIterator[pb.AgentMessage], session: _Session) -> None:
         try:
-            async for message in requests:
-                unreachable = await self._probe(message.join) if self._probes_join(message) else ""
+            async for wire in requests:
+                if not session.node_id and not wire.HasField("join"):
+                    raise api.ProtocolError("the first message of a session must be a Join")
+                message = convert.agent_message_from_proto(wire, self._clock())
+                probe = self.rendezvous.probe_for(message) if isinstance(message, api.Join) else None
+                unreachable = await self._probe(probe) if probe is not None else ""
                 self._handle(session, message, unreachable)
         except api.RendezvousError as e:
             log.warning("refused %s (%s): %s", session.node_id or session.peer, type(e).__name__, e)
@@ -233,58 +233,41 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         # The agent closed its side: the session is over.
         session.outbox.put_nowait(_Close(grpc.StatusCode.OK, "session closed by the agent"))
 
-    def _probes_join(self, message: pb.AgentMessage) -> bool:
-        """A checked Join that passed the agent's own checks, of a job that would take it: the others are
-        refused, or quarantined already, without a connection made on their behalf."""
-        if not message.HasField("join") or not message.join.checked or message.join.check_failure:
-            return False
-        rdzv = self.rendezvous
-        return rdzv.settings.probe_nodes and not rdzv.state.is_terminal and (rdzv.spec is None or
-                                               not rdzv.spec.differences(convert.spec_from_proto(message.join.spec)))
-
-    async def _probe(self, join: pb.Join) -> str:
-        """The last part of a node check, from this side: can this coordinator reach the node's trainer port?
-        The agent listens there until the Join is answered, so a firewall or a dead NIC shows up as a quarantine
-        that names the address, not as a TensorFlow start-up that hangs. Returns what failed ("" if nothing).
-
-        The session's reader waits for it, so it must end well before either side's liveness timeout: the agent
-        hears nothing on a session whose Join is unanswered, and fences after node_timeout - heartbeat."""
-        spec = join.spec
-        timeout = min(PROBE_SECONDS, (spec.node_timeout_seconds - spec.heartbeat_interval_seconds) / 2)
-        deadline = asyncio.get_running_loop().time() + timeout
+    async def _probe(self, probe: api.ProbeWorkerPort) -> str:
+        """Tries to reach the node's trainer port, where its agent listens until the Join is answered, so that a
+        firewall or a dead NIC shows up as a quarantine that names the address, not as a TensorFlow start-up that
+        hangs. Returns what failed ("" if nothing, or if no try fitted in its time)."""
+        deadline = asyncio.get_running_loop().time() + probe.timeout
         try:  # the wait for a slot counts against the same deadline: many probes at once must not add up
-            await asyncio.wait_for(self._probes.acquire(), timeout)
+            await asyncio.wait_for(self._probes.acquire(), probe.timeout)
         except asyncio.TimeoutError:
-            log.warning("no probe of %s: %d others are under way", join.node_id, MAX_PROBES)
+            log.warning("no probe of %s: %d others are under way", probe.node_id, MAX_PROBES)
             return ""
         try:
             left = deadline - asyncio.get_running_loop().time()
-            return "" if left < MIN_PROBE_SECONDS else await self._connect(join, left)
+            return "" if left < MIN_PROBE_SECONDS else await self._connect(probe, left)
         finally:
             self._probes.release()
 
     @staticmethod
-    async def _connect(join: pb.Join, timeout: float) -> str:
-        address = host_port(join.host, join.worker_port)
+    async def _connect(probe: api.ProbeWorkerPort, timeout: float) -> str:
+        address = host_port(probe.host, probe.port)
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(join.host, join.worker_port), timeout)
+            _, writer = await asyncio.wait_for(asyncio.open_connection(probe.host, probe.port), timeout)
         except (OSError, asyncio.TimeoutError) as e:
             problem = f"no answer within {timeout:.2g}s" if isinstance(e, asyncio.TimeoutError) \
                 else (e.strerror or str(e))
-            return f"{join.node_id} cannot be reached at {address} from the coordinator: {problem} (a " \
+            return f"{probe.node_id} cannot be reached at {address} from the coordinator: {problem} (a " \
                    "firewall, a dead NIC, or a wrong --advertise-address?)"
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
         return ""
 
-    def _handle(self, session: _Session, wire: pb.AgentMessage, unreachable: str = "") -> None:
-        """``wire`` is within bounds: the guard checked it (bounds.check_message) before it got here."""
+    def _handle(self, session: _Session, message: api.AgentMessage, unreachable: str = "") -> None:
+        """``message`` came within bounds: the guard checked its wire form (bounds.check_message) first."""
         if not self._deciding:
             return  # handed over: the agent tells the successor again
-        if not session.node_id and not wire.HasField("join"):
-            raise api.ProtocolError("the first message of a session must be a Join")
-        message = convert.agent_message_from_proto(wire, self._clock())
         if isinstance(message, api.Join):
             self._join(session, dataclasses.replace(message, check_failure=unreachable) if unreachable else message)
             return
@@ -293,7 +276,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         node_id, rdzv = session.node_id, self.rendezvous
         rdzv.heartbeat(node_id)
         if isinstance(message, api.WorkerReport):
-            self._dispatch(rdzv.report(node_id, dataclasses.replace(message, detail=printable(message.detail, bounds.SHOWN_DETAIL_CHARS))))
+            detail = printable(message.detail, bounds.SHOWN_DETAIL_CHARS)
+            self._dispatch(rdzv.report(node_id, dataclasses.replace(message, detail=detail)))
         elif isinstance(message, api.Leave):
             reason = printable(message.reason, bounds.SHOWN_REASON_CHARS)
             log.info("node %s leaves: %s", node_id, reason)
@@ -306,28 +290,18 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         if session.node_id and self._sessions.get(session.node_id) is not session:
             return  # evicted or replaced
         rejoin = bool(session.node_id)
-        if not rejoin:
-            self._replace_stale_session(join.node)
         sends = self.rendezvous.join(join.node, join.spec, rejoin=rejoin, restart_count=join.restart_count,
                                      attached_generation=join.attached_generation, checked=join.checked,
                                      check_failure=printable(join.check_failure, bounds.SHOWN_CHECK_FAILURE_CHARS))
-        if not rejoin:
-            session.node_id, session.incarnation = node_id, join.node.incarnation
+        if not rejoin:  # taken in on this session: one the node had before is over (the core counted it lost)
+            replaced = self._sessions.get(node_id)
+            if replaced is not None:
+                replaced.outbox.put_nowait(_Close(grpc.StatusCode.UNAVAILABLE,
+                                                  f"replaced by a newer session of node {node_id}"))
+            session.node_id = node_id
             self._sessions[node_id] = session
             log.info("node %s joined from %s", node_id, session.peer)
         self._dispatch(sends)
-
-    def _replace_stale_session(self, node: api.NodeInfo) -> None:
-        """The same agent process reconnecting (it gave up on its old stream before we noticed) replaces its
-        old session; that counts as the node lost and found again. Another process with the node's id does not:
-        the state machine refuses it as a duplicate."""
-        old = self._sessions.get(node.node_id)
-        if old is None or not node.incarnation or old.incarnation != node.incarnation:
-            return
-        log.info("node %s reconnected; closing its previous session", node.node_id)
-        del self._sessions[node.node_id]
-        old.outbox.put_nowait(_Close(grpc.StatusCode.UNAVAILABLE, "replaced by a newer session of this agent"))
-        self._dispatch(self.rendezvous.disconnect(node.node_id))
 
     def _end(self, session: _Session) -> None:
         if session.node_id and self._sessions.get(session.node_id) is session:

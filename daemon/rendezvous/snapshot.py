@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
-from tfelastic.daemon.rendezvous.api import ClusterSnapshot, GenerationSummary, GoodputView, NodeSnapshot, NodeState
+from tfelastic.daemon.rendezvous.api import (
+    ClusterSnapshot,
+    GenerationSummary,
+    GoodputView,
+    JobState,
+    NodeSnapshot,
+    NodeState,
+)
 
 if TYPE_CHECKING:
     from tfelastic.daemon.rendezvous.rounds import RoundKeeper
@@ -56,3 +64,17 @@ def _node(rv: RoundKeeper, node_id: str) -> NodeSnapshot:
         node.progress, node.gpus, node.gpu_utilization, held.reason if held else "",
         held.until if held else None, held.kind if held else "", node.info.version,
         rv.tasks.described(node_id) if rank >= 0 and rank_shown(rv) else "", rv.tasks.replacements[node_id])
+
+
+def while_unrecorded(snap: ClusterSnapshot, problem: str, *, holding: bool,
+                     holding_assignments: bool) -> ClusterSnapshot:
+    """The job as status shows it while etcd has not recorded what the coordinator decided (``problem``: why it
+    could not, "" when it could; ``holding``: orders wait for it). A generation formed but held is WAITING: not
+    one of its workers may start before it is recorded."""
+    if not problem or not holding:
+        return snap
+    waiting = f"waiting for etcd to record the job's state ({problem})"
+    if holding_assignments:
+        formed = f"generation {snap.generation} formed"
+        return dataclasses.replace(snap, state=JobState.WAITING, reason=f"{formed}; {waiting}")
+    return dataclasses.replace(snap, reason=f"{snap.reason}; {waiting}" if snap.reason else waiting)

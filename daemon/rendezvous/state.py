@@ -20,10 +20,12 @@ from tfelastic.daemon.rendezvous.api import (
     JobClosedError,
     JobSpec,
     JobState,
+    Join,
     Member,
     NodeInfo,
     NodeState,
     OperatorRefusedError,
+    ProbeWorkerPort,
     ProtocolError,
     ProtocolVersionError,
     RendezvousSettings,
@@ -46,6 +48,7 @@ log = logging.getLogger("tfelastic.coordinator")
 __all__ = ["Clock", "Rendezvous"]
 
 RESTART_ABSORB_SECONDS = 10.0  # an operator's restart this soon after another is absorbed into it
+PROBE_SECONDS = 3.0  # the most the coordinator tries to reach a checked node's trainer port
 
 
 class Rendezvous(RoundKeeper):
@@ -54,6 +57,22 @@ class Rendezvous(RoundKeeper):
         self._operator_restart: tuple[float, int, str] | None = None  # when, from which generation, why
 
     # ----------------------------------------------------------------------------------------------- inputs
+
+    def probe_for(self, join: Join) -> ProbeWorkerPort | None:
+        """Whether to try to reach a joining node's trainer port before its Join counts: a checked Join that passed
+        the agent's own checks, of a job that would take it (the others are refused, or set aside already,
+        without a connection made on their behalf).
+
+        The session waits for the probe, so it must end well before either side's liveness timeout: the agent
+        hears nothing on a session whose Join is unanswered, and fences after node_timeout - heartbeat."""
+        if not (join.checked and not join.check_failure and self.settings.probe_nodes) or self.state.is_terminal:
+            return None
+        spec = join.spec
+        if self.spec is not None and self.spec.differences(spec):
+            return None
+        timeout = min(PROBE_SECONDS, (spec.node_timeout_seconds - spec.heartbeat_interval_seconds) / 2)
+        node = join.node
+        return ProbeWorkerPort(node.node_id, node.host, node.worker_port, timeout)
 
     def join(self, info: NodeInfo, spec: JobSpec, *, restart_count: int = 0, rejoin: bool = False,
              attached_generation: int = 0, checked: bool = False, check_failure: str = "") -> list[Send]:
@@ -76,14 +95,16 @@ class Rendezvous(RoundKeeper):
                 return [Send(info.node_id, Finished(self.state, self.reason))]
             raise JobClosedError(f"job {self._job_name()!r} has already {self.state.value}: {self.reason}")
         self._check_spec(spec)
+        lost = [] if rejoin else self._reconnected(info)
+        if self.state.is_terminal:  # its old session's loss ended the job
+            return [*lost, Send(info.node_id, Finished(self.state, self.reason))]
         now = self._clock()
         existing = self.nodes.get(info.node_id)
         if attached_generation and not rejoin:
-            return self._attach(info, existing, attached_generation, now)
-        lost: list[Send] = []
+            return lost + self._attach(info, existing, attached_generation, now)
         if existing is not None and existing.restored and not rejoin:  # it comes back without its worker
             self.nodes.remove(info.node_id)
-            lost = self._lost(info.node_id, existing, "its worker did not survive the coordinator's failover")
+            lost += self._lost(info.node_id, existing, "its worker did not survive the coordinator's failover")
             existing = None
         if existing is not None and not rejoin:
             raise DuplicateNodeError(
@@ -101,6 +122,17 @@ class Rendezvous(RoundKeeper):
         self.drained.discard(info.node_id)
         held = self._admission(info.node_id, checked, check_failure, now)
         return lost + (held if held is not None else self._after_join(info.node_id, now))
+
+    def _reconnected(self, info: NodeInfo) -> list[Send]:
+        """A Join on a new session from the same agent process as a member's (its incarnation): it gave up on its
+        old stream before the coordinator noticed. That counts as the node lost and found again; the shell closes
+        the old session. Another process with the node's id is a duplicate, refused below; a member restored from
+        etcd has no session here, and is handled below."""
+        member = self.nodes.get(info.node_id)
+        if member is None or member.restored or not info.incarnation or member.info.incarnation != info.incarnation:
+            return []
+        log.info("node %s reconnected on a new session", info.node_id)
+        return self.disconnect(info.node_id)
 
     def _admission(self, node_id: str, checked: bool, failure: str, now: float) -> list[Send] | None:
         """None: the joining node may take part. Otherwise it is (now, or still) quarantined: the orders."""

@@ -4,11 +4,12 @@ etcd's three answers: written, unavailable (no quorum), refused (another leader)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 from collections.abc import Sequence
 
 import pytest
-from tfelastic.daemon.rendezvous import convert, persistence
+from tfelastic.daemon.rendezvous import persistence
 from tfelastic.daemon.rendezvous.api import (
     Assignment,
     JobState,
@@ -22,6 +23,7 @@ from tfelastic.daemon.rendezvous.durable import Deposed, DurableState, StoreUnav
 from tfelastic.daemon.rendezvous.host import create_server
 from tfelastic.daemon.rendezvous.persistence import Persistence
 from tfelastic.daemon.rendezvous.server import RendezvousServicer, _Session
+from tfelastic.daemon.rendezvous.snapshot import while_unrecorded
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 
 from tests.fakes import FakeClock
@@ -229,7 +231,7 @@ def test_a_coordinator_that_handed_the_job_over_decides_nothing_more() -> None:
         written = len(store.saved)
         for node, session in sessions.items():  # the two rejoins that would form generation 2
             join = Join(info(node, last_generation=1), rv.spec or SPEC)
-            servicer._handle(session, convert.agent_message_to_proto(join, clock()))
+            servicer._handle(session, join)
         servicer._end(sessions["a"])
         await settle()
         assert rv.generation == 1 and len(store.saved) == written
@@ -263,3 +265,25 @@ def test_a_write_that_fails_with_a_bug_deposes_the_coordinator_and_its_server_st
             socket.create_connection(("127.0.0.1", host.port), timeout=2).close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("problem", "holding", "holding_assignments", "state", "reason"), [
+    ("", False, False, JobState.RUNNING, "scaled"),  # recorded: the job as it is
+    ("no quorum", False, False, JobState.RUNNING, "scaled"),  # etcd failing, but nothing waits for it
+    ("no quorum", True, False, JobState.RUNNING, "scaled; waiting for etcd to record the job's state (no quorum)"),
+    ("no quorum", True, True, JobState.WAITING,
+     "generation 3 formed; waiting for etcd to record the job's state (no quorum)"),  # no worker may start yet
+])
+def test_status_says_what_waits_for_etcd(problem: str, holding: bool, holding_assignments: bool,
+                                         state: JobState, reason: str) -> None:
+    snap = dataclasses.replace(running(FakeClock(), ["a", "b"], max_nodes=2).snapshot(), generation=3,
+                               reason="scaled")
+    shown = while_unrecorded(snap, problem, holding=holding, holding_assignments=holding_assignments)
+    assert (shown.state, shown.reason) == (state, reason)
+    assert dataclasses.replace(shown, state=snap.state, reason=snap.reason) == snap  # nothing else changes
+
+
+def test_without_a_reason_status_says_only_what_waits() -> None:
+    snap = dataclasses.replace(running(FakeClock(), ["a", "b"], max_nodes=2).snapshot(), reason="")
+    shown = while_unrecorded(snap, "etcd unreachable", holding=True, holding_assignments=False)
+    assert shown.reason == "waiting for etcd to record the job's state (etcd unreachable)"

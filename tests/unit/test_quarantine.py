@@ -12,14 +12,18 @@ import pytest
 from tfelastic.daemon.rendezvous.api import (
     CheckNode,
     DrainNode,
+    JobSpec,
     JobState,
+    Join,
+    NodeInfo,
     NodeState,
     OperatorRefusedError,
+    ProbeWorkerPort,
     RestartReason,
     Send,
 )
 from tfelastic.daemon.rendezvous.durable import DurableState
-from tfelastic.daemon.rendezvous.state import Rendezvous
+from tfelastic.daemon.rendezvous.state import PROBE_SECONDS, Rendezvous
 
 from tests.fakes import FakeClock
 from tests.unit.test_rendezvous_state import (
@@ -318,6 +322,10 @@ def test_a_node_readmitted_while_away_is_checked_when_it_comes_back() -> None:
     assert checked(rv, "c", again=False) == waiting("c", 1, SCALE_UP)  # its agent's first Join carries a check
 
 
+def _checked_join(node_id: str, job_spec: JobSpec, *, checked: bool = True, failure: str = "") -> Join:
+    return Join(NodeInfo(node_id, "10.0.0.3", 2222), job_spec, checked=checked, check_failure=failure)
+
+
 @pytest.mark.parametrize(("probe_nodes", "checked", "failure", "probed"), [
     (True, True, "", True),
     (True, False, "", False),  # no check, no listener: nothing to reach
@@ -325,31 +333,27 @@ def test_a_node_readmitted_while_away_is_checked_when_it_comes_back() -> None:
     (False, True, "", False),  # --no-node-probe
 ])
 def test_which_joins_the_coordinator_probes(probe_nodes: bool, checked: bool, failure: str, probed: bool) -> None:
-    from tfelastic.daemon.rendezvous import convert
-    from tfelastic.daemon.rendezvous.server import RendezvousServicer
-    from tfelastic.daemon.rpc import rendezvous_pb2 as pb
-
     clock = FakeClock()
-    settings = dataclasses.replace(SETTINGS, probe_nodes=probe_nodes)
-    servicer = RendezvousServicer(Rendezvous(settings, clock, spec()), clock, 0.5)
-    join = pb.Join(node_id="c", spec=convert.spec_to_proto(spec()), host="10.0.0.3", worker_port=2222,
-                   checked=checked, check_failure=failure)
-    assert servicer._probes_join(pb.AgentMessage(join=join)) is probed
-    other_job = pb.Join(node_id="c", spec=convert.spec_to_proto(spec(job="other")), host="10.0.0.3",
-                        worker_port=2222, checked=True)
-    assert servicer._probes_join(pb.AgentMessage(join=other_job)) is False  # refused anyway: no connection for it
+    rv = Rendezvous(dataclasses.replace(SETTINGS, probe_nodes=probe_nodes), clock, spec())
+    probe = rv.probe_for(_checked_join("c", spec(), checked=checked, failure=failure))
+    assert (probe.node_id, probe.host, probe.port) == ("c", "10.0.0.3", 2222) if probe else not probed
+    assert (probe is not None) is probed
+    assert rv.probe_for(_checked_join("c", spec(job="other"))) is None  # refused anyway: no connection for it
+
+
+@pytest.mark.parametrize(("node_timeout", "heartbeat", "timeout"), [(2.0, 0.5, 0.75), (30.0, 1.0, PROBE_SECONDS)])
+def test_a_probe_ends_well_within_the_liveness_timeout(node_timeout: float, heartbeat: float, timeout: float) -> None:
+    """The session waits for the probe, and the agent fences after node_timeout - heartbeat without an answer."""
+    timing = dataclasses.replace(spec(), node_timeout_seconds=node_timeout, heartbeat_interval_seconds=heartbeat)
+    assert rv_probe(timing) == ProbeWorkerPort("c", "10.0.0.3", 2222, timeout)
+
+
+def rv_probe(job_spec: JobSpec) -> ProbeWorkerPort | None:
+    return Rendezvous(SETTINGS, FakeClock()).probe_for(_checked_join("c", job_spec))
 
 
 def test_a_standalone_coordinator_probes_its_first_join_but_not_after_the_verdict() -> None:
-    from tfelastic.daemon.rendezvous import convert
-    from tfelastic.daemon.rendezvous.server import RendezvousServicer
-    from tfelastic.daemon.rpc import rendezvous_pb2 as pb
-
-    clock = FakeClock()
-    rv = Rendezvous(SETTINGS, clock)  # no spec until the first Join brings one
-    servicer = RendezvousServicer(rv, clock, 0.5)
-    message = pb.AgentMessage(join=pb.Join(node_id="a", spec=convert.spec_to_proto(spec()), host="10.0.0.1",
-                                           worker_port=2222, checked=True))
-    assert servicer._probes_join(message)
+    rv = Rendezvous(SETTINGS, FakeClock())  # no spec until the first Join brings one
+    assert rv.probe_for(_checked_join("a", spec())) is not None
     rv.state = JobState.SUCCEEDED
-    assert not servicer._probes_join(message)
+    assert rv.probe_for(_checked_join("a", spec())) is None

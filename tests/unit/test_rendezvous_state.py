@@ -381,6 +381,46 @@ def test_duplicate_node_id_on_a_new_session_is_refused() -> None:
     assert join(rv, "b") == waiting("b", 2)
 
 
+def _formed_with_incarnations(clock: FakeClock, ids: Sequence[str], **changes: Any) -> Rendezvous:
+    """A running first generation whose agents name their process (incarnation ``inc-<id>``), as real ones do."""
+    rv = new(clock, **changes)
+    for n in ids:
+        rv.join(info(n, incarnation=f"inc-{n}"), rv.spec or SPEC)
+    if state_of(rv) is not JobState.RUNNING:
+        at(clock, rv, clock.now + SETTINGS.last_call_seconds)
+        rv.tick()
+    assert state_of(rv) is JobState.RUNNING and rv.generation == 1
+    return rv
+
+
+def test_the_same_agent_on_a_new_session_replaces_its_old_one() -> None:
+    """An agent that gave up on its stream before the coordinator noticed joins again from the same process: that
+    counts as the node lost (the others stop) and found again, not as a duplicate."""
+    clock = FakeClock()
+    rv = _formed_with_incarnations(clock, ["a", "b"], max_nodes=2)
+    sends = rv.join(info("a", incarnation="inc-a", last_generation=1, last_rank=0), rv.spec or SPEC)
+    assert Send("b", StopWorkers(1, RestartReason.NODE_LOST)) in sends
+    assert rv.restarts.by_reason == {RestartReason.NODE_LOST.value: 1}
+    assert {n.node_id: n.state for n in rv.snapshot().nodes}["a"] is NodeState.WAITING
+
+
+def test_another_process_with_a_members_id_is_a_duplicate() -> None:
+    clock = FakeClock()
+    rv = _formed_with_incarnations(clock, ["a", "b"], max_nodes=2)
+    with pytest.raises(DuplicateNodeError, match=r"'a'.*--node-id"):
+        rv.join(info("a", incarnation="another-process"), rv.spec or SPEC)
+    assert state_of(rv) is JobState.RUNNING and rv.restarts.total == 0
+
+
+def test_a_reconnection_that_spends_the_last_restart_tells_the_node_the_verdict() -> None:
+    clock = FakeClock()
+    rv = _formed_with_incarnations(clock, ["a", "b"], max_nodes=2, max_restarts=0)
+    sends = rv.join(info("a", incarnation="inc-a", last_generation=1, last_rank=0), rv.spec or SPEC)
+    assert state_of(rv) is JobState.FAILED
+    assert sends[-1] == Send("a", Finished(JobState.FAILED, rv.reason))
+    assert Send("b", Finished(JobState.FAILED, rv.reason)) in sends
+
+
 @pytest.mark.parametrize("state", [JobState.SUCCEEDED, JobState.FAILED])
 def test_join_after_the_job_finished_is_refused(state: JobState) -> None:
     clock = FakeClock()
