@@ -1,6 +1,7 @@
 """The import contract: docs/design.md's package map is the order of the layers, and the code follows it. Every
-module of the two packages is in exactly one row, and a module imports only from its own row and the rows above
-it. Read from the source (``ast``), so that an import inside a function counts too."""
+module of the two packages is in exactly one layer (a row below), a module imports only from its own layer and
+the layers above it, and the daemon's layers go base, logic, I/O, so that a pure core cannot import I/O code. Read
+from the source (``ast``), so that an import inside a function counts too."""
 
 from __future__ import annotations
 
@@ -16,11 +17,29 @@ PACKAGES = {"daemon": "daemon", "trainer": "trainer"}  # module prefix (under tf
 TYPING_ONLY = "TYPE_CHECKING"
 
 
-def read_layers(design: str) -> list[list[str]]:
-    """The package map's rows, lowest first: each a list of module names or patterns (``daemon.rpc.*``)."""
+LAYER = re.compile(r"^### (?P<name>.+) \((?P<kind>trainer|base|logic|I/O)\)$", re.MULTILINE)
+KIND_ORDER = ("base", "logic", "I/O")  # a daemon layer of a kind sits above every layer of a later kind
+
+
+def read_map(design: str) -> list[tuple[str, str, list[str]]]:
+    """The package map's layers, lowest first: (name, kind, the module names or patterns, ``daemon.rpc.*``, of its
+    lines ``- `module`: what it owns``)."""
     section = design.split("## Package map", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ") and "`" in line.split("|")[2]]
-    return [re.findall(r"`([\w.*]+)`", row.split("|")[2]) for row in rows]
+    heads = list(LAYER.finditer(section))
+    bodies = [section[h.end():after.start() if after else None] for h, after in zip(heads, [*heads[1:], None])]
+    return [(h["name"], h["kind"], re.findall(r"^- `([\w.*]+)`", body, re.MULTILINE)) for h, body in zip(heads, bodies)]
+
+
+def read_layers(design: str) -> list[list[str]]:
+    """The package map's layers, lowest first: each a list of module names or patterns."""
+    return [modules for _, _, modules in read_map(design)]
+
+
+def order_problems(layers: list[tuple[str, str, list[str]]]) -> list[str]:
+    """The daemon's layers out of the order base, logic, I/O: a pure layer below an I/O one could import it."""
+    kinds = [(name, kind) for name, kind, _ in layers if kind != "trainer"]
+    return [f"{name} ({kind}) sits below {other} ({other_kind})" for i, (name, kind) in enumerate(kinds)
+            for other, other_kind in kinds[:i] if KIND_ORDER.index(other_kind) > KIND_ORDER.index(kind)]
 
 
 def modules_of(root: Path) -> dict[str, Path]:
@@ -63,7 +82,7 @@ def contract_problems(graph: dict[str, set[str]], layers: list[list[str]]) -> li
     for module in sorted(graph):
         rows = layer_of(module, layers)
         if len(rows) != 1:
-            problems.append(f"{module} is in {len(rows)} rows of the package map, not 1")
+            problems.append(f"{module} is in {len(rows)} layers of the package map, not 1")
     for module, imported in sorted(graph.items()):
         row = min(layer_of(module, layers), default=-1)
         for target in sorted(imported):
@@ -80,8 +99,25 @@ def repository_graph() -> dict[str, set[str]]:
 
 def test_the_code_follows_the_package_map() -> None:
     layers = read_layers((ROOT / "docs" / "design.md").read_text())
-    assert len(layers) > 10, "the package map's table was not found in docs/design.md"
+    assert len(layers) > 10, "the package map's layers were not found in docs/design.md"
     assert contract_problems(repository_graph(), layers) == []
+
+
+def test_every_logic_layer_sits_above_every_io_layer() -> None:
+    layers = read_map((ROOT / "docs" / "design.md").read_text())
+    assert {kind for _, kind, _ in layers} == {"trainer", *KIND_ORDER}
+    assert order_problems(layers) == []
+
+
+def test_the_order_check_finds_a_logic_layer_below_an_io_layer() -> None:
+    layers = [("basics", "base", ["a"]), ("shells", "I/O", ["b"]), ("cores", "logic", ["c"])]
+    assert order_problems(layers) == ["cores (logic) sits below shells (I/O)"]
+
+
+def test_the_map_reads_each_layers_kind_and_modules() -> None:
+    design = ("## Package map\n\nintro `not.a.module`\n\n### cores (logic)\n\n- `daemon.x`: owns x\n"
+              "- `daemon.y.*`\n\n### shells (I/O)\n\n- `daemon.z`: owns z, see `daemon.x`\n\n## Next\n- `no`\n")
+    assert read_map(design) == [("cores", "logic", ["daemon.x", "daemon.y.*"]), ("shells", "I/O", ["daemon.z"])]
 
 
 def test_the_trainer_never_imports_the_daemon() -> None:
@@ -102,8 +138,8 @@ def test_the_checker_finds_an_import_from_a_row_below(graph: dict[str, set[str]]
 
 def test_the_checker_finds_a_module_in_no_row_and_one_in_two() -> None:
     assert contract_problems({"x": set(), "y": set()}, [["x", "y"], ["y"]]) == [
-        "y is in 2 rows of the package map, not 1"]
-    assert contract_problems({"new": set()}, [["old"]]) == ["new is in 0 rows of the package map, not 1"]
+        "y is in 2 layers of the package map, not 1"]
+    assert contract_problems({"new": set()}, [["old"]]) == ["new is in 0 layers of the package map, not 1"]
 
 
 def test_an_import_under_type_checking_and_from_a_package_count_as_they_should(tmp_path: Path) -> None:
