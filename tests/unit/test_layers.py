@@ -26,8 +26,9 @@ def read_map(design: str) -> list[tuple[str, str, list[str]]]:
     lines ``- `module`: what it owns``)."""
     section = design.split("## Package map", 1)[1].split("\n## ", 1)[0]
     heads = list(LAYER.finditer(section))
-    bodies = [section[h.end():after.start() if after else None] for h, after in zip(heads, [*heads[1:], None])]
-    return [(h["name"], h["kind"], re.findall(r"^- `([\w.*]+)`", body, re.MULTILINE)) for h, body in zip(heads, bodies)]
+    ends = [after.start() for after in heads[1:]] + [len(section)]
+    return [(h["name"], h["kind"], re.findall(r"^- `([\w.*]+)`", section[h.end():end], re.MULTILINE))
+            for h, end in zip(heads, ends, strict=True)]
 
 
 def read_layers(design: str) -> list[list[str]]:
