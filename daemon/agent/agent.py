@@ -257,9 +257,9 @@ class Agent:
         leader hands the job over), for at most ``node_timeout`` + :data:`CLOSING_SECONDS`: past that, the exit
         goes on."""
         host = self._placement.host
-        if self.core.serves_after_drain(hosting=host is not None):
+        if self.core.hosts_after_drain(hosting=host is not None):
             self.hooks.status("drained: hosting the coordinator until the job ends")
-            await self._placement.serve_after_drain(self._signalled)
+            await self._placement.host_after_drain(self._signalled)
         linger = self.config.metrics.linger
         verdict_hosted = host is not None and host.verdict is not None
         if self.core.keeps_metrics_up(verdict_hosted) and self._metrics_server is not None and linger:

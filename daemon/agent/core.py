@@ -247,7 +247,7 @@ class AgentCore(WorkerCore):
         """The job succeeded: nothing will resume from this node's local snapshots, which the shell removes."""
         return self.exit_code is ExitCode.SUCCEEDED
 
-    def serves_after_drain(self, hosting: bool) -> bool:
+    def hosts_after_drain(self, hosting: bool) -> bool:
         """A drained node that hosts the coordinator (``hosting``) keeps serving it until the job ends."""
         return hosting and self.leaving is not None and self.leaving.drained
 
@@ -270,7 +270,7 @@ class AgentCore(WorkerCore):
 
     def final_stop(self) -> list[Action]:
         """The agent exits: nothing of its worker may outlive it."""
-        self.serving.cancel()
+        self.ps_task.cancel()
         clean = self.exit_code is ExitCode.SUCCEEDED or self.leaving is not None
         return self._stop("agent exiting", planned=clean)
 
@@ -284,7 +284,7 @@ class AgentCore(WorkerCore):
 
     def _stop_ordered(self, order: api.StopWorkers) -> list[Action]:
         reason = order.reason
-        self.serving.cancel()
+        self.ps_task.cancel()
         if self.leaving is not None:  # the stop a leaving parameter server or worker waited for: not a restart
             return self._stop(f"leaving ({reason.value})", planned=True) if self._current(order.generation) else []
         self._metrics.restarts.labels(reason=reason.value).inc()
@@ -306,23 +306,23 @@ class AgentCore(WorkerCore):
         level = logging.INFO if order.state is api.JobState.SUCCEEDED else logging.ERROR
         log.log(level, "job %s: %s", order.state.value, order.reason)
         self.exit_code = ExitCode.SUCCEEDED if order.state is api.JobState.SUCCEEDED else ExitCode.FAILED
-        self.serving.cancel()
+        self.ps_task.cancel()
         return [Announce(f"job {order.state.value}: {order.reason}"), HangUp()]
 
     def _leave(self, reason: str, *, drained: bool = False) -> list[Action]:
         if self.leaving is not None:
             return []
-        serves = self.serving.serves_only and self.worker.state is WorkerState.RUNNING and self._contact.open
+        serves = self.ps_task.serves_only and self.worker.state is WorkerState.RUNNING and self._contact.open
         self.leaving = Leaving(reason, drained, self._clock() + self.timing.stop_grace if serves else None)
         self._standby.cancel()
-        self.serving.cancel()
+        self.ps_task.cancel()
         if not self._contact.open:
             return [StopRetrying()]  # between sessions: nobody to tell; the run loop ends
         if serves:
             # The chief may be saving now (every agent stopped at once: systemctl, scancel); its save reads this
             # task's variables or waits for its steps. The coordinator orders this stop once the chief's is done.
             log.info("%s: leaving the rendezvous; %s serves until the chief has stopped (at most %gs)", reason,
-                     self.serving.task_name(), self.timing.stop_grace)
+                     self.ps_task.task_name(), self.timing.stop_grace)
             return [StopRetrying(), Announce("stopping: serving until the chief has saved"), Send(api.Leave(reason))]
         log.info("%s: leaving the rendezvous and stopping the worker", reason)
         return [StopRetrying(), Announce("stopping: draining the worker"), Send(api.Leave(reason)),

@@ -83,7 +83,7 @@ class EmbeddedCoordinator:
         log.error("the rendezvous port %d of this host is held by %s, which is not a tfelastic agent or "
                   "coordinator: stop it, or give --rendezvous a port that is free", self._endpoint.port, holder)
 
-    async def serve_after_drain(self, signalled: asyncio.Event) -> None:
+    async def host_after_drain(self, signalled: asyncio.Event) -> None:
         """A drained node that hosts the coordinator keeps serving it: the other nodes still need it. It stops
         when the job ends, or on a signal to stop (agent.LEAVE_SIGNALS)."""
         if self.host is None or signalled.is_set():

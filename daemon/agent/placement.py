@@ -92,8 +92,8 @@ class EmbeddedPlacement:
     def lost(self) -> None:
         pass
 
-    async def serve_after_drain(self, signalled: asyncio.Event) -> None:
-        await self._hosting.serve_after_drain(signalled)
+    async def host_after_drain(self, signalled: asyncio.Event) -> None:
+        await self._hosting.host_after_drain(signalled)
 
     async def close(self) -> None:
         await self._hosting.close()
@@ -215,7 +215,7 @@ class EtcdPlacement:
             return None
         return time.monotonic() - self._leader_since
 
-    async def serve_after_drain(self, signalled: asyncio.Event) -> None:
+    async def host_after_drain(self, signalled: asyncio.Event) -> None:
         """A drained agent that leads just steps down: another agent takes the job over, and nothing restarts."""
 
     async def close(self) -> None:

@@ -136,7 +136,7 @@ class ReplacementPolicy:
                    default_of("restart_backoff_max"))
 
 
-class ServingTask:
+class PsTask:
     """This node's task in a parameter-server job, and the replacement of its worker task under way."""
 
     def __init__(self, policy: ReplacementPolicy, clock: Callable[[], float]) -> None:

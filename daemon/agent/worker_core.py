@@ -24,7 +24,7 @@ from tfelastic.daemon.agent.api import (
     WorkerPolicy,
 )
 from tfelastic.daemon.agent.progress_tracker import ProgressTracker
-from tfelastic.daemon.agent.replacements import ServingTask
+from tfelastic.daemon.agent.replacements import PsTask
 from tfelastic.daemon.agent.standby_schedule import StandbySchedule
 from tfelastic.daemon.agent.trainer_watch import StepMarkReader, TrainerWatch
 from tfelastic.daemon.exit_codes import ExitCode
@@ -55,7 +55,7 @@ class WorkerCore:
         self._rejoin_session: int | None = None  # the session to send a Join on once the stop is done
         self._gpu_holders: tuple[int, ...] = ()  # a stopped worker's processes whose GPU memory is not seen back
         self._stopping: tuple[bool, bool] = (False, False)  # the stop under way: (planned, it was running)
-        self.serving = ServingTask(policy.replacement, clock)  # a parameter-server job's task on this node
+        self.ps_task = PsTask(policy.replacement, clock)  # a parameter-server job's task on this node
 
     @property
     def tracker(self) -> ProgressTracker:
@@ -70,7 +70,7 @@ class WorkerCore:
     def relaunches_after_stop(self) -> bool:
         """The stop under way ends in this worker task's relaunch alone (a parameter-server job): the shell waits
         for what the old worker held, its GPU memory and its port, before it reports the stop done."""
-        return self.serving.replacing and not self.winding_down and self._rejoin_session is None
+        return self.ps_task.replacing and not self.winding_down and self._rejoin_session is None
 
     @property
     def gpu_holders(self) -> tuple[int, ...]:
@@ -128,7 +128,7 @@ class WorkerCore:
             return []  # we stopped it on purpose
         self.worker.to(WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED)  # RUNNING -> SUCCEEDED|FAILED
         ended = self.trainer.exited(code, list(output))
-        return self._replace(ended) if code != 0 and self.serving.replaceable else [ended]
+        return self._replace(ended) if code != 0 and self.ps_task.replaceable else [ended]
 
     def worker_gone(self, pids: tuple[int, ...]) -> None:
         """Every process of the stopped worker is gone, before the stop is reported done: their GPU memory is
@@ -149,7 +149,7 @@ class WorkerCore:
             actions.append(self.trainer.report(api.WorkerStatus.SUCCEEDED))
         self.worker.to(WorkerState.STOPPED)  # STOPPING -> STOPPED
         relaunches = self.relaunches_after_stop  # read before serving.stopped() hands the report over
-        replaced = self.serving.stopped()
+        replaced = self.ps_task.stopped()
         if relaunches and replaced is not None:
             return [*actions, Send(replaced), *self._serving_due()]
         return actions + self._after_stop()
@@ -173,16 +173,16 @@ class WorkerCore:
         exited (agent/replacements.py)."""
         if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []
-        probe = self.serving.probe
+        probe = self.ps_task.probe
         first = probe.serving_after is None
         hung = probe.answered(answered)
         if first and probe.serving_after is not None:
-            log.info("generation %d: %s serves, %.1fs after its launch", generation, self.serving.task_name(),
+            log.info("generation %d: %s serves, %.1fs after its launch", generation, self.ps_task.task_name(),
                      probe.serving_after)
             self._standby.progressed(generation)  # it reports no steps: serving is its progress (standby timing)
         if hung is None:
             return []
-        log.warning("generation %d: %s is hung: %s", generation, self.serving.task_name(), hung)
+        log.warning("generation %d: %s is hung: %s", generation, self.ps_task.task_name(), hung)
         return self._replace(self.trainer.ending(api.WorkerStatus.STALLED, detail=f"hung: {hung}"))
 
     def _assigned(self, assignment: api.Assignment) -> list[Action]:
@@ -191,8 +191,8 @@ class WorkerCore:
                         self.worker.state.value)
             return []
         self.assignment = assignment
-        self.serving.assigned(assignment, self.identity.node_id, self.identity.spec)
-        self.serving.launched()
+        self.ps_task.assigned(assignment, self.identity.node_id, self.identity.spec)
+        self.ps_task.launched()
         self.trainer.launched(assignment.generation)
         self._standby.launched(assignment.generation)
         self.worker.to(WorkerState.RUNNING)  # WAITING -> RUNNING: the shell launches it now
@@ -206,7 +206,7 @@ class WorkerCore:
                 self._clock() < leaving.serve_until:
             return []
         log.warning("no stop order within stop_grace=%gs of leaving: stopping %s now", self.timing.stop_grace,
-                    self.serving.task_name())
+                    self.ps_task.task_name())
         return self._stop("leaving: stop_grace passed", planned=True)
 
     # ------------------------------------------------------------------------------------------ internals
@@ -228,7 +228,7 @@ class WorkerCore:
         return self.trainer.stall.limit_in_force() if self.worker.state is WorkerState.RUNNING else 0.0
 
     def _check_stall(self) -> list[Action]:
-        if self.worker.state is not WorkerState.RUNNING or self.serving.serves_only:
+        if self.worker.state is not WorkerState.RUNNING or self.ps_task.serves_only:
             return []
         report = self.trainer.stalled()
         return [report] if report is not None else []
@@ -237,26 +237,26 @@ class WorkerCore:
         """A parameter-server job's worker task ended or hung: stop what is left of it and relaunch it alone, or,
         its budget spent, report it (the coordinator restarts the job)."""
         assert isinstance(ended.message, api.WorkerReport)
-        report = self.serving.failed(ended.message)
+        report = self.ps_task.failed(ended.message)
         if report.status is not api.WorkerStatus.REPLACED:
             log.error("%s", report.detail)
             return [Send(report)]
-        return self._stop(f"replacing {self.serving.task_name()}", planned=False)
+        return self._stop(f"replacing {self.ps_task.task_name()}", planned=False)
 
     def _serving_due(self) -> list[Action]:
         """A replacement whose backoff is over, or a probe of the worker task's server."""
         a = self.assignment
         if a is None or self.winding_down:
             return []
-        if self.worker.state is WorkerState.STOPPED and self._rejoin_session is None and self.serving.due():
+        if self.worker.state is WorkerState.STOPPED and self._rejoin_session is None and self.ps_task.due():
             self.worker.to(WorkerState.RUNNING)  # STOPPED -> RUNNING: the same assignment, at the same address
-            self.serving.launched()
+            self.ps_task.launched()
             self.trainer.launched(a.generation)
             self._standby.launched(a.generation)
             self._metrics.restarts.labels(reason=api.RestartReason.WORKER_REPLACED.value).inc()
-            log.info("generation %d: relaunching %s alone", a.generation, self.serving.task_name())
-            return [Announce(f"relaunching {self.serving.task_name()}"), Launch(a)]
-        if self.worker.state is WorkerState.RUNNING and self.serving.replaceable and self.serving.probe.due():
+            log.info("generation %d: relaunching %s alone", a.generation, self.ps_task.task_name())
+            return [Announce(f"relaunching {self.ps_task.task_name()}"), Launch(a)]
+        if self.worker.state is WorkerState.RUNNING and self.ps_task.replaceable and self.ps_task.probe.due():
             return [ProbeServer(a.generation, a.members[a.rank].address)]
         return []
 

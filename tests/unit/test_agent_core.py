@@ -402,12 +402,12 @@ def test_only_a_drained_node_that_hosts_the_coordinator_keeps_serving_it() -> No
     drained = Harness()
     drained.running()
     drained.core.received(api.DrainNode("maintenance"))
-    assert drained.core.serves_after_drain(hosting=True)
-    assert not drained.core.serves_after_drain(hosting=False)
+    assert drained.core.hosts_after_drain(hosting=True)
+    assert not drained.core.hosts_after_drain(hosting=False)
     stopped = Harness()  # SIGTERM leaves too, but it is not a drain: the hosted coordinator goes with the agent
     stopped.running()
     stopped.core.signal_received(signal.SIGTERM)
-    assert not stopped.core.serves_after_drain(hosting=True)
+    assert not stopped.core.hosts_after_drain(hosting=True)
 
 
 def test_the_local_tier_is_removed_only_after_the_job_succeeded() -> None:
