@@ -124,9 +124,8 @@ class Agent:
         while True:
             self._ticked_at = self._clock()
             endpoint = await self._placement.coordinator()
-            if endpoint is not None and self.core.check_owed:
-                await self._start_check()
             if endpoint is not None:
+                await self._prepare(self.core.coordinator_found())
                 try:
                     await self._session_once(endpoint)
                     problem = None if self.core.winding_down else "the coordinator closed the session"
@@ -150,8 +149,7 @@ class Agent:
 
     async def _session_once(self, endpoint: Endpoint) -> None:
         rdzv = self.config.rendezvous
-        if self.core.scans_snapshots_before_session:
-            await self.worker.before_join()
+        await self._prepare(self.core.session_starting())
         async with open_session(endpoint, rdzv.tls, self._token, self._clock,
                                 hang_up_grace=rdzv.node_timeout) as session:
             self._session = session
@@ -182,8 +180,7 @@ class Agent:
     async def _check_node(self) -> None:
         self.hooks.status("checking this node")
         failure = await self._node.check()
-        if self._session is not None and self.core.joins_after_check:
-            await self.worker.before_join()
+        await self._prepare(self.core.node_check_ended())
         self._apply(self.core.node_checked(failure))
 
     async def _leave_a_deposed_coordinator(self, placement: EtcdPlacement, endpoint: Endpoint) -> None:
@@ -196,6 +193,14 @@ class Agent:
             await asyncio.sleep(self.config.rendezvous.heartbeat_interval / 2)
             self._ticked_at = self._clock()
             self._apply(self.core.tick())
+
+    async def _prepare(self, actions: Iterable[Action]) -> None:
+        """The core's preparations, awaited in order: a node check here, the rest on the worker's side."""
+        for action in actions:
+            if isinstance(action, RunNodeCheck):
+                await self._start_check()
+            else:
+                await self.worker.prepare([action])
 
     def _apply(self, actions: Iterable[Action]) -> None:
         for action in actions:

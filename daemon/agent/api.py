@@ -2,7 +2,10 @@
 shell tells the core back about a stopped worker, and the agent's errors.
 
 The core (:mod:`tfelastic.daemon.agent.core`) is pure: each of its inputs returns a list of these actions, and
-the asyncio shell (:mod:`tfelastic.daemon.agent.agent`) performs them in order.
+the asyncio shell (:mod:`tfelastic.daemon.agent.agent`) performs them in order. A *preparation* (a node check
+before a session, a scan of the snapshots, a wait for GPU memory or a port) is awaited, and answered, before the
+next action of its list: the order "stop, wait for the GPUs, wait for the port, then rejoin or relaunch" is the
+core's output.
 """
 
 from __future__ import annotations
@@ -150,8 +153,30 @@ class CoordinatorLost:
     (with etcd, its key may linger a lease TTL and no longer names a known coordinator: agent/placement.py)."""
 
 
+@dataclass(frozen=True)
+class ScanSnapshots:
+    """A preparation: read the snapshot steps this node can restore (agent/snapshot_scan.py); the shell answers
+    with ``node_read(restorable=...)`` before it carries out the next action."""
+
+
+@dataclass(frozen=True)
+class WaitGpusReleased:
+    """A preparation: wait (bounded) until NVML lists none of these processes, a stopped worker's, on the trainer's
+    GPUs (a trainer started into memory a killed one still holds fails with out-of-memory); the shell answers with
+    ``gpus_released``."""
+
+    pids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WaitPortFree:
+    """A preparation: wait (bounded) until the old trainer lets go of a port the next one binds again."""
+
+    port: int
+
+
 Action = (Send | Launch | Stop | HangUp | DropSession | Announce | RunNodeCheck | ListenForProbe | PrepareStandby |
-          StopRetrying | ProbeServer | CoordinatorLost)
+          StopRetrying | ProbeServer | CoordinatorLost | ScanSnapshots | WaitGpusReleased | WaitPortFree)
 
 
 @dataclass(frozen=True)

@@ -71,3 +71,7 @@ class CoordinatorContact:
 
     def gave_up(self) -> bool:
         return self._clock() - self.last_contact > self.join_timeout
+
+    def handshake_verdict(self) -> str | None:
+        """Once join_timeout ran out: the message to exit 78 with when only TLS or foreign-listener failures came."""
+        return self._handshakes.at_join_timeout(self.last_contact)

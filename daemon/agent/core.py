@@ -83,44 +83,30 @@ class AgentCore(WorkerCore):
 
     # ------------------------------------------------------------------------------------------- session
 
-    @property
-    def rejoins_after_stop(self) -> bool:
-        """The stop under way ends in a Join (a stop ordered by the coordinator): the shell reads the restorable
-        snapshot steps before it reports the stop done."""
-        return self._rejoin_session is not None and not self.winding_down
+    def coordinator_found(self) -> list[Action]:
+        """Where the coordinator is is known, and a session is about to open: a node check that the next Join must
+        carry and has not run yet runs first (a preparation)."""
+        owed = RunNodeCheck("a node check is owed before the next Join")
+        return [owed] if self._checks.must_run else []
 
-    @property
-    def check_owed(self) -> bool:
-        """The next Join must carry a node check that has not run yet: the shell runs it first."""
-        return self._checks.must_run
+    def session_starting(self) -> list[Action]:
+        """The session opens next: a Join that may start a generation needs the restorable steps, the old worker's
+        GPU memory and a fixed port first; one that attaches a running worker (etcd) does not."""
+        return [] if self.worker.state.has_live_worker else self._before_join()
 
-    @property
-    def scans_snapshots_before_session(self) -> bool:
-        """The next session's Join may start a generation: the shell reads the restorable steps first (a Join
-        that attaches a running worker, with etcd, does not)."""
-        return not self.worker.state.has_live_worker
+    def node_check_ended(self) -> list[Action]:
+        """The node check ran: when its result goes out in a Join on the open session now, what that Join needs
+        first (its result follows in :meth:`node_checked`)."""
+        return self._before_join() if self._joins_after_check() else []
 
-    @property
-    def joins_after_check(self) -> bool:
-        """The node check under way ends in a Join on the open session: the shell reads the restorable steps
-        before it reports the check's result."""
+    def _joins_after_check(self) -> bool:
         return self._contact.open and self.worker.state is WorkerState.WAITING and not self.winding_down
 
-    @property
-    def port_to_free(self) -> int | None:
-        """A port the next trainer binds again, which the shell waits for the old one to let go of: a fixed
-        worker port before a Join that may start a generation (a fresh port per Join is free), and the task's
-        own port before it is relaunched alone at the same address."""
-        a = self.assignment
-        if self.relaunches_after_stop and a is not None:
-            return a.members[a.rank].worker_port
-        return self.identity.worker_port or None
-
     def gpus_released(self, waited: float | None, held: str) -> None:
-        """The shell's wait for :attr:`gpu_holders` ended: after ``waited`` seconds (None: NVML lists no process
-        here, no GPU or no driver: nothing was waited for), with ``held`` saying what still holds memory ("": all
-        of it is back). Memory still held fails the node check the next Join carries, and is waited for again
-        before the one after."""
+        """The shell's wait for the GPU memory (:class:`WaitGpusReleased`) ended: after ``waited`` seconds (None:
+        NVML lists no process here, no GPU or no driver: nothing was waited for), with ``held`` saying what still
+        holds memory ("": all of it is back). Memory still held fails the node check the next Join carries, and is
+        waited for again before the one after."""
         if waited is not None:
             self._metrics.gpu_release_wait.observe(waited)
         if held:
@@ -132,7 +118,7 @@ class AgentCore(WorkerCore):
         """The node check ended (``failure``: what failed, "" if it passed). It goes out in a Join now, or on
         the next session."""
         self._checks.ran(failure)
-        if not self.joins_after_check:
+        if not self._joins_after_check():
             return []
         return self._checked_join()
 
@@ -263,6 +249,9 @@ class AgentCore(WorkerCore):
         if self.leaving is not None:
             return ExitCode.SUCCEEDED
         if self._contact.gave_up():
+            if (handshake := self._contact.handshake_verdict()) is not None:
+                log.error("%s", handshake)  # a certificate or a foreign program: retrying does not fix it
+                return ExitCode.CONFIG
             log.error("the coordinator at %s stayed unreachable for join_timeout=%gs; giving up",
                       self._contact.coordinator, self.timing.join_timeout)
             return ExitCode.FAILED

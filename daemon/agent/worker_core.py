@@ -17,10 +17,13 @@ from tfelastic.daemon.agent.api import (
     Leaving,
     PrepareStandby,
     ProbeServer,
+    ScanSnapshots,
     Send,
     Stop,
     StopResult,
     Timing,
+    WaitGpusReleased,
+    WaitPortFree,
     WorkerPolicy,
 )
 from tfelastic.daemon.agent.progress_tracker import ProgressTracker
@@ -67,16 +70,9 @@ class WorkerCore:
         return self.exit_code is not None or self.leaving is not None
 
     @property
-    def relaunches_after_stop(self) -> bool:
-        """The stop under way ends in this worker task's relaunch alone (a parameter-server job): the shell waits
-        for what the old worker held, its GPU memory and its port, before it reports the stop done."""
-        return self.ps_task.replacing and not self.winding_down and self._rejoin_session is None
-
-    @property
     def gpu_holders(self) -> tuple[int, ...]:
-        """The stopped worker's processes that may still hold GPU memory: before a Join that may start a
-        generation the shell waits (bounded) until NVML lists none of them, and reports with :meth:`gpus_released`
-        (a trainer started into memory a killed one still holds fails with out-of-memory)."""
+        """The stopped worker's processes that may still hold GPU memory, waited for (:class:`WaitGpusReleased`)
+        before the next trainer starts here."""
         return self._gpu_holders
 
     @property
@@ -130,10 +126,15 @@ class WorkerCore:
         ended = self.trainer.exited(code, list(output))
         return self._replace(ended) if code != 0 and self.ps_task.replaceable else [ended]
 
-    def worker_gone(self, pids: tuple[int, ...]) -> None:
-        """Every process of the stopped worker is gone, before the stop is reported done: their GPU memory is
-        awaited before the next Join that may start a generation (:attr:`gpu_holders`)."""
+    def worker_gone(self, pids: tuple[int, ...]) -> list[Action]:
+        """Every process of the stopped worker is gone, before the stop is reported done. Returns what the next
+        trainer here needs first, in order: before the Join that a coordinator's stop ends in, the snapshot steps
+        to report, the old worker's GPU memory back and a fixed worker port free; before a worker task's relaunch
+        alone, its GPU memory and its own port; nothing when no trainer follows."""
         self._gpu_holders = tuple(sorted({*self._gpu_holders, *pids}))
+        if self._rejoin_session is not None and not self.winding_down:
+            return self._before_join()
+        return self._released() if self._relaunches_after_stop() else []
 
     def worker_stopped(self, result: StopResult) -> list[Action]:
         """Every process of the worker is gone."""
@@ -148,7 +149,7 @@ class WorkerCore:
             log.info("the trainer completed (exit 0) while stopping")
             actions.append(self.trainer.report(api.WorkerStatus.SUCCEEDED))
         self.worker.to(WorkerState.STOPPED)  # STOPPING -> STOPPED
-        relaunches = self.relaunches_after_stop  # read before serving.stopped() hands the report over
+        relaunches = self._relaunches_after_stop()  # read before ps_task.stopped() hands the report over
         replaced = self.ps_task.stopped()
         if relaunches and replaced is not None:
             return [*actions, Send(replaced), *self._serving_due()]
@@ -210,6 +211,24 @@ class WorkerCore:
         return self._stop("leaving: stop_grace passed", planned=True)
 
     # ------------------------------------------------------------------------------------------ internals
+
+    def _relaunches_after_stop(self) -> bool:
+        """The stop under way ends in this worker task's relaunch alone (a parameter-server job)."""
+        return self.ps_task.replacing and not self.winding_down and self._rejoin_session is None
+
+    def _before_join(self) -> list[Action]:
+        """What a Join that may start a generation needs first: the steps it reports, and what the old worker held."""
+        return [ScanSnapshots(), *self._released()]
+
+    def _released(self) -> list[Action]:
+        """The old worker's GPU memory given back, then a port the next trainer binds again free of it: a fixed
+        worker port (a fresh port per Join is free), or the task's own port before it is relaunched alone at the
+        same address."""
+        gpus: list[Action] = [WaitGpusReleased(self._gpu_holders)] if self._gpu_holders else []
+        a = self.assignment
+        port = a.members[a.rank].worker_port if self._relaunches_after_stop() and a is not None \
+            else self.identity.worker_port
+        return gpus + ([WaitPortFree(port)] if port else [])
 
     def _current(self, generation: int) -> bool:
         return self.assignment is not None and self.assignment.generation == generation

@@ -11,7 +11,7 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 from tfelastic.daemon.agent import server_probe
-from tfelastic.daemon.agent.api import Action, ProbeServer, StopResult
+from tfelastic.daemon.agent.api import Action, ProbeServer, ScanSnapshots, StopResult, WaitGpusReleased, WaitPortFree
 from tfelastic.daemon.agent.core import AgentCore
 from tfelastic.daemon.agent.node import Node
 from tfelastic.daemon.agent.replacements import PROBE_TIMEOUT
@@ -117,22 +117,19 @@ class WorkerShell:
     # --------------------------------------------------------------------- what an old worker left
 
     async def before_stopped(self, result: StopResult) -> None:
-        """The old worker is gone: what it left is what the Join after the stop reports."""
-        self._core.worker_gone(result.pids)
-        if self._core.rejoins_after_stop:
-            await self.before_join()
-        elif self._core.relaunches_after_stop:
-            await self._release_worker()
+        """The old worker is gone: what the core wants done before the stop is reported (what the Join after it
+        reports, what the next trainer needs free)."""
+        await self.prepare(self._core.worker_gone(result.pids))
 
-    async def before_join(self) -> None:
-        """Before a Join that may start a generation: the snapshot steps this node can restore (snapshot_scan.py),
-        the GPU memory of the old worker given back, and a fixed worker port free of the old trainer."""
-        self._core.node_read(restorable=await self._node.snapshots.restorable())
-        await self._release_worker()
-
-    async def _release_worker(self) -> None:
-        """Before the next trainer starts here: the old worker's GPU memory given back, and its port free."""
-        if pids := self._core.gpu_holders:
-            self._core.gpus_released(*await self._node.wait_gpus_released(pids))
-        if (port := self._core.port_to_free) is not None:
-            await self._node.wait_port_free(port)
+    async def prepare(self, actions: Iterable[Action]) -> None:
+        """Carries out the core's preparations in order, each answered before the next starts; any other action
+        goes to ``apply``."""
+        for action in actions:
+            if isinstance(action, ScanSnapshots):
+                self._core.node_read(restorable=await self._node.snapshots.restorable())
+            elif isinstance(action, WaitGpusReleased):
+                self._core.gpus_released(*await self._node.wait_gpus_released(action.pids))
+            elif isinstance(action, WaitPortFree):
+                await self._node.wait_port_free(action.port)
+            else:
+                self._apply([action])

@@ -75,6 +75,7 @@ class HandshakeFailures:
         self._clock = clock
         self._other_failure_after: float | None = None  # the last contact before a failure not about TLS
         self._logged_at: float | None = None
+        self._last: tuple[str, str, float] | None = None  # the last such failure: what, problem, its last contact
 
     def failed(self, error: str, last_contact: float) -> str | None:
         """Records one lost session; returns the message to exit with, or None to retry."""
@@ -82,14 +83,30 @@ class HandshakeFailures:
         if problem is None:
             what, problem = "not a coordinator", foreign_listener_problem(error)
         if problem is None:
-            self._other_failure_after = last_contact
+            if not _timed_out(error):  # a timeout says nothing of what listens there (a loaded machine, a slow peer)
+                self._other_failure_after = last_contact
             return None
+        self._last = (what, problem, last_contact)
         now = self._clock()
         if self._logged_at is None or self._logged_at < last_contact or now - self._logged_at >= _TLS_HINT_EVERY:
             log.error("%s: %s", what, problem)
             self._logged_at = now
         if self._other_failure_after != last_contact and now - last_contact >= self._give_up_after:
-            failures = "failed TLS handshakes with the coordinator" if what.startswith("TLS") else \
-                "failed connections to the rendezvous address"
-            return f"giving up after {self._give_up_after:g}s of {failures}: {problem}"
+            return self._giving_up(what, problem)
         return None
+
+    def at_join_timeout(self, last_contact: float) -> str | None:
+        """join_timeout ran out between two failures: the message to exit 78 with if nothing but these failures
+        (timeouts aside) came since ``last_contact``, as :meth:`failed` would have said at the next one."""
+        if self._last is None or self._last[2] != last_contact or self._other_failure_after == last_contact:
+            return None
+        return self._giving_up(*self._last[:2])
+
+    def _giving_up(self, what: str, problem: str) -> str:
+        failures = "failed TLS handshakes with the coordinator" if what.startswith("TLS") else \
+            "failed connections to the rendezvous address"
+        return f"giving up after {self._give_up_after:g}s of {failures}: {problem}"
+
+
+def _timed_out(error: str) -> bool:
+    return "DEADLINE_EXCEEDED" in error or "Deadline Exceeded" in error or "timed out" in error

@@ -21,11 +21,14 @@ from tfelastic.daemon.agent.api import (
     PrepareStandby,
     ProbeServer,
     RunNodeCheck,
+    ScanSnapshots,
     Send,
     Stop,
     StopResult,
     StopRetrying,
     Timing,
+    WaitGpusReleased,
+    WaitPortFree,
     WorkerPolicy,
 )
 from tfelastic.daemon.agent.core import AgentCore
@@ -48,10 +51,10 @@ FIXED_STALL = StallLimits(fixed=STALL)
 class Harness:
     def __init__(self, join_timeout: float = 600.0, failover: bool = False,
                  stall: StallLimits = FIXED_STALL, standby_at_launch: bool = False,
-                 step_mark: Callable[[int], int | None] | None = None) -> None:
+                 step_mark: Callable[[int], int | None] | None = None, worker_port: int = 0) -> None:
         self.clock = FakeClock(100.0)
         self.registry = CollectorRegistry()
-        identity = Identity("n1", "10.0.0.1", SPEC, "incarnation-1")
+        identity = Identity("n1", "10.0.0.1", SPEC, "incarnation-1", worker_port)
         timing = Timing(HEARTBEAT, NODE_TIMEOUT, join_timeout, stall, stop_grace=10.0)
         self.core = AgentCore(identity, timing, Connection("head:29400", failover=failover),
                               AgentMetrics(self.registry, "job", "n1"), self.clock, pick_port=lambda host: 5555,
@@ -653,9 +656,9 @@ def test_with_etcd_the_agent_waits_for_etcd_only_until_it_must_decide_whether_to
 
 def test_the_first_join_carries_the_node_check_and_listens_for_the_coordinators_probe() -> None:
     h = Harness()
-    assert h.core.check_owed
+    assert h.core.coordinator_found() == [RunNodeCheck("a node check is owed before the next Join")]
     assert h.core.node_checked("") == []  # no session yet: it goes out with the first Join
-    assert not h.core.check_owed
+    assert h.core.coordinator_found() == []
     assert h.core.session_opened() == [ListenForProbe(5555)]
     assert h.core.probe_listening("") == [Send(api.Join(
         api.NodeInfo("n1", "10.0.0.1", 5555, "incarnation-1", version=VERSION, protocol=PROTOCOL), SPEC,
@@ -852,15 +855,30 @@ def test_reports_carry_the_gpu_summary_the_shell_read_last() -> None:
 
 def test_the_shell_reads_the_restorable_steps_before_each_join_that_may_start_a_generation() -> None:
     h = Harness()
-    assert h.core.scans_snapshots_before_session  # no worker: the first Join may start one
+    assert h.core.session_starting() == [ScanSnapshots()]  # no worker: the first Join may start one
     h.running()
-    assert not h.core.scans_snapshots_before_session  # (etcd) the Join attaches the running worker
-    assert not h.core.joins_after_check  # a check now would not end in a Join: the worker runs
+    assert h.core.session_starting() == []  # (etcd) the Join attaches the running worker
+    assert h.core.node_check_ended() == []  # a check now would not end in a Join: the worker runs
     h.core.worker_exited(1, 1)
     h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
-    assert h.core.rejoins_after_stop
+    assert h.core.worker_gone(()) == [ScanSnapshots()]  # the Join after the stop reports them
     h.core.worker_stopped(StopResult(1, True))
-    assert h.core.joins_after_check  # waiting on an open session: a check's result goes out at once
+    assert h.core.node_check_ended() == [ScanSnapshots()]  # waiting on an open session: the result goes out now
+
+
+def test_a_node_check_owed_runs_before_the_session_that_carries_it() -> None:
+    h = Harness()
+    assert h.core.coordinator_found() == [RunNodeCheck("a node check is owed before the next Join")]
+    h.core.node_checked("")
+    assert h.core.coordinator_found() == []  # its result waits for the session
+
+
+def test_a_fixed_worker_port_is_awaited_free_before_a_join_after_the_gpus() -> None:
+    h = Harness(worker_port=5555)
+    h.running()
+    h.core.worker_exited(1, -signal.SIGKILL)
+    h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    assert h.core.worker_gone((4001,)) == [ScanSnapshots(), WaitGpusReleased((4001,)), WaitPortFree(5555)]
 
 
 def test_a_launch_counts_as_warm_or_cold() -> None:
@@ -953,9 +971,12 @@ def stopped_after_failure(h: Harness, pids: tuple[int, ...] = (4001, 4002)) -> N
 def test_the_join_after_a_stop_waits_for_the_gpus_to_give_the_memory_back_and_the_wait_is_measured() -> None:
     h = Harness()
     assert h.gpu_holders() == ()
-    stopped_after_failure(h)
-    assert h.core.rejoins_after_stop
-    assert h.gpu_holders() == (4001, 4002)  # the shell waits for these before the Join
+    h.running()
+    h.core.worker_exited(1, -signal.SIGKILL)
+    h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    # the steps the Join reports, then these processes' memory back, before the stop is reported and the Join goes
+    assert h.core.worker_gone((4001, 4002)) == [ScanSnapshots(), WaitGpusReleased((4001, 4002))]
+    assert h.gpu_holders() == (4001, 4002)
     h.core.gpus_released(1.5, "")
     assert h.gpu_holders() == ()
     [join] = joins(h.core.worker_stopped(StopResult(-signal.SIGKILL, True, (4001, 4002))))
@@ -1017,7 +1038,7 @@ def test_after_a_fence_the_next_session_joins_with_the_release_failure() -> None
     assert stops(h.core.session_ended("UNAVAILABLE: connection reset")) != []  # fenced
     h.core.worker_gone((4001,))
     assert h.core.worker_stopped(StopResult(-signal.SIGTERM, False, (4001,))) == []
-    assert h.core.scans_snapshots_before_session and h.gpu_holders() == (4001,)
+    assert h.core.session_starting() == [ScanSnapshots(), WaitGpusReleased((4001,))]
     h.core.gpus_released(30.0, HELD)
     assert h.core.session_opened() == [ListenForProbe(5555)]
     [join] = joins(h.core.probe_listening(""))
@@ -1075,23 +1096,19 @@ def test_a_replaced_workers_gpu_memory_and_port_are_awaited_before_its_relaunch(
     """Relaunched alone at the same address, the task binds the same port, on GPUs a killed process may still hold:
     the shell waits for both before it reports the stop done, as it does before a Join."""
     h = PsHarness(rank=3)
-    assert not h.core.relaunches_after_stop and h.core.port_to_free is None  # a fresh port per Join
     actions = h.core.worker_exited(1, -9)
     assert stops(actions)
-    assert h.core.relaunches_after_stop and not h.core.rejoins_after_stop
-    assert h.core.port_to_free == 5555  # its own task's port
-    h.core.worker_gone((4001, 4010))
-    assert h.core.gpu_holders == (4001, 4010)
+    # no snapshot scan (no Join), the memory, then its own task's port (5555; a Join would pick a fresh one)
+    assert h.core.worker_gone((4001, 4010)) == [WaitGpusReleased((4001, 4010)), WaitPortFree(5555)]
     h.core.gpus_released(0.4, "")
     assert h.core.gpu_holders == ()
     assert Launch(h.assignment) in h.core.worker_stopped(StopResult(-9, True, (4001, 4010)))
-    assert not h.core.relaunches_after_stop and h.core.port_to_free is None
 
 
 def test_a_stop_ordered_by_the_coordinator_is_no_relaunch() -> None:
     h = PsHarness(rank=3)
     h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
-    assert h.core.rejoins_after_stop and not h.core.relaunches_after_stop
+    assert h.core.worker_gone(()) == [ScanSnapshots()]  # a Join follows (with a fresh port), not a relaunch
 
 
 def test_replacements_in_a_row_back_off_and_a_spent_budget_is_reported_as_a_failure() -> None:
@@ -1276,3 +1293,18 @@ def test_a_step_that_ends_while_the_trainer_is_being_stopped_is_reported_before_
     assert last.progress is not None and last.progress.step == 121
     messages = sent(actions)
     assert messages.index(last) < messages.index(joins(actions)[0])  # counted for the old generation first
+
+
+def test_join_timeout_after_nothing_but_a_foreign_program_on_the_port_is_a_bad_configuration() -> None:
+    """The agent's own join_timeout may run out between two tries: a port held by another program still ends the
+    agent as a bad configuration (exit 78), not as an unreachable coordinator (exit 1)."""
+    h = Harness(join_timeout=8.0)
+    h.core.session_ended("UNAVAILABLE: failed to connect to all addresses; last error: UNAVAILABLE: "
+                         "ipv4:127.0.0.1:4000: Failed parsing HTTP/2 (Expected SETTINGS frame as the first frame)")
+    h.clock.now += 8.5
+    assert h.core.verdict() is ExitCode.CONFIG
+    down = Harness(join_timeout=8.0)
+    down.core.session_ended("UNAVAILABLE: failed to connect to all addresses; last error: UNAVAILABLE: "
+                            "ipv4:127.0.0.1:4000: Connection refused")
+    down.clock.now += 8.5
+    assert down.core.verdict() is ExitCode.FAILED

@@ -43,7 +43,7 @@ def test_the_steps_come_from_the_local_tier_and_the_backup_dir(tmp_path: Path) -
     make_snapshot(tmp_path / "shm" / "mnist" / "b" / "fit", 40)  # another node's tier on this host: not ours
     make_snapshot(tmp_path / "backup" / "fit", 20)
     agent = make_agent(tmp_path)
-    asyncio.run(agent.worker.before_join())
+    asyncio.run(agent.worker.prepare(agent.core.session_starting()))
     assert restorable(agent) == (30, 20)
 
 
@@ -51,7 +51,7 @@ def test_with_the_tier_off_only_the_backup_dir_counts(tmp_path: Path) -> None:
     make_snapshot(tmp_path / "shm" / "mnist" / "a" / "fit", 30)
     make_snapshot(tmp_path / "backup" / "fit", 20)
     agent = make_agent(tmp_path, local="")
-    asyncio.run(agent.worker.before_join())
+    asyncio.run(agent.worker.prepare(agent.core.session_starting()))
     assert restorable(agent) == (20,)
 
 
@@ -71,13 +71,13 @@ def test_a_hung_read_reports_no_step_and_is_not_started_again_while_it_hangs(
 
     async def joins() -> None:
         agent.core.node_read(restorable=(5,))
-        await agent.worker.before_join()
+        await agent.worker.prepare(agent.core.session_starting())
         assert restorable(agent) == ()  # not the old steps: they may have been pruned since
-        await agent.worker.before_join()  # the first still hangs: no second thread
+        await agent.worker.prepare(agent.core.session_starting())  # the first still hangs: no second thread
         assert len(calls) == 1 and restorable(agent) == ()
         release.set()
         await asyncio.sleep(0.1)
-        await agent.worker.before_join()  # it returned: the next Join reads afresh
+        await agent.worker.prepare(agent.core.session_starting())  # it returned: the next Join reads afresh
         assert len(calls) == 2 and restorable(agent) == (99,)
 
     with caplog.at_level(logging.WARNING, "tfelastic.agent"):
@@ -93,7 +93,7 @@ def test_a_failing_read_reports_no_step(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(snapshots, "restorable_steps", broken)
     agent = make_agent(tmp_path)
     agent.core.node_read(restorable=(5,))
-    asyncio.run(agent.worker.before_join())
+    asyncio.run(agent.worker.prepare(agent.core.session_starting()))
     assert restorable(agent) == ()
 
 

@@ -1,10 +1,16 @@
 """Static checks of the code's contract that no single behaviour test would catch, read from the source (``ast``):
-every display limit on text from the network is a named bound of ``rendezvous/bounds.py``."""
+every display limit on text from the network is a named bound of ``rendezvous/bounds.py``, and the agent's shells
+call into its core only through inputs (methods that return actions, or that hand it a reading)."""
 
 from __future__ import annotations
 
 import ast
+import inspect
+import typing
 from pathlib import Path
+
+from tfelastic.daemon.agent.api import Action
+from tfelastic.daemon.agent.core import AgentCore
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted(p for folder in ("daemon", "trainer") for p in (ROOT / folder).rglob("*.py"))
@@ -31,3 +37,55 @@ def test_the_check_finds_a_literal_limit() -> None:
 def test_every_display_limit_is_a_named_bound() -> None:
     offenders = [f"{path.relative_to(ROOT)}:{line}" for path in SOURCES for line in literal_limits(path.read_text())]
     assert offenders == [], "name the limit in daemon/rendezvous/bounds.py: " + ", ".join(offenders)
+
+
+SHELLS = [ROOT / "daemon" / "agent" / "agent.py", ROOT / "daemon" / "agent" / "worker_shell.py"]
+CORE_NAMES = {"core", "_core"}  # how the shells hold the core (self.core, self._core)
+# Inputs that hand the core a reading or an outcome and return nothing to carry out.
+READINGS = {"node_read", "gpus_released", "refused"}
+# For an operator's SIGUSR1 log line: a description, not a decision.
+DESCRIPTIONS = {"describe"}
+# Reads of the core that still decide in the shell: the session loop's retry (etcd's patience, the verdict, whether
+# a closed session was planned), the wind-down (hosting after a drain, the metrics' linger, the exit code, the
+# local tier's removal) and the watchdog's health. Each is to become an action; the list may only shrink.
+NOT_YET_ACTIONS = {"winding_down", "etcd_patience", "verdict", "keeps_metrics_up", "hosts_after_drain", "exit_code",
+                   "local_tier_obsolete"}
+
+
+def core_reads(source: str) -> list[tuple[int, str]]:
+    """Every ``self.core.X`` / ``self._core.X`` in ``source``: (line, X)."""
+    return sorted((node.lineno, node.attr) for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                  and node.value.attr in CORE_NAMES and isinstance(node.value.value, ast.Name)
+                  and node.value.value.id == "self")
+
+
+def is_input(name: str) -> bool:
+    """A method of the core that returns the actions to carry out."""
+    member = inspect.getattr_static(AgentCore, name, None)
+    if not inspect.isfunction(member):
+        return False  # a property or an attribute: a predicate the shell would branch on
+    return typing.get_type_hints(member).get("return") == list[Action]
+
+
+def predicate_reads(source: str) -> list[str]:
+    return [f"{line}: {name}" for line, name in core_reads(source)
+            if not is_input(name) and name not in READINGS | DESCRIPTIONS | NOT_YET_ACTIONS]
+
+
+def test_the_check_finds_a_predicate_read_and_passes_inputs() -> None:
+    source = ("class Shell:\n    def f(self):\n        self._apply(self.core.tick())\n"
+              "        if self.core.check_owed:\n            self.core.node_read(gpus=(0, 0.0))\n"
+              "        self._core.worker.state\n        other.core.anything\n")
+    assert predicate_reads(source) == ["4: check_owed", "6: worker"]
+
+
+def test_the_shells_read_no_predicate_of_the_core() -> None:
+    offenders = [f"{path.relative_to(ROOT)}:{read}" for path in SHELLS for read in predicate_reads(path.read_text())]
+    assert offenders == [], "return an action from the core instead: " + ", ".join(offenders)
+
+
+def test_what_is_not_an_action_yet_is_still_read_and_no_more() -> None:
+    """The list of remaining predicates is exact: a conversion to an action removes its name here."""
+    read = {name for path in SHELLS for _, name in core_reads(path.read_text())}
+    assert NOT_YET_ACTIONS - read == set()

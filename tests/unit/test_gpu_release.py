@@ -2,7 +2,8 @@
 shell; the decisions are the core's, in tests/unit/test_agent_core.py). A killed CUDA process can keep its device
 memory for seconds after it is gone, and a trainer started into it fails with out-of-memory. NVML is the named
 fake of tests/nvml_fake.py (a fake for hardware we lack), with processes that give their memory back late or
-never; the agent is only constructed, from its config, and driven through its before-join step."""
+never; the agent is only constructed, from its config, and driven through the preparations its core returns
+before a Join."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def stopped(agent: Agent, *pids: int) -> None:
     asyncio.run(agent.worker.before_stopped(StopResult(-9, True, pids)))
 
 
+def before_a_session(agent: Agent) -> None:
+    """The shell carries out what the core wants done before a session's Join that may start a generation."""
+    asyncio.run(agent.worker.prepare(agent.core.session_starting()))
+
+
 def wait_sum(agent: Agent) -> float | None:
     return agent.registry.get_sample_value("tfelastic_gpu_release_wait_seconds_sum")
 
@@ -57,7 +63,7 @@ def test_memory_given_back_late_is_awaited_before_the_join(tmp_path: Path, caplo
                               FakeGpuProcess(ALSO_DEAD, 2 * GIB, frees_at=started + 0.3),
                               FakeGpuProcess(SOMEONE_ELSES, GIB)]  # another program's: never ours to wait for
     with caplog.at_level(logging.INFO, "tfelastic.agent"):
-        asyncio.run(agent.worker.before_join())
+        before_a_session(agent)
     assert time.monotonic() - started >= 0.6
     assert agent.core.gpu_holders == ()
     assert agent.registry.get_sample_value("tfelastic_gpu_release_wait_seconds_count") == 1.0
@@ -72,7 +78,7 @@ def test_memory_never_given_back_fails_the_node_check_that_the_join_carries(
     monkeypatch.setattr(node, "GPU_RELEASE_SECONDS", 0.3)
     agent = make_agent(tmp_path, one_gpu(FakeGpuProcess(DEAD, 8 * GIB)))
     stopped(agent, DEAD)
-    asyncio.run(agent.worker.before_join())
+    before_a_session(agent)
     assert agent.core.gpu_holders == (DEAD,)  # awaited again before the next Join
     assert 0.3 <= (wait_sum(agent) or 0) < 5
     [listen] = agent.core.session_opened()
@@ -89,14 +95,14 @@ def test_a_pid_that_runs_again_is_not_the_stopped_worker(tmp_path: Path) -> None
     agent = make_agent(tmp_path, one_gpu(FakeGpuProcess(os.getpid(), GIB)))
     stopped(agent, os.getpid())
     started = time.monotonic()
-    asyncio.run(agent.worker.before_join())
+    before_a_session(agent)
     assert time.monotonic() - started < 1 and agent.core.gpu_holders == ()
 
 
 def test_without_a_driver_nothing_is_awaited(tmp_path: Path) -> None:
     agent = make_agent(tmp_path, FakeNvml(1, init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
     stopped(agent, DEAD)
-    asyncio.run(agent.worker.before_join())
+    before_a_session(agent)
     assert agent.core.gpu_holders == ()
     assert agent.registry.get_sample_value("tfelastic_gpu_release_wait_seconds_count") == 0.0
 
@@ -106,7 +112,7 @@ def test_a_gpu_that_cannot_list_its_processes_is_not_awaited(tmp_path: Path) -> 
                                                                  "nvmlDeviceGetGraphicsRunningProcesses_v3")
     agent = make_agent(tmp_path, FakeNvml([gpu]))
     stopped(agent, DEAD)
-    asyncio.run(agent.worker.before_join())
+    before_a_session(agent)
     assert agent.core.gpu_holders == ()
 
 
@@ -118,7 +124,7 @@ def test_graphics_contexts_count_too_and_only_the_trainers_gpus_are_looked_at(
     stopped(agent, DEAD, ALSO_DEAD)
     started = time.monotonic()  # after the agent is built: a loaded machine builds it slowly
     nvml.gpus[1].graphics_processes = [FakeGpuProcess(ALSO_DEAD, None, frees_at=started + 0.3)]
-    asyncio.run(agent.worker.before_join())
+    before_a_session(agent)
     assert 0.25 <= time.monotonic() - started < 5 and agent.core.gpu_holders == ()
 
 
@@ -133,8 +139,7 @@ def test_a_parameter_server_jobs_worker_relaunched_alone_waits_for_the_memory_to
     agent.core.session_opened()
     agent.core.received(api.Assignment(1, 2, 3, members, 0))
     agent.core.worker_started(1, DEAD)
-    agent.core.worker_exited(1, -9)
-    assert agent.core.relaunches_after_stop
+    agent.core.worker_exited(1, -9)  # replaced alone: the core stops what is left of it, then relaunches it
     started = time.monotonic()
     nvml.gpus[0].processes = [FakeGpuProcess(DEAD, 8 * GIB, frees_at=started + 0.4)]
     stopped(agent, DEAD)

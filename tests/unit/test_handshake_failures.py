@@ -108,3 +108,43 @@ def test_a_program_that_does_not_speak_grpc_at_the_address_ends_the_agent_like_a
 def test_a_coordinator_that_is_down_is_not_a_foreign_program() -> None:
     assert foreign_listener_problem("failed to connect to all addresses; last error: UNAVAILABLE: "
                                     "ipv4:127.0.0.1:4000: Connection refused") is None
+
+
+SILENT_PORT = ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:4000: connection attempt "
+               "timed out before receiving SETTINGS frame")
+HTTP_SERVER = ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:4000: Failed parsing "
+               "HTTP/2 (Expected SETTINGS frame as the first frame, got frame type 79)")
+TIMED_OUT = "DEADLINE_EXCEEDED: Deadline Exceeded"
+
+
+def test_a_timeout_between_foreign_failures_is_no_other_kind() -> None:
+    """On a loaded machine a try may time out before the program on the port answers: that says nothing of what
+    listens there, and must not hide it."""
+    clock = FakeClock(1000.0)
+    failures = HandshakeFailures(tls_enabled=False, join_timeout=8, clock=clock)
+    assert failures.failed(HTTP_SERVER, last_contact=1000.0) is None
+    clock.now += 4.0
+    assert failures.failed(TIMED_OUT, last_contact=1000.0) is None
+    clock.now += 4.0
+    fatal = failures.failed(HTTP_SERVER, last_contact=1000.0)
+    assert fatal is not None and fatal.startswith("giving up after 8s of failed connections")
+
+
+@pytest.mark.parametrize("error", [SILENT_PORT, HTTP_SERVER, UNTRUSTED])
+def test_join_timeout_between_two_failures_still_names_the_problem(error: str) -> None:
+    """join_timeout equal to the bound: the agent's own deadline may come between two tries; it ends as a bad
+    configuration too (exit 78), with the same message, not as an unreachable coordinator."""
+    clock = FakeClock(1000.0)
+    failures = HandshakeFailures(tls_enabled=error is UNTRUSTED, join_timeout=8, clock=clock)
+    clock.now += 1.0
+    assert failures.failed(error, last_contact=1000.0) is None
+    assert failures.at_join_timeout(1000.0) is not None
+    assert failures.at_join_timeout(1005.0) is None  # heard from a coordinator since: not this outage's
+
+
+def test_join_timeout_after_another_kind_of_failure_is_an_unreachable_coordinator() -> None:
+    clock = FakeClock(1000.0)
+    failures = HandshakeFailures(tls_enabled=False, join_timeout=8, clock=clock)
+    assert failures.failed(HTTP_SERVER, last_contact=1000.0) is None
+    assert failures.failed(REFUSED, last_contact=1000.0) is None  # the program left; nothing listens now
+    assert failures.at_join_timeout(1000.0) is None

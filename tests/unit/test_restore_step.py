@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 from prometheus_client import CollectorRegistry
-from tfelastic.daemon.agent.api import Connection, Identity, Send, StopResult, Timing
+from tfelastic.daemon.agent.api import Connection, Identity, ScanSnapshots, Send, StopResult, Timing
 from tfelastic.daemon.agent.core import AgentCore
 from tfelastic.daemon.agent.runner import trainer_env
 from tfelastic.daemon.metrics.agent import AgentMetrics
@@ -227,13 +227,11 @@ def test_every_join_carries_the_steps_the_shell_read_last() -> None:
     members = (Member("n1", 0, "10.0.0.1", 5555),)
     c.received(Assignment(1, 0, 1, members, 0, restore_step=30))
     c.worker_started(1, 4000)
-    assert not c.rejoins_after_stop
     c.received(api.StopWorkers(1, RestartReason.WORKER_EXIT))
-    assert c.rejoins_after_stop  # the shell reads the steps again before it reports the stop done
+    assert c.worker_gone(()) == [ScanSnapshots()]  # the shell reads the steps again before it reports the stop
     c.node_read(restorable=(50, 40, 30))
     [rejoin] = joins(c.worker_stopped(StopResult(-15, False)))
     assert rejoin.node.restorable_steps == (50, 40, 30)
-    assert not c.rejoins_after_stop
 
 
 def test_a_stop_for_leaving_is_not_followed_by_a_join() -> None:
@@ -242,7 +240,7 @@ def test_a_stop_for_leaving_is_not_followed_by_a_join() -> None:
     c.received(Assignment(1, 0, 1, (Member("n1", 0, "10.0.0.1", 5555),), 0))
     c.worker_started(1, 4000)
     c.received(api.DrainNode("maintenance"))
-    assert not c.rejoins_after_stop
+    assert c.worker_gone(()) == []  # no Join follows: nothing to read for one
 
 
 # ------------------------------------------------------------------------------------------- the trainer
