@@ -21,10 +21,13 @@ from tfelastic.daemon.agent.api import (
     DropSession,
     FatalSessionError,
     HangUp,
+    HostUntilJobEnds,
+    KeepMetricsUp,
     Launch,
     ListenForProbe,
     PrepareStandby,
     ProbeServer,
+    RemoveLocalTier,
     RunNodeCheck,
     Send,
     SessionLost,
@@ -115,8 +118,7 @@ class Agent:
         finally:
             self._apply(self.core.final_stop())
             await self.worker.close()
-            if self.core.local_tier_obsolete:
-                await asyncio.to_thread(self._node.snapshots.remove_local_tier)
+            await self._prepare(self.core.worker_closed())
             await self._wind_down(code)
         return code
 
@@ -195,10 +197,17 @@ class Agent:
             self._apply(self.core.tick())
 
     async def _prepare(self, actions: Iterable[Action]) -> None:
-        """The core's preparations, awaited in order: a node check here, the rest on the worker's side."""
+        """The core's preparations, awaited in order: a node check and the exit's here, the rest on the worker's
+        side."""
         for action in actions:
             if isinstance(action, RunNodeCheck):
                 await self._start_check()
+            elif isinstance(action, RemoveLocalTier):
+                await asyncio.to_thread(self._node.snapshots.remove_local_tier)
+            elif isinstance(action, HostUntilJobEnds):
+                await self._placement.host_after_drain(self._signalled)
+            elif isinstance(action, KeepMetricsUp):
+                await self._keep_metrics_up(action.verdict)
             else:
                 await self.worker.prepare([action])
 
@@ -262,18 +271,8 @@ class Agent:
         leader hands the job over), for at most ``node_timeout`` + :data:`CLOSING_SECONDS`: past that, the exit
         goes on."""
         host = self._placement.host
-        if self.core.hosts_after_drain(hosting=host is not None):
-            self.hooks.status("drained: hosting the coordinator until the job ends")
-            await self._placement.host_after_drain(self._signalled)
-        linger = self.config.metrics.linger
-        verdict_hosted = host is not None and host.verdict is not None
-        if self.core.keeps_metrics_up(verdict_hosted) and self._metrics_server is not None and linger:
-            if host is not None:
-                await host.wait_agents_gone()
-            log.info("job %s: keeping /metrics up for %gs", "failed" if self.core.exit_code is ExitCode.FAILED
-                     else "succeeded", linger)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._leaving.wait(), linger)
+        await self._prepare(self.core.wind_down(hosting=host is not None))
+        await self._prepare(self.core.hosting_ended(verdict_hosted=host is not None and host.verdict is not None))
         bound = self.config.rendezvous.node_timeout + CLOSING_SECONDS
         self.hooks.exit_decided(code, bound)
         try:
@@ -286,6 +285,16 @@ class Agent:
                       bound, stacks())
         if self._metrics_server is not None:
             self._metrics_server.close()
+
+    async def _keep_metrics_up(self, verdict: str) -> None:
+        linger, host = self.config.metrics.linger, self._placement.host
+        if self._metrics_server is None or not linger:
+            return
+        if host is not None:
+            await host.wait_agents_gone()
+        log.info("job %s: keeping /metrics up for %gs", verdict, linger)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._leaving.wait(), linger)
 
     def _serve_metrics(self) -> None:
         metrics = self.config.metrics

@@ -175,8 +175,28 @@ class WaitPortFree:
     port: int
 
 
+@dataclass(frozen=True)
+class RemoveLocalTier:
+    """A preparation of the exit: the job succeeded, nothing will resume from this node's local snapshots."""
+
+
+@dataclass(frozen=True)
+class HostUntilJobEnds:
+    """A preparation of the exit: this drained node hosts the coordinator, which the other nodes still need; serve
+    it until the job ends or a signal to stop."""
+
+
+@dataclass(frozen=True)
+class KeepMetricsUp:
+    """A preparation of the exit: /metrics stays up for ``metrics_linger`` (after the hosted coordinator's agents
+    hung up), so that Prometheus records the verdict; the alerts tell a finished job from a dead daemon by it."""
+
+    verdict: str  # "failed" or "succeeded", for the log
+
+
 Action = (Send | Launch | Stop | HangUp | DropSession | Announce | RunNodeCheck | ListenForProbe | PrepareStandby |
-          StopRetrying | ProbeServer | CoordinatorLost | ScanSnapshots | WaitGpusReleased | WaitPortFree)
+          StopRetrying | ProbeServer | CoordinatorLost | ScanSnapshots | WaitGpusReleased | WaitPortFree |
+          RemoveLocalTier | HostUntilJobEnds | KeepMetricsUp)
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,12 @@ from tfelastic.daemon.agent.api import (
     CoordinatorLost,
     DropSession,
     HangUp,
+    HostUntilJobEnds,
     Identity,
+    KeepMetricsUp,
     Leaving,
     ListenForProbe,
+    RemoveLocalTier,
     RunNodeCheck,
     Send,
     StopRetrying,
@@ -222,20 +225,24 @@ class AgentCore(WorkerCore):
         contact = self._contact
         return max(0.1, contact.fence_after + contact.heartbeat_interval / 2 - contact.silent())
 
-    def keeps_metrics_up(self, verdict_hosted: bool) -> bool:
-        """After a failure, and on the node that hosted the coordinator after any verdict (``verdict_hosted``),
-        /metrics stays up a while before the exit: Prometheus then records the verdict, and the alerts tell a
-        finished job from a dead daemon by it."""
-        return self.exit_code is ExitCode.FAILED or verdict_hosted
+    def worker_closed(self) -> list[Action]:
+        """The agent's last worker and its standby are gone: a succeeded job's local snapshots go too (nothing will
+        resume from them; a failed job, or an agent that only left, may be resumed)."""
+        return [RemoveLocalTier()] if self.exit_code is ExitCode.SUCCEEDED else []
 
-    @property
-    def local_tier_obsolete(self) -> bool:
-        """The job succeeded: nothing will resume from this node's local snapshots, which the shell removes."""
-        return self.exit_code is ExitCode.SUCCEEDED
+    def wind_down(self, *, hosting: bool) -> list[Action]:
+        """The exit begins: a drained node that hosts the coordinator (``hosting``) keeps serving it until the job
+        ends. SIGTERM leaves too, but is no drain: the hosted coordinator goes with the agent."""
+        if not (hosting and self.leaving is not None and self.leaving.drained):
+            return []
+        return [Announce("drained: hosting the coordinator until the job ends"), HostUntilJobEnds()]
 
-    def hosts_after_drain(self, hosting: bool) -> bool:
-        """A drained node that hosts the coordinator (``hosting``) keeps serving it until the job ends."""
-        return hosting and self.leaving is not None and self.leaving.drained
+    def hosting_ended(self, *, verdict_hosted: bool) -> list[Action]:
+        """What hosting there was is over: after a failure, and on the node that hosted the coordinator after any
+        verdict (``verdict_hosted``), /metrics stays up a while before the exit."""
+        if self.exit_code is not ExitCode.FAILED and not verdict_hosted:
+            return []
+        return [KeepMetricsUp("failed" if self.exit_code is ExitCode.FAILED else "succeeded")]
 
     def refused(self, message: str, exit_code: ExitCode) -> None:
         """The coordinator refused this agent for good (wrong token, another job's settings, a duplicate id)."""

@@ -15,11 +15,14 @@ from tfelastic.daemon.agent.api import (
     CoordinatorLost,
     DropSession,
     HangUp,
+    HostUntilJobEnds,
     Identity,
+    KeepMetricsUp,
     Launch,
     ListenForProbe,
     PrepareStandby,
     ProbeServer,
+    RemoveLocalTier,
     RunNodeCheck,
     ScanSnapshots,
     Send,
@@ -405,12 +408,13 @@ def test_only_a_drained_node_that_hosts_the_coordinator_keeps_serving_it() -> No
     drained = Harness()
     drained.running()
     drained.core.received(api.DrainNode("maintenance"))
-    assert drained.core.hosts_after_drain(hosting=True)
-    assert not drained.core.hosts_after_drain(hosting=False)
+    assert drained.core.wind_down(hosting=True) == [
+        Announce("drained: hosting the coordinator until the job ends"), HostUntilJobEnds()]
+    assert drained.core.wind_down(hosting=False) == []
     stopped = Harness()  # SIGTERM leaves too, but it is not a drain: the hosted coordinator goes with the agent
     stopped.running()
     stopped.core.signal_received(signal.SIGTERM)
-    assert not stopped.core.hosts_after_drain(hosting=True)
+    assert stopped.core.wind_down(hosting=True) == []
 
 
 def test_the_local_tier_is_removed_only_after_the_job_succeeded() -> None:
@@ -420,12 +424,12 @@ def test_the_local_tier_is_removed_only_after_the_job_succeeded() -> None:
         h = Harness()
         h.running()
         h.core.received(api.Finished(state, "over"))
-        verdicts[state] = h.core.local_tier_obsolete
+        verdicts[state] = h.core.worker_closed()
     left = Harness()
     left.running()
     left.core.signal_received(signal.SIGTERM)
-    assert verdicts == {api.JobState.SUCCEEDED: True, api.JobState.FAILED: False}
-    assert not left.core.local_tier_obsolete
+    assert verdicts == {api.JobState.SUCCEEDED: [RemoveLocalTier()], api.JobState.FAILED: []}
+    assert left.core.worker_closed() == []
 
 
 def test_a_leave_with_no_worker_hangs_up_at_once() -> None:
@@ -630,12 +634,12 @@ def test_metrics_stay_up_after_a_failure_or_a_hosted_verdict_not_after_a_plain_s
     h = Harness()
     h.running()
     h.core.received(api.Finished(api.JobState.SUCCEEDED, "every trainer exited 0"))
-    assert not h.core.keeps_metrics_up(verdict_hosted=False)
-    assert h.core.keeps_metrics_up(verdict_hosted=True)
+    assert h.core.hosting_ended(verdict_hosted=False) == []
+    assert h.core.hosting_ended(verdict_hosted=True) == [KeepMetricsUp("succeeded")]
     failed = Harness()
     failed.running()
     failed.core.received(api.Finished(api.JobState.FAILED, "restart budget exhausted"))
-    assert failed.core.keeps_metrics_up(verdict_hosted=False)
+    assert failed.core.hosting_ended(verdict_hosted=False) == [KeepMetricsUp("failed")]
 
 
 def test_with_etcd_the_agent_waits_for_etcd_only_until_it_must_decide_whether_to_fence() -> None:

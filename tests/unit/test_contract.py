@@ -46,10 +46,8 @@ READINGS = {"node_read", "gpus_released", "refused"}
 # For an operator's SIGUSR1 log line: a description, not a decision.
 DESCRIPTIONS = {"describe"}
 # Reads of the core that still decide in the shell: the session loop's retry (etcd's patience, the verdict, whether
-# a closed session was planned), the wind-down (hosting after a drain, the metrics' linger, the exit code, the
-# local tier's removal) and the watchdog's health. Each is to become an action; the list may only shrink.
-NOT_YET_ACTIONS = {"winding_down", "etcd_patience", "verdict", "keeps_metrics_up", "hosts_after_drain", "exit_code",
-                   "local_tier_obsolete"}
+# a closed session was planned) and the watchdog's health. Each is to become an action; the list may only shrink.
+NOT_YET_ACTIONS = {"winding_down", "etcd_patience", "verdict"}
 
 
 def core_reads(source: str) -> list[tuple[int, str]]:
