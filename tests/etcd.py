@@ -114,7 +114,7 @@ class EtcdCluster:
         """Every given member (default: all) answers a linearizable read."""
         async def read(member: Member) -> bool:
             client = EtcdClient(EtcdTarget((Endpoint(member.host, member.client_port),), bool(self.tls)),
-                                self._credentials(), timeout=1.0)
+                                self._credentials(), timeout=3.0)  # a fresh channel each time: room to connect
             try:
                 await client.get(b"health")
                 return True
@@ -131,9 +131,16 @@ class EtcdCluster:
         ca, cert, key = self.tls
         return EtcdCredentials(ca=ca, cert=cert, key=key)
 
-    def wait_healthy(self, timeout: float = 30.0) -> None:
+    def wait_healthy(self, timeout: float = 90.0) -> None:
+        """Until every running member answers. The bound is for a broken start, not a measure: under load a
+        3-member start passed 30 s once (every other test keeps the cores busy meanwhile)."""
         running = [m for m in self.members if m.proc is not None and m.proc.poll() is None]
-        wait_for(lambda: self.healthy(running), timeout, "the etcd cluster to answer", interval=0.2)
+        try:
+            wait_for(lambda: self.healthy(running), timeout, "the etcd cluster to answer", interval=0.2)
+        except AssertionError as e:
+            tails = "\n".join(f"{m.name}: {m.log.read_text(errors='replace')[-1500:]}" for m in self.members
+                              if m.log.exists())
+            raise AssertionError(f"{e}\n{tails}") from None
 
     def kill(self, index: int, sig: signal.Signals = signal.SIGKILL) -> None:
         member = self.members[index]
