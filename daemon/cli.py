@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                                            "and its badput by category (also after a job on etcd ended)")
     _add_operator_connection(report)
     report.add_argument("--json", action="store_true", help="print one JSON object")
+    report.add_argument("--html", metavar="FILE", help="write the timeline as one self-contained HTML page to FILE "
+                                                       "(- for standard output)")
+    report.add_argument("--tensorboard", metavar="DIR", help="write the ledger as TensorBoard scalars into DIR "
+                                                             "(needs the tensorboard package, not TensorFlow)")
 
     restart = add("restart", help="restart the job: every trainer checkpoints and stops, and the same "
                                              "nodes re-form (not counted as a failure)")
@@ -273,7 +277,9 @@ def _dispatch(args: argparse.Namespace, slurm: SlurmStep | None) -> int:
     if name == "report":
         from tfelastic.daemon.report import run_report
 
-        return run_report(*_operator_config(args), as_json=args.json)
+        if args.html == "-" and args.json:
+            raise ConfigError("--html - and --json both print to standard output: give --html a FILE")
+        return run_report(*_operator_config(args), as_json=args.json, html=args.html, tensorboard=args.tensorboard)
     if name == "status":
         if args.watch is not None and not args.watch > 0:
             raise ConfigError(f"--watch: {args.watch} seconds must be more than 0")

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -15,13 +18,17 @@ from tfelastic.daemon.config import OperatorConfig
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.preflight import check_tls_files
-from tfelastic.daemon.rendezvous.api import GenerationSummary, GoodputView
+from tfelastic.daemon.rendezvous.api import GoodputView
 from tfelastic.daemon.rendezvous.durable import DurableState
 from tfelastic.daemon.rendezvous.goodput import ledger_of_export
-from tfelastic.daemon.status import goodput_json, render_report, status_to_json, timeline_json
+from tfelastic.daemon.status import goodput_json, marks_json, render_report, status_to_json, timeline_json
+from tfelastic.daemon.timeline import lay_out
 
 
-def run_report(config: OperatorConfig, token: str | None, *, as_json: bool) -> int:
+def run_report(config: OperatorConfig, token: str | None, *, as_json: bool, html: str | None = None,
+               tensorboard: str | None = None) -> int:
+    """Prints the report (a table, or JSON); ``html``: also the page to this file (``-``: instead, to standard
+    output); ``tensorboard``: also the scalars into this directory. With either, the table is left out."""
     check_tls_files(config.rendezvous.tls)
     try:
         doc = _from_coordinator(config, token)
@@ -31,9 +38,37 @@ def run_report(config: OperatorConfig, token: str | None, *, as_json: bool) -> i
         doc = _from_etcd(config)
     if as_json:
         print(json.dumps(doc, indent=2), flush=True)
-    else:
+    elif html is None and tensorboard is None:
         print(render_report(doc, doc["generations"]), flush=True)
+    if html is not None:
+        _write_page(doc, html)
+    if tensorboard is not None:
+        from tfelastic.daemon.report_tensorboard import write_scalars
+
+        written = write_scalars(lay_out(doc), Path(tensorboard))
+        print(f"tfelastic report: wrote TensorBoard scalars to {written}", file=sys.stderr, flush=True)
     return ExitCode.SUCCEEDED
+
+
+def _write_page(doc: dict[str, Any], destination: str) -> None:
+    from tfelastic.daemon.report_page import render_page
+
+    page = render_page(lay_out(doc), doc)
+    if destination == "-":
+        sys.stdout.write(page)
+        sys.stdout.flush()
+        return
+    path = Path(destination)
+    if path.is_dir():
+        raise OperatorError(f"report --html {destination}: is a directory; name the page's file")
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        partial.write_text(page, encoding="utf-8")
+        os.replace(partial, path)  # a reader never sees half a page
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        raise OperatorError(f"report --html {destination}: cannot write it ({e.strerror})") from None
+    print(f"tfelastic report: wrote {path} ({len(page.encode()) // 1024} KiB)", file=sys.stderr, flush=True)
 
 
 class _NoCoordinator(Exception):
@@ -54,7 +89,8 @@ def _from_coordinator(config: OperatorConfig, token: str | None) -> dict[str, An
             raise OperatorError(describe_rpc_error("report", endpoint, e)) from None
         raise _NoCoordinator(describe_rpc_error("report", endpoint, e, tls=rdzv.tls.enabled)) from None
     doc = status_to_json(snapshot)
-    return {**doc, "source": "coordinator", "generations": timeline_json(snapshot.goodput)}
+    return {**doc, "source": "coordinator", "generations": timeline_json(snapshot.goodput),
+            "marks": marks_json(snapshot.goodput), "at": time.time()}
 
 
 def _from_etcd(config: OperatorConfig) -> dict[str, Any]:
@@ -79,13 +115,11 @@ def _from_etcd(config: OperatorConfig) -> dict[str, Any]:
         raise OperatorError(f"etcd at {target} holds no state of job {config.job!r} (--job names it)")
     view = _view(recorded)
     return {"job": config.job, "state": recorded.state.value, "reason": recorded.reason, "source": "etcd",
-            "goodput": goodput_json(view), "generations": timeline_json(view)}
+            "goodput": goodput_json(view), "generations": timeline_json(view), "marks": marks_json(view),
+            "at": time.time()}
 
 
 def _view(recorded: DurableState) -> GoodputView | None:
     if recorded.goodput is None:
         return None
-    ledger = ledger_of_export(recorded.goodput, time.time())
-    return GoodputView(ledger.now_totals(), tuple(GenerationSummary(
-        line.generation, line.formed_at, line.size, line.members, line.restored_step, line.startup_seconds,
-        line.steps_redone, line.ended, line.seconds) for line in ledger.lines_now()), ledger.steps_redone)
+    return ledger_of_export(recorded.goodput, time.time()).view(0.0)

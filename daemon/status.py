@@ -69,7 +69,16 @@ def timeline_json(view: GoodputView | None) -> list[dict[str, Any]]:
              "startup_seconds": None if g.startup_seconds is None else round(g.startup_seconds, 3),
              "steps_redone": g.steps_redone, "ended": g.ended,
              "badput_seconds": round(sum(s for c, s in g.seconds.items() if c != "training"), 3),
-             "seconds": {c: round(s, 3) for c, s in g.seconds.items()}} for g in view.generations]
+             "seconds": {c: round(s, 3) for c, s in g.seconds.items()},
+             "reached_step": g.reached_step} for g in view.generations]
+
+
+def marks_json(view: GoodputView | None) -> list[dict[str, Any]]:
+    """The nodes' events on the timeline that no generation's line records, oldest first: quarantines,
+    readmissions, drains."""
+    if view is None:
+        return []
+    return [{"at": round(m.at, 3), "kind": m.kind, "node": m.node, "detail": m.detail} for m in view.marks]
 
 
 def _node_json(node: NodeSnapshot, now: float, wall: float) -> dict[str, Any]:
@@ -173,12 +182,8 @@ def duration(seconds: float) -> str:
 def render_report(doc: dict[str, Any], timeline: list[dict[str, Any]]) -> str:
     """The job's timeline, a line per generation, then the totals (``tfelastic report``)."""
     lines = [f"job {doc['job']}: {doc['state']}" + (f" ({doc['reason']})" if doc["reason"] else ""), ""]
-    header = ("GEN", "FORMED", "MEMBERS", "RESTORED", "REDONE", "STARTUP", "BADPUT", "ENDED")
-    rows = [header] + [(
-        str(g["generation"]), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(g["formed_at"])),
-        _members(g), _dash(g["restored_step"]), str(g["steps_redone"]),
-        "-" if g["startup_seconds"] is None else f"{g['startup_seconds']:.1f}s", duration(g["badput_seconds"]),
-        g["ended"] or "(running)") for g in timeline]
+    rows = render_report_rows(timeline)
+    header = rows[0]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     lines += ["  ".join([*(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)), row[-1]])
               for row in rows]
@@ -189,6 +194,16 @@ def render_report(doc: dict[str, Any], timeline: list[dict[str, Any]]) -> str:
     wall = goodput["wall_seconds"] or 1.0
     lines += [f"  {c:<10} {duration(s):>8}  {100 * s / wall:5.1f}%" for c, s in goodput["seconds"].items()]
     return "\n".join(lines)
+
+
+def render_report_rows(timeline: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """The per-generation table of ``report``: its header, then a row per generation."""
+    header = ("GEN", "FORMED", "MEMBERS", "RESTORED", "REDONE", "STARTUP", "BADPUT", "ENDED")
+    return [header] + [(
+        str(g["generation"]), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(g["formed_at"])),
+        _members(g), _dash(g["restored_step"]), str(g["steps_redone"]),
+        "-" if g["startup_seconds"] is None else f"{g['startup_seconds']:.1f}s", duration(g["badput_seconds"]),
+        g["ended"] or "(running)") for g in timeline]
 
 
 def _members(line: dict[str, Any]) -> str:

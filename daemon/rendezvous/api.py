@@ -331,6 +331,17 @@ class GenerationSummary:
     steps_redone: int
     ended: str  # why it ended ("" while it runs)
     seconds: dict[str, float]  # by goodput category, while it was the last formed
+    reached_step: int | None = None  # the furthest step its chief reported
+
+
+@dataclass(frozen=True)
+class TimelineMark:
+    """A node's event on the job's timeline: quarantined, readmitted or drained (rendezvous/goodput.py)."""
+
+    at: float  # Unix time
+    kind: str
+    node: str
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -340,6 +351,7 @@ class GoodputView:
     seconds: dict[str, float]
     generations: tuple[GenerationSummary, ...] = ()
     steps_redone: int = 0  # of every generation, those dropped from the timeline too
+    marks: tuple[TimelineMark, ...] = ()  # the most recent, oldest first
 
 
 @dataclass(frozen=True)

@@ -240,15 +240,19 @@ def goodput_to_proto(view: api.GoodputView) -> pb.Goodput:
         generation=g.generation, formed_at=g.formed_at, size=g.size, members=g.members,
         restored_step=g.restored_step or 0, has_restored_step=g.restored_step is not None,
         startup_seconds=g.startup_seconds or 0.0, has_startup_seconds=g.startup_seconds is not None,
-        steps_redone=g.steps_redone, ended=g.ended, seconds=_seconds_to_proto(g.seconds)) for g in view.generations],
-        steps_redone=view.steps_redone)
+        steps_redone=g.steps_redone, ended=g.ended, seconds=_seconds_to_proto(g.seconds),
+        reached_step=g.reached_step or 0, has_reached_step=g.reached_step is not None) for g in view.generations],
+        steps_redone=view.steps_redone,
+        marks=[pb.TimelineMark(at=m.at, kind=m.kind, node=m.node, detail=m.detail) for m in view.marks])
 
 
 def goodput_from_proto(message: pb.Goodput) -> api.GoodputView:
     return api.GoodputView({c.category: c.seconds for c in message.seconds}, tuple(api.GenerationSummary(
         g.generation, g.formed_at, g.size, tuple(g.members), g.restored_step if g.has_restored_step else None,
         g.startup_seconds if g.has_startup_seconds else None, g.steps_redone, g.ended,
-        {c.category: c.seconds for c in g.seconds}) for g in message.generations), message.steps_redone)
+        {c.category: c.seconds for c in g.seconds}, g.reached_step if g.has_reached_step else None)
+        for g in message.generations), message.steps_redone,
+        tuple(api.TimelineMark(m.at, m.kind, m.node, m.detail) for m in message.marks))
 
 
 def _node_state(node: pb.NodeStatus) -> api.NodeState:

@@ -25,7 +25,14 @@ from tfelastic.daemon.rendezvous.api import (
     Member,
     RestartReason,
 )
-from tfelastic.daemon.rendezvous.goodput import CATEGORIES, MAX_GENERATIONS, MEMBERS_LISTED
+from tfelastic.daemon.rendezvous.goodput import (
+    CATEGORIES,
+    MARK_DETAIL_CHARS,
+    MARK_KINDS,
+    MAX_GENERATIONS,
+    MAX_MARKS,
+    MEMBERS_LISTED,
+)
 from tfelastic.daemon.rendezvous.quarantine import QUARANTINE_KINDS
 
 VERSION = 1  # of the state's format
@@ -273,9 +280,21 @@ def goodput(ledger: Fields) -> dict[str, Any]:
               "since": ledger.number("since", 0.0, MAX_WALL_CLOCK),
               "furthest_step": ledger.integer("furthest_step", -1, bounds.MAX_STEP),
               "steps_redone": ledger.integer("steps_redone", 0, MAX_STEPS_TOTAL, 0), "last": last,
-              "lines": list(ledger.items("lines", MAX_GENERATIONS, generation_line))}
+              "lines": list(ledger.items("lines", MAX_GENERATIONS, generation_line)),
+              "marks": list(ledger.items("marks", MAX_MARKS, timeline_mark, ()))}  # an older one's: absent
     ledger.no_others()
     return result
+
+
+def timeline_mark(doc: object, path: str) -> list[Any]:
+    """``[at, kind, node, detail]`` (rendezvous/goodput.py, Mark)."""
+    if not isinstance(doc, list) or len(doc) != 4:
+        raise BadField(path, f"{shown(doc)} is not [time, kind, node, detail]")
+    at, kind, node, detail = doc
+    if kind not in MARK_KINDS:
+        raise BadField(f"{path}[1]", f"{shown(kind)} is not one of {', '.join(MARK_KINDS)}")
+    return [checked_number(at, f"{path}[0]", 0.0, MAX_WALL_CLOCK), kind, checked_node_id(node, f"{path}[2]"),
+            checked_text(detail, f"{path}[3]", MARK_DETAIL_CHARS)]
 
 
 def seconds_by_category(seconds: Fields) -> dict[str, float]:
@@ -287,6 +306,7 @@ def seconds_by_category(seconds: Fields) -> dict[str, float]:
 def generation_line(doc: object, path: str) -> dict[str, Any]:
     line = Fields(doc, path)
     restored, startup = line.raw("restored_step"), line.raw("startup_seconds")
+    reached = line.raw("reached_step", None)  # an older coordinator's line: absent
     result = {"generation": line.integer("generation", 1, bounds.MAX_GENERATION),
               "formed_at": line.number("formed_at", 0.0, MAX_WALL_CLOCK),
               "size": line.integer("size", 0, bounds.MAX_NODES),
@@ -297,7 +317,9 @@ def generation_line(doc: object, path: str) -> dict[str, Any]:
               checked_number(startup, line.name("startup_seconds"), 0.0, bounds.MAX_SECONDS),
               "steps_redone": line.integer("steps_redone", 0, MAX_STEPS_TOTAL),
               "ended": line.text("ended", MAX_TEXT_CHARS),
-              "seconds": seconds_by_category(line.fields("seconds"))}
+              "seconds": seconds_by_category(line.fields("seconds")),
+              "reached_step": None if reached is None else
+              checked_integer(reached, line.name("reached_step"), 0, bounds.MAX_STEP)}
     line.no_others()
     return result
 

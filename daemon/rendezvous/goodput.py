@@ -19,12 +19,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tfelastic.daemon.rendezvous.api import WorkerProgress
+from tfelastic.daemon.rendezvous.api import GenerationSummary, GoodputView, TimelineMark, WorkerProgress
 
 CATEGORIES = ("training", "redone", "startup", "checkpoint", "detection", "stopping", "waiting", "other")
 BADPUT = tuple(c for c in CATEGORIES if c != "training")
 MAX_GENERATIONS = 200  # lines kept for the report; the totals count every generation
 MEMBERS_LISTED = 16  # a line names its first members; it counts them all
+MAX_MARKS = 200  # the most recent quarantines, readmissions and drains the timeline marks
+MARK_DETAIL_CHARS = 512  # what a mark keeps of its detail
+MARK_KINDS = ("quarantined", "readmitted", "drained")
 
 Clock = Callable[[], float]
 
@@ -46,6 +49,7 @@ class GenerationLine:
     steps_redone: int = 0
     ended: str = ""  # why it ended ("" while it runs)
     seconds: dict[str, float] = field(default_factory=_zero)  # every category, while it was the last formed
+    reached_step: int | None = None  # the furthest step its chief reported (None before its first report)
 
     def badput(self) -> float:
         return sum(self.seconds[c] for c in BADPUT)
@@ -54,7 +58,8 @@ class GenerationLine:
         return {"generation": self.generation, "formed_at": self.formed_at + wall_offset, "size": self.size,
                 "members": list(self.members),
                 "restored_step": self.restored_step, "startup_seconds": self.startup_seconds,
-                "steps_redone": self.steps_redone, "ended": self.ended, "seconds": dict(self.seconds)}
+                "steps_redone": self.steps_redone, "ended": self.ended, "seconds": dict(self.seconds),
+                "reached_step": self.reached_step}
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any], wall_offset: float) -> GenerationLine:
@@ -63,7 +68,26 @@ class GenerationLine:
                    None if doc["restored_step"] is None else int(doc["restored_step"]),
                    None if doc["startup_seconds"] is None else float(doc["startup_seconds"]),
                    int(doc["steps_redone"]), str(doc["ended"]),
-                   {c: float(doc["seconds"].get(c, 0.0)) for c in CATEGORIES})
+                   {c: float(doc["seconds"].get(c, 0.0)) for c in CATEGORIES},
+                   None if doc.get("reached_step") is None else int(doc["reached_step"]))  # an older one's: absent
+
+    def summary(self, wall_offset: float) -> GenerationSummary:
+        return GenerationSummary(self.generation, self.formed_at + wall_offset, self.size, self.members,
+                                 self.restored_step, self.startup_seconds, self.steps_redone, self.ended,
+                                 self.seconds, self.reached_step)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A node's event on the job's timeline that no generation's line records: quarantined, readmitted, drained."""
+
+    at: float  # on the coordinator's clock (wall-clock seconds once exported)
+    kind: str  # one of MARK_KINDS
+    node: str
+    detail: str
+
+    def to_list(self, wall_offset: float) -> list[Any]:
+        return [self.at + wall_offset, self.kind, self.node, self.detail]
 
 
 @dataclass(frozen=True)
@@ -96,6 +120,7 @@ class GoodputLedger:
         self._clock = clock
         self.totals = _zero()
         self.lines: deque[GenerationLine] = deque(maxlen=MAX_GENERATIONS)
+        self.marks: deque[Mark] = deque(maxlen=MAX_MARKS)
         self._activity: str | None = None  # the category time goes to now; None before the first formation
         self._since = 0.0  # when the open interval started
         self.furthest_step = -1  # the furthest step the job reached
@@ -122,6 +147,7 @@ class GoodputLedger:
             return
         now = self._clock() if report.at is None else min(self._clock(), max(self._since, report.at))
         line = self.lines[-1]
+        line.reached_step = max(report.step, line.reached_step if line.reached_step is not None else report.step)
         if self._activity == "startup":
             self._start_up(line, report, now)
         else:
@@ -173,6 +199,14 @@ class GoodputLedger:
                     self._add(category, seconds)
                 self._undated = (until, report, decided)  # a later reading dates the rest
         self.furthest_step = max(self.furthest_step, report.step)
+        if self.lines:
+            line = self.lines[-1]
+            line.reached_step = max(report.step, line.reached_step if line.reached_step is not None else report.step)
+        self._exported = self._export_now(0.0)
+
+    def marked(self, kind: str, node: str, detail: str) -> None:
+        """A node was quarantined, readmitted or drained: a mark on the timeline, at this moment."""
+        self.marks.append(Mark(self._clock(), kind, node, detail[:MARK_DETAIL_CHARS]))
         self._exported = self._export_now(0.0)
 
     def restarting(self, reason: str, planned: bool) -> None:
@@ -217,6 +251,12 @@ class GoodputLedger:
         if lines and self._activity is not None:
             lines[-1].seconds[self._open_category()] += max(0.0, self._clock() - self._since)
         return lines
+
+    def view(self, wall_offset: float) -> GoodputView:
+        """The ledger as status and report show it, to this moment, its times as wall-clock seconds."""
+        return GoodputView(self.now_totals(), tuple(line.summary(wall_offset) for line in self.lines_now()),
+                           self.steps_redone, tuple(TimelineMark(m.at + wall_offset, m.kind, m.node, m.detail)
+                                                    for m in self.marks))
 
     def goodput(self) -> float | None:
         totals = self.now_totals()
@@ -285,6 +325,7 @@ class GoodputLedger:
         doc = dict(self._exported)
         doc["since"] += wall_offset
         doc["lines"] = [{**line, "formed_at": line["formed_at"] + wall_offset} for line in doc["lines"]]
+        doc["marks"] = [[mark[0] + wall_offset, *mark[1:]] for mark in doc["marks"]]
         return doc
 
     def _export_now(self, wall_offset: float) -> dict[str, Any]:
@@ -292,13 +333,16 @@ class GoodputLedger:
         return {"totals": dict(self.totals), "activity": self._activity, "since": self._since + wall_offset,
                 "furthest_step": self.furthest_step, "steps_redone": self.steps_redone,
                 "last": None if last is None else [last.step, last.save_seconds, last.other_seconds],
-                "lines": [line.to_dict(wall_offset) for line in self.lines]}
+                "lines": [line.to_dict(wall_offset) for line in self.lines],
+                "marks": [mark.to_list(wall_offset) for mark in self.marks]}
 
     def take_over(self, doc: dict[str, Any], wall_offset: float) -> None:
         """Continues a ledger a predecessor exported: its open interval goes on from where it started."""
         self.totals = {c: float(doc["totals"].get(c, 0.0)) for c in CATEGORIES}
         self.lines = deque((GenerationLine.from_dict(line, wall_offset) for line in doc["lines"]),
                            maxlen=MAX_GENERATIONS)
+        self.marks = deque((Mark(float(at) - wall_offset, str(kind), str(node), str(detail))
+                            for at, kind, node, detail in doc.get("marks", ())), maxlen=MAX_MARKS)
         activity = doc["activity"]
         self._activity = activity if activity in CATEGORIES or activity == "training" else None
         self._since = min(float(doc["since"]) - wall_offset, self._clock())

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 from tfelastic.daemon.rendezvous.api import (
     ClusterSnapshot,
-    GenerationSummary,
     GoodputView,
     JobState,
     NodeSnapshot,
@@ -49,11 +48,7 @@ def rank_shown(rv: RoundKeeper) -> bool:
 
 
 def _goodput(rv: RoundKeeper) -> GoodputView:
-    ledger = rv.goodput
-    return GoodputView(ledger.now_totals(), tuple(
-        GenerationSummary(line.generation, line.formed_at + rv.wall_offset, line.size, line.members,
-                          line.restored_step, line.startup_seconds, line.steps_redone, line.ended, line.seconds)
-        for line in ledger.lines_now()), ledger.steps_redone)
+    return rv.goodput.view(rv.wall_offset)
 
 
 def _node(rv: RoundKeeper, node_id: str) -> NodeSnapshot:

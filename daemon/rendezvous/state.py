@@ -136,9 +136,14 @@ class Rendezvous(RoundKeeper):
 
     def _admission(self, node_id: str, checked: bool, failure: str, now: float) -> list[Send] | None:
         """None: the joining node may take part. Otherwise it is (now, or still) quarantined: the orders."""
+        was_held = self.quarantine.is_held(node_id)
         held = self.quarantine.admit(node_id, checked, failure, now)
         if held is None:
+            if was_held:
+                self.goodput.marked("readmitted", node_id, "it passed its node check")
             return None
+        if failure:
+            self.goodput.marked("quarantined", node_id, held.reason)
         self.nodes.set_state(self.nodes[node_id], NodeState.QUARANTINED)  # WAITING -> QUARANTINED
         sends = [self._waiting_notice(node_id, held.notice(now))]
         if held.checking and not failure:  # it was asked to check, and joined without: ask again
@@ -271,8 +276,11 @@ class Rendezvous(RoundKeeper):
         if first and not self.state.is_terminal:  # not when it ended the job (budget spent, chief done)
             others = sum(1 for n, node in self.nodes.items()
                          if n != node_id and node.state is not NodeState.LEAVING and not self.quarantine.is_held(n))
-            self.reason += self.quarantine.failed_first(node_id, detail, self._clock(), others,
-                                                        self._require_spec().min_nodes)
+            note = self.quarantine.failed_first(node_id, detail, self._clock(), others,
+                                                self._require_spec().min_nodes)
+            if note:
+                self.goodput.marked("quarantined", node_id, self.quarantine.held[node_id].reason)
+            self.reason += note
         return sends
 
     def readmit(self, node_id: str) -> list[Send]:
@@ -281,6 +289,7 @@ class Rendezvous(RoundKeeper):
             held = ", ".join(sorted(self.quarantine.held)) or "none"
             raise OperatorRefusedError(f"node {node_id!r} is not quarantined (quarantined nodes: {held})")
         self.quarantine.readmit(node_id, self._clock())
+        self.goodput.marked("readmitted", node_id, "by an operator")
         log.info("operator readmits node %s", node_id)
         return [Send(node_id, CheckNode("readmitted by an operator"))] if node_id in self.nodes else []
 
@@ -335,6 +344,7 @@ class Rendezvous(RoundKeeper):
                 f"would wait up to join_timeout={self.settings.join_timeout_seconds:g}s for another node. Start "
                 "a node first, or drain with --force")
         self.drained.add(node_id)
+        self.goodput.marked("drained", node_id, reason)
         return [Send(node_id, DrainNode(reason))]
 
     def restart_job(self, reason: str) -> tuple[list[Send], str]:

@@ -359,7 +359,7 @@ class CategorySeconds(_message.Message):
     def __init__(self, category: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class GenerationLine(_message.Message):
-    __slots__ = ("generation", "formed_at", "size", "members", "restored_step", "has_restored_step", "startup_seconds", "has_startup_seconds", "steps_redone", "ended", "seconds")
+    __slots__ = ("generation", "formed_at", "size", "members", "restored_step", "has_restored_step", "startup_seconds", "has_startup_seconds", "steps_redone", "ended", "seconds", "reached_step", "has_reached_step")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     FORMED_AT_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +371,8 @@ class GenerationLine(_message.Message):
     STEPS_REDONE_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REACHED_STEP_FIELD_NUMBER: _ClassVar[int]
+    HAS_REACHED_STEP_FIELD_NUMBER: _ClassVar[int]
     generation: int
     formed_at: float
     size: int
@@ -382,17 +384,33 @@ class GenerationLine(_message.Message):
     steps_redone: int
     ended: str
     seconds: _containers.RepeatedCompositeFieldContainer[CategorySeconds]
-    def __init__(self, generation: _Optional[int] = ..., formed_at: _Optional[float] = ..., size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., restored_step: _Optional[int] = ..., has_restored_step: bool = ..., startup_seconds: _Optional[float] = ..., has_startup_seconds: bool = ..., steps_redone: _Optional[int] = ..., ended: _Optional[str] = ..., seconds: _Optional[_Iterable[_Union[CategorySeconds, _Mapping]]] = ...) -> None: ...
+    reached_step: int
+    has_reached_step: bool
+    def __init__(self, generation: _Optional[int] = ..., formed_at: _Optional[float] = ..., size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., restored_step: _Optional[int] = ..., has_restored_step: bool = ..., startup_seconds: _Optional[float] = ..., has_startup_seconds: bool = ..., steps_redone: _Optional[int] = ..., ended: _Optional[str] = ..., seconds: _Optional[_Iterable[_Union[CategorySeconds, _Mapping]]] = ..., reached_step: _Optional[int] = ..., has_reached_step: bool = ...) -> None: ...
+
+class TimelineMark(_message.Message):
+    __slots__ = ("at", "kind", "node", "detail")
+    AT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    at: float
+    kind: str
+    node: str
+    detail: str
+    def __init__(self, at: _Optional[float] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Goodput(_message.Message):
-    __slots__ = ("seconds", "generations", "steps_redone")
+    __slots__ = ("seconds", "generations", "steps_redone", "marks")
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     STEPS_REDONE_FIELD_NUMBER: _ClassVar[int]
+    MARKS_FIELD_NUMBER: _ClassVar[int]
     seconds: _containers.RepeatedCompositeFieldContainer[CategorySeconds]
     generations: _containers.RepeatedCompositeFieldContainer[GenerationLine]
     steps_redone: int
-    def __init__(self, seconds: _Optional[_Iterable[_Union[CategorySeconds, _Mapping]]] = ..., generations: _Optional[_Iterable[_Union[GenerationLine, _Mapping]]] = ..., steps_redone: _Optional[int] = ...) -> None: ...
+    marks: _containers.RepeatedCompositeFieldContainer[TimelineMark]
+    def __init__(self, seconds: _Optional[_Iterable[_Union[CategorySeconds, _Mapping]]] = ..., generations: _Optional[_Iterable[_Union[GenerationLine, _Mapping]]] = ..., steps_redone: _Optional[int] = ..., marks: _Optional[_Iterable[_Union[TimelineMark, _Mapping]]] = ...) -> None: ...
 
 class QuarantineCount(_message.Message):
     __slots__ = ("kind", "count")

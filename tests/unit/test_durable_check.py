@@ -163,12 +163,21 @@ def _with_ledger() -> DurableState:
     ledger.formed(4, ["a", "b"])
     clock.now += 3.0
     ledger.reported(ChiefReport(30))
+    ledger.marked("drained", "b", "maintenance")
     return DurableState(SPEC, JobState.RUNNING, "", 4, MEMBERS, goodput=ledger.export(1_700_000_000.0))
 
 
 def test_the_goodput_ledger_reads_back_as_it_was_written() -> None:
     state = _with_ledger()
     assert DurableState.from_json(state.to_json()) == state
+    assert state.goodput is not None and state.goodput["marks"] == [[1_700_000_013.0, "drained", "b", "maintenance"]]
+
+
+def test_a_ledger_an_older_coordinator_wrote_without_marks_or_reached_steps_reads() -> None:
+    document = json.loads(_with_ledger().to_json())
+    del document["goodput"]["marks"], document["goodput"]["lines"][0]["reached_step"]
+    goodput = DurableState.from_json(json.dumps(document).encode()).goodput
+    assert goodput is not None and goodput["marks"] == [] and goodput["lines"][0]["reached_step"] is None
 
 
 @pytest.mark.parametrize(("path", "value", "named"), [
@@ -181,6 +190,11 @@ def test_the_goodput_ledger_reads_back_as_it_was_written() -> None:
     ("goodput.lines[0].members", ["a"] * 17, "goodput.lines[0].members"),
     ("goodput.lines[0].seconds.startup", "3", "goodput.lines[0].seconds.startup"),
     ("goodput.steps_redone", -5, "goodput.steps_redone"),
+    ("goodput.lines[0].reached_step", -1, "goodput.lines[0].reached_step"),
+    ("goodput.marks[0]", [1.0, "drained", "b"], "goodput.marks[0]"),
+    ("goodput.marks[0][1]", "promoted", "goodput.marks[0][1]"),
+    ("goodput.marks[0][2]", "b c", "goodput.marks[0][2]"),
+    ("goodput.marks[0][3]", "x" * 513, "goodput.marks[0][3]"),
 ])
 def test_a_bad_goodput_ledger_is_refused_naming_its_field(path: str, value: Any, named: str) -> None:
     document = json.loads(_with_ledger().to_json())
@@ -188,7 +202,7 @@ def test_a_bad_goodput_ledger_is_refused_naming_its_field(path: str, value: Any,
     node: Any = document
     for key in parents:
         node = node[int(key)] if isinstance(node, list) else node[key]
-    node[last] = value
+    node[int(last) if isinstance(node, list) else last] = value
     with pytest.raises(BadField) as refused:
         DurableState.from_json(json.dumps(document).encode())
     assert refused.value.field == named, refused.value

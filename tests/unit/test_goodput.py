@@ -435,3 +435,15 @@ def test_the_chiefs_end_of_training_reaches_the_ledger_through_the_wire() -> Non
     goodput = rv.snapshot().goodput
     assert goodput is not None
     assert {c: round(s, 6) for c, s in goodput.seconds.items() if s} == {"training": 10.0, "other": 40.0}
+
+
+def test_each_line_keeps_the_furthest_step_its_chief_reported() -> None:
+    book, clock = ledger()
+    trained(book, clock, 10.0, 40)
+    book.restarting("worker_exit: a: killed", planned=False)
+    book.reached(ChiefReport(45, at=clock.now))  # read before the fault, heard after the decision
+    book.formed(2, ["a"])
+    assert book.lines[-1].reached_step is None
+    started(book, 30)
+    assert [line.reached_step for line in book.lines] == [45, 31]
+    assert [g.reached_step for g in book.view(0.0).generations] == [45, 31]

@@ -357,3 +357,23 @@ def test_a_standalone_coordinator_probes_its_first_join_but_not_after_the_verdic
     assert rv.probe_for(_checked_join("a", spec())) is not None
     rv.state = JobState.SUCCEEDED
     assert rv.probe_for(_checked_join("a", spec())) is None
+
+
+def test_the_timeline_marks_each_quarantine_readmission_and_drain() -> None:
+    clock = FakeClock()
+    rv = quarantined_c(clock)
+    at(clock, rv, 30.0)
+    rv.readmit("c")
+    checked(rv, "c")
+    at(clock, rv, 20.0 + 2 * COOLDOWN)
+    checked(rv, "d", "no GPU found", again=False)
+    rv.drain("a", "maintenance")
+    assert [(m.at, m.kind, m.node, m.detail) for m in rv.goodput.marks] == [
+        (20.0, "quarantined", "c", "its worker failed first in 2 generations within 3600s; last: trainer exited "
+                                   "with code 1"),
+        (30.0, "readmitted", "c", "by an operator"),
+        (30.0, "readmitted", "c", "it passed its node check"),
+        (20.0 + 2 * COOLDOWN, "quarantined", "d", "node check failed: no GPU found"),
+        (20.0 + 2 * COOLDOWN, "drained", "a", "maintenance")]
+    assert [m.kind for m in rv.snapshot().goodput.marks] == [  # type: ignore[union-attr]
+        "quarantined", "readmitted", "readmitted", "quarantined", "drained"]

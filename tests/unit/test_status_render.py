@@ -296,3 +296,16 @@ def test_a_parameter_server_job_shows_each_nodes_task_and_the_vacant_ones() -> N
 
 def test_a_mirrored_jobs_table_has_no_role_column() -> None:
     assert "ROLE" not in render_table(to_json(cluster_status()))
+
+
+def test_the_reports_marks_and_reached_steps_cross_the_wire() -> None:
+    from tfelastic.daemon.rendezvous.convert import goodput_from_proto
+    from tfelastic.daemon.status import marks_json, timeline_json
+
+    ledger = pb.Goodput()
+    ledger.CopyFrom(LEDGER)
+    ledger.generations[1].reached_step, ledger.generations[1].has_reached_step = 612, True
+    ledger.marks.append(pb.TimelineMark(at=WALL + 30, kind="quarantined", node="node-b", detail="no GPU"))
+    view = goodput_from_proto(ledger)
+    assert [g["reached_step"] for g in timeline_json(view)] == [None, 612]  # the first line: an older coordinator's
+    assert marks_json(view) == [{"at": WALL + 30, "kind": "quarantined", "node": "node-b", "detail": "no GPU"}]
