@@ -133,7 +133,7 @@ def _strip(timeline: Timeline, scale: _Scale) -> str:
              f'data-category="{s.category}" x="{scale.x(s.start):.2f}" y="1" '
              f'width="{max(scale.x(s.end) - scale.x(s.start), 0.3):.2f}" height="{LANE_HEIGHT - 2}" '
              f'fill="{COLOURS[s.category]}"><title>{_generations(s.generation, s.last_generation)}: {s.category} '
-             f"{duration(s.end - s.start)}</title></rect>" for s in timeline.segments]
+             f"{_short(s.end - s.start)}</title></rect>" for s in timeline.segments]
     return '<g id="strip">' + "".join(rects) + "</g>"
 
 
@@ -193,8 +193,12 @@ def _curve_svg(timeline: Timeline) -> str:
               f'<path data-curve="window" d="{path([(p.at, p.window) for p in timeline.curve])}" '
               f'fill="none" stroke="#555" stroke-width="1" stroke-dasharray="4 3"/>',
               f'<text x="{LABEL_WIDTH}" y="{bottom + 22}">solid: since the job started; dashed: over the last '
-              f"{duration(timeline.window)} (one point every {duration(_every(timeline))})</text>", "</svg>"]
+              f"{duration(timeline.window)} (one point every {_short(_every(timeline))})</text>", "</svg>"]
     return "\n".join(parts)
+
+
+def _short(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 60 else duration(seconds)
 
 
 def _every(timeline: Timeline) -> float:

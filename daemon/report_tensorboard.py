@@ -11,6 +11,8 @@ files it wrote before in DIR (``*.tfelastic-report``), and touches no other file
 from __future__ import annotations
 
 import re
+import socket
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -22,25 +24,29 @@ TAG = "tfelastic"
 
 
 def write_scalars(timeline: Timeline, directory: Path) -> Path:
-    """Writes the event file; returns its path."""
+    """Writes the event file; returns its path. TensorBoard's record writer and protos, not its EventFileWriter,
+    which imports TensorFlow where it is installed (seconds) to offer remote file systems."""
     try:
         from tensorboard.compat.proto import event_pb2, summary_pb2
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        from tensorboard.summary.writer.record_writer import RecordWriter
     except ImportError as e:
         raise OperatorError(f"report --tensorboard needs the tensorboard package ({e}): pip install "
                             "'tfelastic[report]'") from None
     _checked_directory(directory)
     for old in directory.glob(f"events.out.tfevents.*{SUFFIX}"):
         old.unlink()
-    writer = EventFileWriter(str(directory), filename_suffix=SUFFIX)
+    path = directory / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}{SUFFIX}"
     try:
-        for at, step, values in points(timeline):
-            summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=value)
-                                                 for tag, value in values.items()])
-            writer.add_event(event_pb2.Event(wall_time=at, step=step, summary=summary))
-    finally:
-        writer.close()
-    return next(directory.glob(f"events.out.tfevents.*{SUFFIX}"))
+        with path.open("wb") as file:
+            records = RecordWriter(file)
+            records.write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
+            for at, step, values in points(timeline):
+                summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=value)
+                                                     for tag, value in values.items()])
+                records.write(event_pb2.Event(wall_time=at, step=step, summary=summary).SerializeToString())
+    except OSError as e:
+        raise OperatorError(f"report --tensorboard {directory}: cannot write {path.name} ({e.strerror})") from None
+    return path
 
 
 def points(timeline: Timeline) -> list[tuple[float, int, dict[str, float]]]:

@@ -19,13 +19,15 @@ if [[ ${1:-} == --quick ]]; then
 fi
 
 # System tools the integration tests use: ip (network namespaces), openssl (TLS certificates), promtool
-# (Debian's prometheus package: checks the /metrics exposition) and etcd (the etcd rendezvous).
+# (Debian's prometheus package: checks the /metrics exposition), etcd (the etcd rendezvous) and a headless
+# Chromium (Debian's chromium-headless-shell, ~10 s to install: renders report --html's page).
 missing=()
 command -v ip >/dev/null || missing+=(iproute2)
 command -v openssl >/dev/null || missing+=(openssl)
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v etcd >/dev/null || missing+=(etcd-server)
 command -v etcdctl >/dev/null || missing+=(etcd-client)
+command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null || missing+=(chromium-headless-shell)
 [[ -x /lib/systemd/systemd ]] || missing+=(systemd)  # the hermetic systemd of tests/integration/test_systemd.py
 if ((${#missing[@]})); then
   if [[ $(id -u) == 0 ]]; then

@@ -68,3 +68,11 @@ def test_every_supported_tensorflow_resolves_with_our_requirements(extra: str) -
         for name in TENSORFLOW_DISTRIBUTIONS:
             assert installed.get(name, f"{minor}.0").startswith(f"{minor}."), \
                 f"tensorflow=={minor}.* brought {name} {installed[name]}: two TensorFlow versions in one environment"
+
+
+@pytest.mark.integration
+def test_the_report_extra_brings_tensorboard_without_tensorflow() -> None:
+    installed, complaint = resolve(requirements_of("report"))
+    assert installed is not None, complaint[-1500:]
+    assert "tensorboard" in installed
+    assert not {name for name in installed if name.startswith(("tensorflow", "tf-", "keras"))}, installed

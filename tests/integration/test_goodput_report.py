@@ -4,6 +4,7 @@ job runs, and from etcd after a job on etcd ended (no coordinator leads it any m
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -12,11 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tfelastic.daemon.report_page import COLOURS
 
 from bench.ledger_check import LEDGER_TRAINER, trainer_fresh_seconds, trainer_redone
+from tests.browser import BROWSER, dom, png_size_and_colours, screenshot
 from tests.cluster import COUNTER, kill, members, scrape, wait_for
 from tests.conftest import ClusterFactory
 from tests.etcd import EtcdCluster
+from tests.unit.test_report_tensorboard import scalars as tensorboard_scalars
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +45,9 @@ def report(rendezvous: str, *extra: str) -> dict[str, Any]:
     return doc
 
 
-def test_a_running_jobs_report_and_metrics_account_for_a_killed_worker(make_cluster: ClusterFactory) -> None:
+@pytest.mark.skipif(BROWSER is None, reason="chromium-headless-shell is not installed (tests/run.sh installs it)")
+def test_a_running_jobs_report_metrics_page_and_scalars_account_for_killed_workers(
+        make_cluster: ClusterFactory, tmp_path: Path) -> None:
     cluster = make_cluster(TRAINER, extra_args=FAST, env={"COUNTER_STEPS": "100000"})
     cluster.start_host("a")
     cluster.start("b")
@@ -62,7 +68,41 @@ def test_a_running_jobs_report_and_metrics_account_for_a_killed_worker(make_clus
     metric = {c: samples.get(("tfelastic_job_seconds_total", (("category", c),))) for c in goodput["seconds"]}
     assert all(value is not None for value in metric.values()), metric
     assert metric["training"] >= goodput["seconds"]["training"] * 0.5  # scraped a moment apart
+    kill(members(doc)[1]["worker_pid"])  # a second fault: three generations for the page
+    cluster.wait_running(3, 2, step=doc["nodes"][0]["step"] + 10, timeout=60)
+    page, scalars_dir = tmp_path / "report.html", tmp_path / "tensorboard"
+    drawn = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "report", "--rendezvous", str(cluster.endpoint),
+                            "--html", str(page), "--tensorboard", str(scalars_dir)],
+                           capture_output=True, text=True, timeout=60)
+    assert drawn.returncode == 0 and drawn.stdout == "", drawn
+    assert f"wrote {page}" in drawn.stderr and "wrote TensorBoard scalars" in drawn.stderr
+    ended = [g for g in report(str(cluster.endpoint))["generations"] if g["ended"]]
     cluster.stop()
+    check_page_in_a_browser(page, tmp_path / "report.png", ended, running=True)
+    goodput_points = tensorboard_scalars(scalars_dir)["tfelastic/goodput"]
+    assert len(goodput_points) == 3 and all(0.0 < value < 1.0 for _, _, value in goodput_points), goodput_points
+    assert [step for _, step, _ in goodput_points] == sorted(step for _, step, _ in goodput_points)
+
+
+def check_page_in_a_browser(page: Path, png: Path, ended: list[dict[str, Any]], *, running: bool) -> None:
+    """The page as Chromium parsed and painted it: every generation drawn, every restart marked, every category of
+    the generations that ended drawn, and the categories' colours on the screen."""
+    parsed = dom(page)
+    drawn = {g for first, last in re.findall(r'data-generation="(\d+)" data-last-generation="(\d+)"', parsed)
+             for g in range(int(first), int(last) + 1)}
+    assert drawn == set(range(1, len(ended) + 1 + running)), drawn
+    restarts = dict(re.findall(r'data-restart="(\d+)" data-kind="(\w+)"', parsed))
+    assert restarts == {str(g["generation"]): "end" if g["ended"].startswith(("succeeded", "failed")) else "fault"
+                        for g in ended}, restarts
+    categories = set(re.findall(r'data-category="(\w+)"', parsed))
+    assert {c for g in ended for c, seconds in g["seconds"].items() if seconds > 0} <= categories, categories
+    assert ("still running" in parsed) == running
+    screenshot(page, png)
+    size, colours = png_size_and_colours(png)
+    assert size == (1280, 1400)
+    for category in ("training", "startup"):
+        red, green, blue = (int(COLOURS[category][i:i + 2], 16) for i in (1, 3, 5))
+        assert colours.get((red, green, blue), 0) > 200, f"{category}'s colour is not on the screenshot"
 
 
 def test_steps_redone_count_the_steps_a_killed_chief_made_after_its_last_report(
@@ -111,6 +151,11 @@ def test_the_report_of_an_ended_job_on_etcd_comes_from_etcd(make_cluster: Cluste
     text = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "report", "--rendezvous", etcd.url],
                           capture_output=True, text=True, timeout=60)
     assert text.returncode == 0 and "goodput " in text.stdout and "  training " in text.stdout, text
+    page = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "report", "--rendezvous", etcd.url, "--html",
+                           "-"], capture_output=True, text=True, timeout=60)
+    assert page.returncode == 0 and page.stdout.startswith("<!DOCTYPE html>"), page.stderr
+    assert re.findall(r'data-restart="(\d+)" data-kind="(\w+)"', page.stdout) == [("1", "fault"), ("2", "end")]
+    assert "still running" not in page.stdout and "succeeded: every trainer of generation 2 exited 0" in page.stdout
 
 
 def test_the_time_after_the_chiefs_training_is_other(make_cluster: ClusterFactory, etcd: EtcdCluster,
