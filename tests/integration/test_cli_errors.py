@@ -105,7 +105,10 @@ def test_a_refusal_and_a_usage_error_as_real_processes(tmp_path: Path) -> None:
      "--config: cannot read 'missing.toml': No such file or directory"),
     (["run", "--rendezvous", LOOPBACK, "--metrics-port", "29400", "--", "true"],
      "--metrics-port: port 29400 is also --rendezvous's; give each listener of this process its own port"),
-], ids=["nodes-max-below-min", "nodes-zero", "rendezvous-not-host-port", "config-file-missing", "port-given-twice"])
+    (["report", "--rendezvous", LOOPBACK, "--json", "--html", "-"],
+     "--html - and --json both print to standard output: give --html a FILE"),
+], ids=["nodes-max-below-min", "nodes-zero", "rendezvous-not-host-port", "config-file-missing", "port-given-twice",
+        "report-page-and-json-on-stdout"])
 def test_bad_option_gives_the_exact_message(tmp_path: Path, args: list[str], message: str) -> None:
     result = tfelastic(*args, cwd=tmp_path)
     assert_config_error(result)

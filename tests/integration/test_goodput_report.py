@@ -136,7 +136,8 @@ def test_steps_redone_count_the_steps_a_killed_chief_made_after_its_last_report(
     cluster.stop()
 
 
-def test_the_report_of_an_ended_job_on_etcd_comes_from_etcd(make_cluster: ClusterFactory, etcd: EtcdCluster) -> None:
+def test_the_report_of_an_ended_job_on_etcd_comes_from_etcd(make_cluster: ClusterFactory, etcd: EtcdCluster,
+                                                            tmp_path: Path) -> None:
     cluster = make_cluster(TRAINER, extra_args=FAST, env={"COUNTER_STEPS": "80"}, etcd=etcd.url)
     cluster.start("a")
     cluster.start("b")
@@ -152,8 +153,11 @@ def test_the_report_of_an_ended_job_on_etcd_comes_from_etcd(make_cluster: Cluste
                           capture_output=True, text=True, timeout=60)
     assert text.returncode == 0 and "goodput " in text.stdout and "  training " in text.stdout, text
     page = subprocess.run([sys.executable, "-m", "tfelastic.daemon", "report", "--rendezvous", etcd.url, "--html",
-                           "-"], capture_output=True, text=True, timeout=60)
+                           "-", "--tensorboard", str(tmp_path / "tensorboard")], capture_output=True, text=True,
+                          timeout=60)
     assert page.returncode == 0 and page.stdout.startswith("<!DOCTYPE html>"), page.stderr
+    assert [value for _, _, value in tensorboard_scalars(tmp_path / "tensorboard")["tfelastic/restarts/worker_exit"]
+            ] == [1.0, 1.0]
     assert re.findall(r'data-restart="(\d+)" data-kind="(\w+)"', page.stdout) == [("1", "fault"), ("2", "end")]
     assert "still running" not in page.stdout and "succeeded: every trainer of generation 2 exited 0" in page.stdout
 
