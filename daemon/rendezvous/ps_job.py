@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from tfelastic.daemon.rendezvous.api import JobSpec, Member, NodeInfo, RestartReason
-from tfelastic.daemon.rendezvous.roles import WORKER, Candidate, Role, Task, assign, task_of_rank
+from tfelastic.daemon.rendezvous.roles import WORKER, Candidate, Role, RolesUnfilled, Task, assign, task_of_rank
 
 log = logging.getLogger("tfelastic.coordinator")
 
@@ -36,6 +36,16 @@ class TaskBook:
         self.tasks = dict(assigned)
         self.vacant.clear()
         return [node_id for node_id, _ in assigned]
+
+    def unfilled_without(self, spec: JobSpec, left: Iterable[tuple[str, NodeInfo]]) -> str:
+        """What the job could not fill with only the ``left`` nodes ("" if they fill every task): the check before
+        a drain. Changes nothing."""
+        try:
+            assign([Candidate(node_id, Role(info.role), self._last_task(node_id, info, spec.ps))
+                    for node_id, info in left], spec.ps, spec.max_nodes)
+        except RolesUnfilled as e:
+            return str(e)
+        return ""
 
     def take_over(self, ranks: dict[str, int], ps_count: int) -> None:
         """A coordinator that took the job over from etcd: the tasks follow from the recorded ranks."""

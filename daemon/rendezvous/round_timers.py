@@ -12,11 +12,13 @@ class RoundTimers:
         self._opened_at = now
         self._min_reached_at: float | None = None  # when min_nodes had joined, for the last call
         self._scale_up_at: float | None = None  # when a running job below max_nodes takes the waiting nodes in
+        self._unfilled = False  # min_nodes are in, but they cannot fill a parameter-server job's tasks
 
     def open(self, now: float) -> None:
         """A new round: the join timeout counts from now, and the last call starts once min_nodes are in."""
         self._opened_at = now
         self._min_reached_at = None
+        self._unfilled = False
 
     def below_min(self, now: float) -> bool:
         """Fewer than min_nodes are in: the last call starts again once they are back. True once the round
@@ -29,6 +31,13 @@ class RoundTimers:
         if self._min_reached_at is None:
             self._min_reached_at = now
         return now - self._min_reached_at >= self._settings.last_call_seconds
+
+    def unfilled(self, now: float) -> bool:
+        """min_nodes are in and the last call is over, but the nodes cannot fill the job's tasks (no chief, too few
+        parameter servers): the round waits on the join timeout for a node that can. True once it has waited that
+        long, as :meth:`below_min`."""
+        self._unfilled = True
+        return now - self._opened_at >= self._settings.join_timeout_seconds
 
     def schedule_scale_up(self, now: float) -> None:
         if self._scale_up_at is None:
@@ -48,7 +57,7 @@ class RoundTimers:
         """When a timer fires; the round's own only while one is open."""
         deadlines = [self._scale_up_at] if self._scale_up_at is not None else []
         if round_open:
-            if self._min_reached_at is not None:
+            if self._min_reached_at is not None and not self._unfilled:
                 deadlines.append(self._min_reached_at + self._settings.last_call_seconds)
             else:
                 deadlines.append(self._opened_at + self._settings.join_timeout_seconds)

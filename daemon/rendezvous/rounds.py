@@ -267,17 +267,20 @@ class RoundKeeper:
         survivors_back = bool(self._members) or self._reformation.closes(now)
         last_call_over = self._timers.last_call_over(now)
         if (waiting >= spec.max_nodes or survivors_back or last_call_over) and self.restarts.may_form(now):
-            return self._form_generation()
+            return self._form_generation(now)
         return []
 
-    def _form_generation(self) -> list[Send]:
+    def _form_generation(self, now: float) -> list[Send]:
         spec = self._require_spec()
         chosen = self.nodes.next_ranks(self._members, spec.max_nodes)
         if spec.parameter_server:
             try:
                 waiting = self.nodes.next_ranks(self._members, len(self.nodes))
                 chosen = self.tasks.arrange(spec, ((n, self.nodes[n].info) for n in waiting))
-            except RolesUnfilled as e:  # the round stays open for a node that may take the task
+            except RolesUnfilled as e:  # the round stays open for a node that may take the task, up to join_timeout
+                if self._timers.unfilled(now):
+                    return self._finish(JobState.FAILED, f"{e}; none joined within "
+                                                         f"join_timeout={self.settings.join_timeout_seconds:g}s")
                 if self.reason == str(e):
                     return []
                 self.reason = str(e)

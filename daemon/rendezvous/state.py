@@ -343,9 +343,22 @@ class Rendezvous(RoundKeeper):
                 f"draining {node_id!r} would leave {remaining} node(s), below min_nodes={spec.min_nodes}: the job "
                 f"would wait up to join_timeout={self.settings.join_timeout_seconds:g}s for another node. Start "
                 "a node first, or drain with --force")
+        unfilled = self._unfilled_without(node_id) if spec.parameter_server and not force else ""
+        if unfilled:
+            raise OperatorRefusedError(
+                f"draining {node_id!r} would leave a task nobody can take: {unfilled}. The job would wait up to "
+                f"join_timeout={self.settings.join_timeout_seconds:g}s, then fail; start that node first, or "
+                "drain with --force")
         self.drained.add(node_id)
         self.goodput.marked("drained", node_id, reason)
         return [Send(node_id, DrainNode(reason))]
+
+    def _unfilled_without(self, node_id: str) -> str:
+        """The parameter-server job's task that the nodes other than ``node_id`` (and those leaving or set aside)
+        could not fill; "" if none."""
+        left = ((n, node.info) for n, node in self.nodes.items()
+                if n != node_id and node.state not in (NodeState.LEAVING, NodeState.QUARANTINED))
+        return self.tasks.unfilled_without(self._require_spec(), left)
 
     def restart_job(self, reason: str) -> tuple[list[Send], str]:
         """An operator's restart: every member stops its trainer gracefully and the same nodes re-form.

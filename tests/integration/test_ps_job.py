@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import TF_DEADLINE, Cluster, alive, kill, wait_for
+from tests.cluster import COUNTER, TF_DEADLINE, Cluster, alive, kill, wait_for
 from tests.conftest import ClusterFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
@@ -147,6 +147,23 @@ def test_workers_killed_and_hung_are_replaced_alone_while_the_chief_trains_on(
     log = cluster.logs()
     assert "relaunching worker 0 alone" in log and "relaunching worker 1 alone" in log
     assert "is hung: its server did not answer" in log
+
+
+@pytest.mark.quick
+def test_a_round_nobody_can_fill_ends_the_job_after_join_timeout_and_status_names_the_task(
+        make_cluster: ClusterFactory) -> None:
+    """Three agents that all say --role worker: min_nodes are in, no chief can be found. No trainer ever starts,
+    so the counter stands in for one (and TensorFlow is not needed)."""
+    cluster = make_cluster([sys.executable, COUNTER], nodes="3", extra_args=[
+        "--strategy", "parameter-server", "--ps", "1", "--last-call", "0.5", "--join-timeout", "6", "--role", "worker"])
+    cluster.start_host("a")
+    cluster.start("b")
+    cluster.start("c")
+    doc = cluster.wait_status(lambda d: "chief task" in d["reason"], 20, "status to name the missing task")
+    assert doc["state"] == "waiting" and "start a node with --role chief or --role any" in doc["reason"], doc
+    assert cluster.wait_all(30) == [1, 1, 1], cluster.logs()
+    log = cluster.agents[0].log()
+    assert "needs 1 chief task" in log and "none joined within join_timeout=6s" in log, log[-3000:]
 
 
 def test_a_bad_role_combination_exits_78_before_anything_starts(tmp_path: Path) -> None:

@@ -10,15 +10,18 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from tfelastic.daemon.agent.runner import trainer_env
 from tfelastic.daemon.rendezvous import bounds
 from tfelastic.daemon.rendezvous.api import (
     Assignment,
+    DrainNode,
     Finished,
     JobSpec,
     JobState,
     Member,
     NodeInfo,
+    OperatorRefusedError,
     RendezvousSettings,
     RestartReason,
     Send,
@@ -202,6 +205,54 @@ def test_a_round_whose_nodes_cannot_fill_the_tasks_waits_and_says_which() -> Non
     assert state_of(rv) is JobState.RUNNING
     assert [(s.node_id, s.order.rank) for s in sends if isinstance(s.order, Assignment)] == [
         ("boss", 0), ("p1", 1), ("w1", 2), ("w2", 3)]
+
+
+def without_a_chief(clock: FakeClock) -> Rendezvous:
+    """Two nodes that say --role worker and one --role ps, past the last call: min_nodes are in, and no chief can
+    be found.
+    Their leases outlast the join timeout, so that the round's own timer is the next deadline."""
+    rv = Rendezvous(dataclasses.replace(SETTINGS, node_timeout_seconds=10 * SETTINGS.join_timeout_seconds), clock,
+                    SPEC)
+    for n, role in (("w1", "worker"), ("w2", "worker"), ("p1", "ps")):
+        rv.join(info(n, role), SPEC)
+    clock.now += SETTINGS.last_call_seconds
+    rv.tick()
+    return rv
+
+
+def test_a_round_that_nobody_can_fill_fails_the_job_after_join_timeout_and_names_the_task() -> None:
+    clock = FakeClock()
+    rv = without_a_chief(clock)
+    assert rv.state is JobState.WAITING and "needs 1 chief task" in rv.reason
+    # It waits on the join timeout, not on the last call that has passed (which would make the tick loop spin).
+    assert rv.next_deadline() == SETTINGS.join_timeout_seconds
+    clock.now = SETTINGS.join_timeout_seconds - 0.1
+    assert rv.tick() == []
+    clock.now = SETTINGS.join_timeout_seconds
+    sends = rv.tick()
+    assert state_of(rv) is JobState.FAILED
+    assert rv.reason.startswith("the job needs 1 chief task and only 0 of the 3 waiting nodes may take one")
+    assert rv.reason.endswith(f"; none joined within join_timeout={SETTINGS.join_timeout_seconds:g}s")
+    assert sends == [Send(n, Finished(JobState.FAILED, rv.reason)) for n in ("w1", "w2", "p1")]
+
+
+def test_a_chief_that_joins_before_join_timeout_fills_the_round() -> None:
+    clock = FakeClock()
+    rv = without_a_chief(clock)
+    clock.now = SETTINGS.join_timeout_seconds - 1.0
+    rv.join(info("boss", "chief"), SPEC)
+    assert state_of(rv) is JobState.RUNNING and rv.next_deadline() != SETTINGS.join_timeout_seconds
+
+
+def test_a_drain_that_would_leave_a_task_nobody_can_take_is_refused_without_force() -> None:
+    rv = running(FakeClock(), {"a": "chief", "b": "ps", "c": "worker", "d": "worker"})
+    with pytest.raises(OperatorRefusedError, match=r"draining 'b' would leave a task nobody can take: the job needs "
+                                                    r"1 ps task and only 0 of the 3 waiting nodes may take one"):
+        rv.drain("b", "maintenance")
+    with pytest.raises(OperatorRefusedError, match="needs 1 chief task"):
+        rv.drain("a", "maintenance")
+    assert rv.drain("c", "maintenance") == [Send("c", DrainNode("maintenance"))]  # d still works
+    assert rv.drain("b", "maintenance", force=True) == [Send("b", DrainNode("maintenance"))]
 
 
 def test_a_new_coordinator_knows_the_tasks_from_the_recorded_ranks() -> None:
