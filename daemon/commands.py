@@ -269,7 +269,7 @@ def run_status(config: OperatorConfig, token: str | None, *, as_json: bool, watc
     """One status, or with ``watch`` one every so many seconds until interrupted. A status that cannot be read is
     an error message (with ``--json``, a JSON object with ``error``); while watching, the coordinator is looked
     for again at each refresh, so that a watch rides through its failover."""
-    from tfelastic.daemon.status import render_table
+    from tfelastic.daemon.status import render_table, terminal_safe
 
     check_tls_files(config.rendezvous.tls)
     unreachable_since: float | None = None
@@ -282,7 +282,8 @@ def run_status(config: OperatorConfig, token: str | None, *, as_json: bool, watc
             doc = {"error": error, "job": config.job, "rendezvous": str(config.rendezvous.endpoint)}
         else:
             unreachable_since = None
-        text = json.dumps(doc, indent=2) if as_json else f"tfelastic status: {error}" if error else render_table(doc)
+        text = json.dumps(doc, indent=2, allow_nan=False) if as_json else \
+            terminal_safe(f"tfelastic status: {error}" if error else render_table(doc))
         if error is not None and watch is None and not as_json:
             print(text, file=sys.stderr)
             return ExitCode.FAILED

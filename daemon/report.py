@@ -21,7 +21,14 @@ from tfelastic.daemon.preflight import check_tls_files
 from tfelastic.daemon.rendezvous.api import GoodputView
 from tfelastic.daemon.rendezvous.durable import DurableState
 from tfelastic.daemon.rendezvous.goodput import ledger_of_export
-from tfelastic.daemon.status import goodput_json, marks_json, render_report, status_to_json, timeline_json
+from tfelastic.daemon.status import (
+    goodput_json,
+    marks_json,
+    render_report,
+    status_to_json,
+    terminal_safe,
+    timeline_json,
+)
 from tfelastic.daemon.timeline import lay_out
 
 
@@ -37,9 +44,9 @@ def run_report(config: OperatorConfig, token: str | None, *, as_json: bool, html
             raise OperatorError(str(e)) from None
         doc = _from_etcd(config)
     if as_json:
-        print(json.dumps(doc, indent=2), flush=True)
+        print(json.dumps(doc, indent=2, allow_nan=False), flush=True)
     elif html is None and tensorboard is None:
-        print(render_report(doc, doc["generations"]), flush=True)
+        print(terminal_safe(render_report(doc, doc["generations"])), flush=True)
     if html is not None:
         _write_page(doc, html)
     if tensorboard is not None:

@@ -149,7 +149,7 @@ def _lane_clip(i: int, lane: Lane, scale: _Scale) -> str:
 
 def _ticks(scale: _Scale, timeline: Timeline, height: int) -> list[str]:
     span = timeline.end - timeline.start
-    step = next((t for t in _TICKS if span / t <= 10), _TICKS[-1])
+    step = next((t for t in _TICKS if span / t <= 10), max(_TICKS[-1], span / 10))  # a span of centuries: 10
     first = (int(timeline.start // step) + 1) * step
     ticks = []
     at = float(first)

@@ -10,6 +10,7 @@ from typing import Any
 
 from tfelastic.daemon.netutil import host_port
 from tfelastic.daemon.rendezvous.api import ClusterSnapshot, GoodputView, NodeSnapshot
+from tfelastic.daemon.rendezvous.bounds import printable
 from tfelastic.daemon.rendezvous.roles import WORKER, Task
 
 SCHEMA_VERSION = 1
@@ -114,6 +115,12 @@ def _task_json(node: NodeSnapshot) -> dict[str, Any]:
     whose index is its rank; None for both outside the generation."""
     task = Task.parse(node.role) if node.role else (Task(WORKER, node.rank) if node.rank >= 0 else None)
     return {"task_type": task.type if task else None, "task_index": task.index if task else None}
+
+
+def terminal_safe(text: str) -> str:
+    """Text for a terminal: its lines kept, every character that is not printable (an escape sequence from a peer's
+    reply or a job state in etcd) shown as '?'."""
+    return "\n".join(printable(line, len(line)) for line in text.split("\n"))
 
 
 def render_table(doc: dict[str, Any]) -> str:

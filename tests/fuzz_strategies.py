@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from google.protobuf import message_factory
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 from hypothesis import strategies as st
 from tfelastic.daemon.rendezvous import convert
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
@@ -111,3 +114,39 @@ MESSAGES = st.one_of(
 
 # What travels: a serialized message, or bytes that may not be a message at all.
 PAYLOADS = st.one_of(MESSAGES.map(lambda m: m.SerializeToString()), st.binary(max_size=300))
+
+
+# Any message of our protocol, every field drawn from the whole range of its type (text with escape sequences and
+# control characters among it): what a hostile or newer peer could send.
+_SCALARS: dict[int, st.SearchStrategy[Any]] = {
+    FieldDescriptor.TYPE_STRING: st.one_of(TEXT, st.sampled_from(["\x1b[2J", "\x1b]0;owned\x07", "\r", "\x9b31m"])),
+    FieldDescriptor.TYPE_BYTES: st.binary(max_size=40),
+    FieldDescriptor.TYPE_DOUBLE: FLOATS, FieldDescriptor.TYPE_FLOAT: st.floats(width=32),
+    FieldDescriptor.TYPE_BOOL: st.booleans(), FieldDescriptor.TYPE_UINT32: UINT32, FieldDescriptor.TYPE_UINT64: UINT64,
+    FieldDescriptor.TYPE_INT32: INT32, FieldDescriptor.TYPE_INT64: INT64, FieldDescriptor.TYPE_ENUM: INT32,
+}
+
+
+def messages(cls: type[Message], depth: int = 4) -> st.SearchStrategy[Message]:
+    """Instances of ``cls`` with arbitrary values in arbitrary fields (nested messages to ``depth``)."""
+    fields: list[Any] = [f for f in cls.DESCRIPTOR.fields if f.type != FieldDescriptor.TYPE_MESSAGE or depth > 0]
+
+    def value(field: FieldDescriptor) -> st.SearchStrategy[Any]:
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            return messages(_message_class(field), depth - 1)
+        return _SCALARS[field.type]
+
+    def one(field: FieldDescriptor) -> st.SearchStrategy[tuple[str, Any]]:
+        repeated = field.is_repeated if hasattr(field, "is_repeated") else \
+            field.label == FieldDescriptor.LABEL_REPEATED  # type: ignore[attr-defined]
+        return st.tuples(st.just(field.name), st.lists(value(field), max_size=3) if repeated else value(field))
+
+    chosen = st.lists(st.sampled_from(fields), unique_by=lambda f: f.name, max_size=len(fields)) if fields \
+        else st.just([])
+    return chosen.flatmap(lambda picked: st.tuples(*(one(f) for f in picked))).map(
+        lambda pairs: cls(**dict(pairs)))
+
+
+def _message_class(field: FieldDescriptor) -> type[Message]:
+    assert field.message_type is not None
+    return message_factory.GetMessageClass(field.message_type)

@@ -40,7 +40,8 @@ class ClusterCollector(Collector):
         by_state = Counter(n.state for n in snap.nodes)
         nodes = GaugeMetricFamily("tfelastic_cluster_nodes", "Connected nodes by state.", labels=["state"])
         for node_state in NodeState:
-            nodes.add_metric([node_state.value], by_state[node_state])
+            if node_state is not NodeState.UNKNOWN:  # a status client's only
+                nodes.add_metric([node_state.value], by_state[node_state])
         yield nodes
         job = GaugeMetricFamily("tfelastic_cluster_job_state", "1 for the job's current state.", labels=["state"])
         for state in JobState:

@@ -64,6 +64,9 @@ class NodeState(enum.Enum):
     STOPPING = "stopping"  # a member told to stop; it has not yet confirmed its workers are gone
     LEAVING = "leaving"  # left on purpose; removed once its workers are gone and its session closed
     QUARANTINED = "quarantined"  # set aside as a bad node: connected, runs no trainer (rendezvous/quarantine.py)
+    # Only in a status client's view: a state a newer coordinator sent that this version does not know. The
+    # coordinator never puts a node in it.
+    UNKNOWN = "unknown"
 
 
 STALL_LEARNED = -1.0  # JobSpec.stall_timeout_seconds: hang detection learns its limit (daemon/worker/stall.py)

@@ -42,6 +42,8 @@ SHOWN_DETAIL_CHARS = 300  # a WorkerReport's detail (an exit, a signal, the trai
 SHOWN_CHECK_FAILURE_CHARS = 500  # what a node check found
 SHOWN_VALUE_CHARS = 32  # a bad enum value (a strategy, a role) quoted in a refusal
 SHOWN_STORED_VALUE_CHARS = 80  # a bad value read back from etcd
+SHOWN_STATUS_TEXT_CHARS = 4096  # any text of a status reply (a coordinator's reasons and warnings run long)
+SHOWN_NUMBER = 1e11  # any number of a status reply, either sign (a wall-clock time in the year 5138)
 
 NODE_ID_RULE = f"1-{MAX_NAME_CHARS} letters, digits, '.', '_', ':', '@' or '-', starting with a letter or digit"
 JOB_NAME_RULE = f"non-empty letters, digits, '-', '_' or '.' (at most {MAX_NAME_CHARS})"

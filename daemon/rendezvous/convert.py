@@ -9,8 +9,14 @@ readings of its own clock.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
 
-from tfelastic.daemon.rendezvous import api
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from tfelastic.daemon.rendezvous import api, bounds  # bounds imports this module: its names are read at call time
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 
 JOB_STATES = {
@@ -255,19 +261,13 @@ def goodput_from_proto(message: pb.Goodput) -> api.GoodputView:
         tuple(api.TimelineMark(m.at, m.kind, m.node, m.detail) for m in message.marks))
 
 
-def _node_state(node: pb.NodeStatus) -> api.NodeState:
-    try:
-        return _NODE_STATES[node.state]
-    except KeyError:
-        raise api.ProtocolError(f"node {node.node_id[:64]!r} is in state {node.state[:32]!r}, which this version of "
-                                "tfelastic does not know: use the coordinator's version") from None
-
-
 def status_from_proto(status: pb.ClusterStatus, now: float) -> api.ClusterSnapshot:
-    """``state`` is None for a status without one. Raises ProtocolError for a node state this version does not
-    know (a newer coordinator: agents and tools of one job must run one version)."""
+    """A coordinator's reply as status and report show it: its text made printable and bounded, its numbers
+    finite and bounded, a node state this version does not know shown as unknown (a newer coordinator), a job
+    state it does not know as None. Never raises for what a peer sent."""
+    status = _shown_reply(status)
     nodes = tuple(api.NodeSnapshot(
-        n.node_id, n.rank, n.host, n.worker_port, _node_state(n), n.worker_pid,
+        n.node_id, n.rank, n.host, n.worker_port, _NODE_STATES.get(n.state, api.NodeState.UNKNOWN), n.worker_pid,
         progress_from_proto(n.progress, now) if n.has_progress else None, n.gpus, n.gpu_utilization,
         n.quarantine_reason, now + n.quarantine_seconds_left if n.state == api.NodeState.QUARANTINED.value else None,
         n.quarantine_kind, n.version, n.role, n.replacements,
@@ -284,3 +284,55 @@ def status_from_proto(status: pb.ClusterStatus, now: float) -> api.ClusterSnapsh
         quarantines_by_kind={q.kind: q.count for q in status.quarantines},
         goodput=goodput_from_proto(status.goodput) if status.HasField("goodput") else None,
         vacant=tuple(status.vacant))
+
+
+_SIGNED = frozenset({"loss", "checkpoint_age_seconds"})  # every other number of a status is never below 0
+
+
+def _shown_reply(status: pb.ClusterStatus) -> pb.ClusterStatus:
+    """A copy of ``status`` with every text printable and at most bounds.SHOWN_STATUS_TEXT_CHARS long, every number
+    finite, at most bounds.SHOWN_NUMBER and not below 0 (a loss and a checkpoint's age, -1 for none, may be; a loss that
+    is not a number: no loss)."""
+    shown = pb.ClusterStatus()
+    shown.CopyFrom(status)
+    _make_shown(shown)
+    return shown
+
+
+def _make_shown(message: Message) -> None:
+    for field, value in message.ListFields():
+        repeated = _is_repeated(field)
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            for item in value if repeated else (value,):
+                _make_shown(item)
+        elif field.type == FieldDescriptor.TYPE_STRING:
+            _replace(message, field.name, value, repeated, _shown_text)
+        elif field.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
+            if field.name == "loss" and not math.isfinite(value):
+                message.ClearField("loss")
+                message.has_loss = False  # type: ignore[attr-defined]
+                continue
+            low = -bounds.SHOWN_NUMBER if field.name in _SIGNED else 0.0
+            _replace(message, field.name, value, repeated, functools.partial(_shown_number, low=low))
+
+
+def _is_repeated(field: FieldDescriptor) -> bool:
+    """protobuf >= 6 says so itself (7 dropped ``label``); 4.x, the floor, has only the label."""
+    if hasattr(field, "is_repeated"):
+        return bool(field.is_repeated)
+    return bool(field.label == FieldDescriptor.LABEL_REPEATED)  # type: ignore[attr-defined]
+
+
+def _replace(message: Message, name: str, value: Any, repeated: bool, shown: Callable[[Any], Any]) -> None:
+    if repeated:
+        value[:] = [shown(v) for v in value]
+    else:
+        setattr(message, name, shown(value))
+
+
+def _shown_text(text: str) -> str:
+    return bounds.printable(text, bounds.SHOWN_STATUS_TEXT_CHARS)
+
+
+def _shown_number(value: float, low: float) -> float:
+    return min(max(value, low), bounds.SHOWN_NUMBER) if math.isfinite(value) else 0.0
