@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
-from tfelastic.daemon.aio import first_of
+from tfelastic.daemon.aio import first_of, stacks
 from tfelastic.daemon.config import AgentConfig, CoordinatorConfig, OperatorConfig, RendezvousConfig
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
 from tfelastic.daemon.errors import ConfigError
@@ -162,6 +162,7 @@ async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, regis
     def healthy(max_age: float) -> bool:  # before it serves, that the watchdog's task runs shows the loop turns
         return host is None or host.healthy(max_age)
 
+    _user_signals_logged()
     async with watchdog_pinging(notifier, healthy):
         try:
             host = await start_coordinator(setup, str(config.listen), registry)
@@ -170,10 +171,18 @@ async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, regis
         listening = f"listening on {host_port(config.listen.host, host.port)}"
         logging.getLogger("tfelastic.coordinator").info("%s", listening)
         notifier.ready(f"job {config.job}: {listening}")
-        failed = await host.wait_finished() is JobState.FAILED
+        stop = _stop_signalled()  # before the verdict: an orderly stop; after it, the end of the linger
+        await first_of(host.wait_finished(), stop.wait())
+        if not host.finished.is_set():
+            logging.getLogger("tfelastic.coordinator").warning(
+                "stopped by a signal before job %s ended: its agents keep their trainers and wait for a coordinator "
+                "at this address; one started again re-forms the job from their joins", config.job)
+            notifier.stopping(f"job {config.job}: coordinator stopped")
+            await host.close()
+            return ExitCode.SUCCEEDED
+        failed = host.snapshot().state is JobState.FAILED
         notifier.stopping(f"job {config.job} {'failed' if failed else 'succeeded'}")
         if lingers:  # let Prometheus scrape the verdict: the alerts tell a finished job from a dead daemon by it
-            stop = _stop_signalled()  # a stop ends the linger with the job's exit code, as for an elected one
             await first_of(host.wait_agents_gone(), stop.wait())
             if not stop.is_set():
                 await first_of(stop.wait(), timeout=config.metrics.linger)
@@ -195,6 +204,7 @@ async def _serve_elected(config: CoordinatorConfig, setup: CoordinatorSetup, tar
     candidate = candidate_for(config.job, head_node, target=target, credentials=credentials,
                               lease_ttl=config.rendezvous.lease_ttl, registry=registry)
     election = candidate.election
+    _user_signals_logged()
     async with watchdog_pinging(notifier, candidate.healthy):
         try:  # wrong credentials or TLS settings: exit 78 now, not after join_timeout
             await first_contact(election.client, election.leader, config.rendezvous.join_timeout)
@@ -226,6 +236,23 @@ def _stop_signalled() -> asyncio.Event:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+def _user_signals_logged() -> None:
+    """From now on SIGUSR1 logs where every task and thread of the coordinator waits, SIGUSR2 only that it runs:
+    neither ends it, as their default action would."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        loop.add_signal_handler(sig, _log_where_it_waits, sig)
+
+
+def _log_where_it_waits(signum: int) -> None:
+    log = logging.getLogger("tfelastic.coordinator")
+    if signum == signal.SIGUSR1:
+        log.info("SIGUSR1: where the coordinator waits:\n%s", stacks())
+    else:
+        log.info("%s: the coordinator runs; SIGUSR1 logs where it waits, SIGTERM stops it",
+                 signal.Signals(signum).name)
 
 
 def find_coordinator(config: OperatorConfig) -> Endpoint:

@@ -25,6 +25,7 @@ from tests.cluster import (
     wait_for,
 )
 from tests.conftest import ClusterFactory
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -247,6 +248,8 @@ def test_standalone_coordinator_and_agents_from_job_files(make_cluster: ClusterF
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_for(cluster.status, 20, "the standalone coordinator")
+        for stray in (signal.SIGUSR1, signal.SIGUSR2):  # an operator's question, a stray signal: neither ends it
+            coordinator.send_signal(stray)
         for node in ("a", "b"):
             job = tmp_path / f"{node}.toml"
             job.write_text(textwrap.dedent(f"""
@@ -267,6 +270,7 @@ def test_standalone_coordinator_and_agents_from_job_files(make_cluster: ClusterF
         assert coordinator.wait(30) == 0  # it exits once the job is over and the agents hung up
         output = coordinator.stdout.read().decode() if coordinator.stdout else ""
         assert "job succeeded" in output and "hosting the coordinator" not in cluster.logs()
+        assert "SIGUSR1: where the coordinator waits:" in output and "SIGUSR2: the coordinator runs" in output
         assert {e["event"] for e in cluster.events()} == {"start", "end"}
     finally:
         coordinator.kill()
@@ -292,6 +296,23 @@ def test_a_standalone_coordinator_lingers_with_a_failed_verdict_until_a_stop_sig
     finally:
         coordinator.kill()
         coordinator.wait()
+
+
+def test_a_standalone_coordinator_stopped_before_the_verdict_stops_in_order_and_exits_0(tmp_path: Path) -> None:
+    """SIGTERM (or SIGHUP) before the job ended: an orderly stop, not a death by the signal."""
+    for stop in (signal.SIGTERM, signal.SIGHUP):
+        coordinator = subprocess.Popen([sys.executable, "-m", "tfelastic.daemon", "coordinator", "--listen",
+                                        f"127.0.0.1:{free_port()}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True, cwd=tmp_path)
+        try:
+            assert coordinator.stdout is not None
+            wait_for(lambda c=coordinator: "listening on" in c.stdout.readline(), 20, "the coordinator to listen")
+            coordinator.send_signal(stop)
+            assert coordinator.wait(30) == 0
+            assert "stopped by a signal before job default ended" in coordinator.stdout.read()
+        finally:
+            coordinator.kill()
+            coordinator.wait()
 
 
 def test_exit_0_in_answer_to_a_planned_stop_does_not_end_the_job(make_cluster: ClusterFactory) -> None:
