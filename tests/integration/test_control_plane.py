@@ -301,18 +301,24 @@ def test_a_standalone_coordinator_lingers_with_a_failed_verdict_until_a_stop_sig
 def test_a_standalone_coordinator_stopped_before_the_verdict_stops_in_order_and_exits_0(tmp_path: Path) -> None:
     """SIGTERM (or SIGHUP) before the job ended: an orderly stop, not a death by the signal."""
     for stop in (signal.SIGTERM, signal.SIGHUP):
-        coordinator = subprocess.Popen([sys.executable, "-m", "tfelastic.daemon", "coordinator", "--listen",
-                                        f"127.0.0.1:{free_port()}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True, cwd=tmp_path)
-        try:
-            assert coordinator.stdout is not None
-            wait_for(lambda c=coordinator: "listening on" in c.stdout.readline(), 20, "the coordinator to listen")
-            coordinator.send_signal(stop)
-            assert coordinator.wait(30) == 0
-            assert "stopped by a signal before job default ended" in coordinator.stdout.read()
-        finally:
-            coordinator.kill()
-            coordinator.wait()
+        code, output = stopped_while_listening(stop, tmp_path)
+        assert code == 0, output
+        assert "stopped by a signal before job default ended" in output
+
+
+def stopped_while_listening(stop: signal.Signals, cwd: Path) -> tuple[int, str]:
+    coordinator = subprocess.Popen([sys.executable, "-m", "tfelastic.daemon", "coordinator", "--listen",
+                                    f"127.0.0.1:{free_port()}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, cwd=cwd)
+    output = coordinator.stdout
+    assert output is not None
+    try:
+        wait_for(lambda: "listening on" in output.readline(), 20, "the coordinator to listen")
+        coordinator.send_signal(stop)
+        return coordinator.wait(30), output.read()
+    finally:
+        coordinator.kill()
+        coordinator.wait()
 
 
 def test_exit_0_in_answer_to_a_planned_stop_does_not_end_the_job(make_cluster: ClusterFactory) -> None:
