@@ -10,6 +10,7 @@ from typing import Any
 from tfelastic.daemon.config import AgentConfig, from_values, validate
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.options import BY_KEY, OPTIONS
+from tfelastic.daemon.secret_file import read_named_file
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -17,6 +18,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 SECTIONS = ("job", "node", "metrics", "rendezvous")
+JOB_FILE_BYTES = 4 << 20  # a job file is a few KiB; nothing bigger is one
 Completion = Callable[[dict[str, Any]], dict[str, Any]]  # adds values the file left out (daemon/slurm.py)
 
 
@@ -34,11 +36,9 @@ def load_toml(path: str, complete: Completion | None = None) -> AgentConfig:
 
 def read_values(path: str) -> dict[str, Any]:
     """The file's settings by option name, each of its option's kind."""
+    data, _ = read_named_file(path, "--config", JOB_FILE_BYTES, "a job's settings (TOML)")
     try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"--config: cannot read {path!r}: {e.strerror}") from None
+        raw = tomllib.loads(data.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"--config: {path!r} is not valid TOML (UTF-8): {e}") from None
     values: dict[str, Any] = {}

@@ -338,13 +338,16 @@ def test_a_toml_value_that_does_not_fit_names_the_key(tmp_path: Path) -> None:
     assert config_error_line(result).startswith(f"{config}: job.max_nodes: node range 1:99999999999 is out of range")
 
 
-def test_a_token_too_long_for_grpc_metadata_is_refused_at_start(tmp_path: Path) -> None:
-    token = write_token(tmp_path, b"a" * 20_000 + b"\n", 0o600)
+@pytest.mark.parametrize(("content", "message"), [
+    (b"a" * 2_000 + b"\n", "holds 2000 characters, more than the 1024 a token may have"),
+    (b"a" * 20_000 + b"\n", "holds 20001 bytes, more than the 1024 characters a token may have"),  # not read
+])
+def test_a_token_too_long_for_grpc_metadata_is_refused_at_start(tmp_path: Path, content: bytes, message: str) -> None:
+    token = write_token(tmp_path, content, 0o600)
     result = tfelastic("run", "--rendezvous", f"127.0.0.1:{free_port()}", "--token-file", str(token), "--", "true",
                        cwd=tmp_path)
     assert_config_error(result)
-    assert config_error_line(result).startswith(
-        f"--token-file: {str(token)!r} holds 20000 characters, more than the 1024 a token may have")
+    assert config_error_line(result).startswith(f"--token-file: {str(token)!r} {message}")
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -403,3 +406,48 @@ def test_a_foreign_program_on_the_local_rendezvous_port_is_named_and_ends_the_ag
     assert f"the rendezvous port {port} of this host is held by pid {foreign.pid}" in result.stderr, result.stderr
     assert "not a tfelastic coordinator listens at the rendezvous address" in result.stderr, result.stderr
     assert "giving up after 8s of failed connections to the rendezvous address" in result.stderr, result.stderr
+
+
+def fifo(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    os.mkfifo(path, 0o600)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def test_a_token_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path: Path, kind: str) -> None:
+    """A FIFO hung the read for good, /dev/zero read until MemoryError: neither is read now."""
+    named = {"fifo": lambda: fifo(tmp_path, "token"), "device": lambda: Path("/dev/zero"),
+             "directory": lambda: tmp_path}[kind]()
+    said = {"fifo": "is a FIFO", "device": "is a character device", "directory": "is a directory"}[kind]
+    result = tfelastic("run", "--rendezvous", LOOPBACK, "--token-file", str(named), "--", "true", cwd=tmp_path)
+    assert_config_error(result)
+    assert config_error_line(result) == f"--token-file: {str(named)!r} {said}; name the regular file that holds " \
+                                        "the secret"
+
+
+def test_a_job_file_that_is_a_fifo_or_too_big_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    pipe = fifo(tmp_path, "job.toml")
+    result = tfelastic("agent", "--config", str(pipe), cwd=tmp_path)
+    assert_config_error(result, f"--config: {str(pipe)!r} is a FIFO")
+    big = tmp_path / "big.toml"
+    with big.open("wb") as f:
+        f.truncate(64 << 20)  # sparse: 64 MiB of nothing
+    result = tfelastic("agent", "--config", str(big), cwd=tmp_path)
+    assert_config_error(result)
+    assert config_error_line(result).startswith(f"--config: {str(big)!r} holds {64 << 20} bytes, more than the "
+                                                f"{4 << 20} that a job's settings (TOML) may take")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives files to other users: needs root")
+def test_a_token_file_of_another_user_or_one_others_need_to_read_is_refused_with_no_chmod_advice(
+        tmp_path: Path) -> None:
+    token = write_token(tmp_path, b"secret-token\n", 0o600)
+    os.chown(token, 65534, 65534)  # nobody's
+    result = tfelastic("run", "--rendezvous", LOOPBACK, "--token-file", str(token), "--", "true", cwd=tmp_path)
+    assert_config_error(result, "belongs to uid 65534, not to this process's user (uid 0) or root")
+    os.chown(token, 0, 42)  # like /etc/shadow: root's, for a group of readers
+    os.chmod(token, 0o640)
+    result = tfelastic("run", "--rendezvous", LOOPBACK, "--token-file", str(token), "--", "true", cwd=tmp_path)
+    assert_config_error(result, "is readable by other users (mode 640, group 42): not a file for a secret")
+    assert "chmod 600 " + str(token) not in result.stderr
