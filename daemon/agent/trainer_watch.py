@@ -105,13 +105,14 @@ class TrainerWatch:
             return True
         return False
 
-    def exited(self, code: int, output: tuple[str, ...] | list[str]) -> Send:
-        """The worker ended by itself: the report of its end."""
-        if code == 0:
+    def exited(self, code: int, output: tuple[str, ...] | list[str], *, serves_only: bool = False) -> Send:
+        """The worker ended by itself: the report of its end. ``serves_only``: a parameter-server job's ps or
+        worker task, which serves until the job ends, so that even an exit 0 is a failure."""
+        if code == 0 and not serves_only:
             log.info("generation %d: trainer exited 0", self._generation)
             return self.ending(api.WorkerStatus.SUCCEEDED)
         self.failures.worker_failed()
-        detail = describe_exit(code)
+        detail = describe_exit(code) if code != 0 else "exited 0, but its task serves until the job ends"
         if (exception := exception_line(output)) is not None:
             detail = f"{detail}: {exception}"
         log.warning("generation %d: trainer %s", self._generation, detail)

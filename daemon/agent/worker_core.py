@@ -122,9 +122,11 @@ class WorkerCore:
         """``output``: the trainer's last lines; the exception it died of goes into the report."""
         if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []  # we stopped it on purpose
-        self.worker.to(WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED)  # RUNNING -> SUCCEEDED|FAILED
-        ended = self.trainer.exited(code, list(output))
-        return self._replace(ended) if code != 0 and self.ps_task.replaceable else [ended]
+        # A parameter server or a worker serves until the job ends: an exit of any code is its task's failure.
+        failed = code != 0 or self.ps_task.serves_only
+        self.worker.to(WorkerState.FAILED if failed else WorkerState.SUCCEEDED)  # RUNNING -> SUCCEEDED|FAILED
+        ended = self.trainer.exited(code, list(output), serves_only=self.ps_task.serves_only)
+        return self._replace(ended) if failed and self.ps_task.replaceable else [ended]
 
     def worker_gone(self, pids: tuple[int, ...]) -> list[Action]:
         """Every process of the stopped worker is gone, before the stop is reported done. Returns what the next

@@ -1096,6 +1096,25 @@ def test_a_ps_worker_that_dies_is_replaced_alone_with_the_same_assignment() -> N
     assert not joins(actions)  # no Join: the generation goes on
 
 
+def test_a_ps_worker_that_exits_0_is_a_failure_replaced_alone_and_a_ps_that_does_is_reported_failed() -> None:
+    """A worker or a parameter server serves until the job ends: its exit 0 is no success (TensorFlow's tutorial
+    left the chief waiting on a worker that exited 0, and the job restarted as stalled, blaming the chief)."""
+    worker = PsHarness(rank=3)
+    actions = worker.core.worker_exited(1, 0)
+    assert stops(actions)  # what is left of it stops, then it is relaunched alone at its address
+    actions = worker.core.worker_stopped(StopResult(0, True, (4001,)))
+    [replaced] = reports(actions)
+    assert replaced.status is api.WorkerStatus.REPLACED
+    assert replaced.detail == "worker 1 trainer exited 0, but its task serves until the job ends: replaced alone"
+    assert Launch(worker.assignment) in actions
+    ps = PsHarness(rank=1)
+    [failed] = reports(ps.core.worker_exited(1, 0))
+    assert (failed.status, failed.exit_code) == (api.WorkerStatus.FAILED, 0)  # the coordinator restarts the job
+    chief = PsHarness(rank=0)
+    [done] = reports(chief.core.worker_exited(1, 0))
+    assert done.status is api.WorkerStatus.SUCCEEDED  # the chief's exit 0 ends the job
+
+
 def test_a_replaced_workers_gpu_memory_and_port_are_awaited_before_its_relaunch() -> None:
     """Relaunched alone at the same address, the task binds the same port, on GPUs a killed process may still hold:
     the shell waits for both before it reports the stop done, as it does before a Join."""
