@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sysconfig
+import tempfile
 from pathlib import Path
 
 from tfelastic.daemon.assets import packaged
@@ -49,18 +50,27 @@ def run_install(job: str, *, prefix: str, destdir: str, uid: int | None, make_us
 
 
 def _write_job_file(target: Path, job: str, *, staged: bool) -> None:
+    if target.is_symlink():
+        raise ConfigError(f"{target} is a symbolic link; remove it (check where it points) and run again")
     if target.exists():
         print(f"kept {target} (exists)")
         return
     text = packaged("systemd/example.toml").read_text()
     assert EXAMPLE_NAME in text and EXAMPLE_BACKUP in text, "example.toml changed: update tfelastic install"
     text = text.replace(EXAMPLE_NAME, f'name = "{job}"').replace(EXAMPLE_BACKUP, f'backup_dir = "/shared/ckpt/{job}"')
-    partial = target.with_name(f".{target.name}.new")
-    partial.write_text(text)
-    partial.chmod(0o640)  # it may name secrets' paths: root and the agent's group only
-    if not staged and _group_exists("tfelastic"):
-        shutil.chown(partial, group="tfelastic")
-    os.replace(partial, target)
+    # A fresh name, created exclusively (mode 600): a file planted at a name we could guess is never followed.
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    partial = Path(name)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        partial.chmod(0o640)  # it may name secrets' paths: root and the agent's group only
+        if not staged and _group_exists("tfelastic"):
+            shutil.chown(partial, group="tfelastic")
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     print(f"installed {target}: set job.command, the node range, rendezvous.endpoint and backup_dir, then "
           f"systemctl enable --now tfelastic@{job}")
 

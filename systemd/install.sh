@@ -42,20 +42,36 @@ fi
 
 units=$destdir/etc/systemd/system
 conf=$destdir/etc/tfelastic
+refuse() { echo "install.sh: $*" >&2; exit 1; }
+# Where others may write, a name we write to could be a planted symlink: refuse one, and a directory anyone but
+# its owner may write.
+not_a_symlink() { [[ ! -L $1 ]] || refuse "$1 is a symbolic link; remove it (check where it points) and run again"; }
+not_writable_by_others() {
+  local mode
+  mode=$(stat -c %a "$1")
+  (( (8#$mode & 8#022) == 0 )) || refuse "$1 is writable by users other than its owner (mode $mode); run: chmod go-w" \
+    "$1, check what is in it, and run again"
+}
 install -d -m 0755 "$units"
+not_a_symlink "$units"
+not_writable_by_others "$units"
 for unit in tfelastic@.service tfelastic-coordinator@.service; do
-  sed "s|^ExecStart=/opt/tfelastic/bin/tfelastic |ExecStart=$prefix/bin/tfelastic |" "$here/$unit" \
-    > "$units/.$unit.new"
-  chmod 0644 "$units/.$unit.new"
-  mv "$units/.$unit.new" "$units/$unit"  # the units are ours: always replaced
+  not_a_symlink "$units/$unit"
+  partial=$(mktemp "$units/.$unit.XXXXXX")  # a fresh name, created exclusively: no planted file is followed
+  sed "s|^ExecStart=/opt/tfelastic/bin/tfelastic |ExecStart=$prefix/bin/tfelastic |" "$here/$unit" > "$partial"
+  chmod 0644 "$partial"
+  mv -T "$partial" "$units/$unit"  # the units are ours: always replaced
   echo "installed $units/$unit (ExecStart=$prefix/bin/tfelastic)"
 done
 
 # Configs may hold paths to secrets: readable by root and the agent's group only.
+not_a_symlink "$conf"
 if [[ ! -d $conf ]]; then
   install -d -m 0750 "$conf"
   if getent group tfelastic >/dev/null && [[ -z $destdir ]]; then chgrp tfelastic "$conf"; fi
 fi
+not_writable_by_others "$conf"
+not_a_symlink "$conf/example.toml"
 if [[ -e $conf/example.toml ]]; then
   echo "kept $conf/example.toml (exists)"
 else

@@ -43,6 +43,33 @@ def test_install_stages_the_units_and_a_job_file_that_the_agent_reads(tmp_path: 
     assert job_file.read_text().endswith("# the operator's edit\n")
 
 
+def test_install_never_follows_a_symlink_planted_where_others_may_write(tmp_path: Path) -> None:
+    """The temporary names were predictable (.JOB.toml.new, .tfelastic@.service.new): a link planted there made a
+    root installer overwrite and re-mode the link's target. Now fresh names are made exclusively, and a target
+    that is a link, or a directory others may write, is refused."""
+    root, victim = tmp_path / "root", tmp_path / "victim"
+    victim.write_text("precious\n")
+    victim.chmod(0o600)
+    units, conf = root / "etc" / "systemd" / "system", root / "etc" / "tfelastic"
+    units.mkdir(parents=True)
+    conf.mkdir(mode=0o750)
+    for planted in (units / ".tfelastic@.service.new", conf / ".mnist.toml.new"):
+        planted.symlink_to(victim)
+    result = tfelastic("install", "mnist", "--destdir", str(root), "--prefix", "/opt/tfe", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert victim.read_text() == "precious\n" and victim.stat().st_mode & 0o777 == 0o600
+    assert (conf / "mnist.toml").is_file() and not (conf / "mnist.toml").is_symlink()
+
+    (conf / "other.toml").symlink_to(victim)
+    refused = tfelastic("install", "other", "--destdir", str(root), "--prefix", "/opt/tfe", cwd=tmp_path)
+    assert refused.returncode == 78 and f"{conf / 'other.toml'} is a symbolic link" in refused.stderr, refused
+    conf.chmod(0o777)
+    refused = tfelastic("install", "third", "--destdir", str(root), "--prefix", "/opt/tfe", cwd=tmp_path)
+    assert refused.returncode == 1 and f"{conf} is writable by users other than its owner (mode 777)" in \
+        refused.stderr, refused
+    assert not (conf / "third.toml").exists()
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["install", "two words"], "JOB: 'two words' must be non-empty letters, digits"),
     (["install", "mnist", "--prefix", "/nonexistent"], "--prefix: /nonexistent/bin/tfelastic does not exist"),
