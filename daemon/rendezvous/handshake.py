@@ -47,9 +47,18 @@ def handshake_problem(error: str, tls_enabled: bool) -> str | None:
 _NOT_HTTP2 = re.compile(r"SETTINGS frame|Failed parsing HTTP/2", re.IGNORECASE)
 
 
+# What a gRPC server that does not serve our protocol answers the session's call with: a Go server (etcd) names the
+# service it does not know, a Python one says the method is not found. Every tfelastic coordinator serves it.
+_NOT_OURS = re.compile(r"unknown service tfelastic\.|UNIMPLEMENTED.*Method not found", re.IGNORECASE | re.DOTALL)
+
+
 def foreign_listener_problem(error: str) -> str | None:
-    """What a failed connection says about the program at the coordinator's address, if it is not a gRPC server;
-    None otherwise."""
+    """What a failed connection says about the program at the coordinator's address, if it is not a tfelastic
+    coordinator (not a gRPC server, or a gRPC server of another service); None otherwise."""
+    if _NOT_OURS.search(error):
+        return ("a gRPC server that is not a tfelastic coordinator listens at the rendezvous address (it does not "
+                "serve tfelastic.v1.Rendezvous: etcd's client port, another program); stop it, or give --rendezvous "
+                "the coordinator's address")
     if not _NOT_HTTP2.search(error):
         return None
     return ("something that is not a tfelastic coordinator listens at the rendezvous address (it does not speak "
@@ -83,7 +92,7 @@ class HandshakeFailures:
         if problem is None:
             what, problem = "not a coordinator", foreign_listener_problem(error)
         if problem is None:
-            if not _timed_out(error):  # a timeout says nothing of what listens there (a loaded machine, a slow peer)
+            if not _timed_out(error):
                 self._other_failure_after = last_contact
             return None
         self._last = (what, problem, last_contact)
@@ -109,4 +118,8 @@ class HandshakeFailures:
 
 
 def _timed_out(error: str) -> bool:
-    return "DEADLINE_EXCEEDED" in error or "Deadline Exceeded" in error or "timed out" in error
+    """Failures that say nothing of what listens there: a timeout (a loaded machine, a slow peer), and gRPC's own
+    INTERNAL error when the Join was written to a call the peer had already ended (a foreign gRPC server ends it at
+    once with UNIMPLEMENTED, and which of the two the agent sees is a race)."""
+    return "DEADLINE_EXCEEDED" in error or "Deadline Exceeded" in error or "timed out" in error \
+        or error == "INTERNAL: Internal error from Core"

@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -406,6 +407,25 @@ def test_a_foreign_program_on_the_local_rendezvous_port_is_named_and_ends_the_ag
     assert f"the rendezvous port {port} of this host is held by pid {foreign.pid}" in result.stderr, result.stderr
     assert "not a tfelastic coordinator listens at the rendezvous address" in result.stderr, result.stderr
     assert "giving up after 8s of failed connections to the rendezvous address" in result.stderr, result.stderr
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd (Debian's etcd-server) is not installed")
+def test_an_agent_aimed_at_a_grpc_server_of_another_service_names_it_and_exits_78(tmp_path: Path) -> None:
+    """etcd's client port speaks gRPC, but not our service: said (not a traceback per retry), then exit 78."""
+    from tests.etcd import EtcdCluster
+
+    (tmp_path / "etcd").mkdir()
+    etcd = EtcdCluster(tmp_path / "etcd").start()
+    try:
+        address = etcd.url.removeprefix("etcd://").split(",")[0]
+        result = tfelastic_process("run", "--nodes", "1", "--rendezvous", address, "--join-timeout", "6",
+                                   "--metrics-port", "off", "--", "true", cwd=tmp_path)
+    finally:
+        etcd.stop()
+    assert result.returncode == EX_CONFIG, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("a gRPC server that is not a tfelastic coordinator listens") <= 2, result.stderr
+    assert "giving up after 6s of failed connections to the rendezvous address" in result.stderr, result.stderr
 
 
 def fifo(tmp_path: Path, name: str) -> Path:

@@ -148,3 +148,24 @@ def test_join_timeout_after_another_kind_of_failure_is_an_unreachable_coordinato
     assert failures.failed(HTTP_SERVER, last_contact=1000.0) is None
     assert failures.failed(REFUSED, last_contact=1000.0) is None  # the program left; nothing listens now
     assert failures.at_join_timeout(1000.0) is None
+
+
+FOREIGN_GRPC = "UNIMPLEMENTED: unknown service tfelastic.v1.Rendezvous"  # etcd's client port, as grpcio says it
+WRITE_AFTER_THE_END = "INTERNAL: Internal error from Core"  # the Join written to a call the peer had ended
+
+
+def test_a_grpc_server_of_another_service_ends_the_agent_and_grpcs_race_does_not_hide_it() -> None:
+    """A foreign gRPC server ends the session's call at once; which the agent sees, that UNIMPLEMENTED or gRPC's
+    INTERNAL error for the Join written after it, is a race (tests/integration/test_cli_errors.py, with etcd)."""
+    assert foreign_listener_problem(FOREIGN_GRPC) is not None
+    assert foreign_listener_problem("UNIMPLEMENTED: Method not found!") is not None  # a Python gRPC server
+    assert foreign_listener_problem(WRITE_AFTER_THE_END) is None
+    clock = FakeClock(1000.0)
+    failures = HandshakeFailures(tls_enabled=False, join_timeout=8, clock=clock)
+    assert failures.failed(FOREIGN_GRPC, last_contact=1000.0) is None
+    clock.now += 4.0
+    assert failures.failed(WRITE_AFTER_THE_END, last_contact=1000.0) is None
+    clock.now += 4.0
+    assert (failures.at_join_timeout(1000.0) or "").startswith(
+        "giving up after 8s of failed connections to the rendezvous address: a gRPC server that is not a tfelastic "
+        "coordinator listens")
