@@ -333,7 +333,7 @@ def _status_or_error(config: OperatorConfig, token: str | None) -> tuple[dict[st
     try:
         return status_to_json(asyncio.run(fetch_status(endpoint, token, rdzv.tls)), time.monotonic()), None
     except grpc.RpcError as e:
-        return {}, describe_rpc_error("status", endpoint, e, tls=rdzv.tls.enabled).removeprefix("tfelastic status: ")
+        return {}, describe_rpc_error(endpoint, e, tls=rdzv.tls.enabled)
 
 
 def _print(text: str) -> bool:
@@ -352,13 +352,14 @@ def run_operator(name: str, endpoint: Endpoint, tls: TlsConfig, call: Callable[[
     try:
         detail = asyncio.run(call())
     except grpc.RpcError as e:
-        print(describe_rpc_error(name, endpoint, e), file=sys.stderr)
+        print(f"tfelastic {name}: {describe_rpc_error(endpoint, e)}", file=sys.stderr)
         return ExitCode.FAILED
     _print(detail)
     return ExitCode.SUCCEEDED
 
 
-def describe_rpc_error(command: str, endpoint: Endpoint, error: grpc.RpcError, *, tls: bool = False) -> str:
+def describe_rpc_error(endpoint: Endpoint, error: grpc.RpcError, *, tls: bool = False) -> str:
+    """What a failed call to the coordinator means, for the operator (the caller says which command it was)."""
     from tfelastic.daemon.rendezvous.handshake import handshake_problem
 
     code, details = error.code(), error.details() or ""
@@ -366,13 +367,13 @@ def describe_rpc_error(command: str, endpoint: Endpoint, error: grpc.RpcError, *
         problem = handshake_problem(details, tls)
         grpc_said = f" [{code.name}: {details[:300]}]"
         if problem:
-            return f"tfelastic {command}: cannot talk to the coordinator at {endpoint}: TLS: {problem}{grpc_said}"
+            return f"cannot talk to the coordinator at {endpoint}: TLS: {problem}{grpc_said}"
         if "refused" in details.lower():
-            return (f"tfelastic {command}: nothing listens at {endpoint}: no tfelastic coordinator runs there (is the "
+            return (f"nothing listens at {endpoint}: no tfelastic coordinator runs there (is the "
                     f"job running, and is {endpoint} its rendezvous address?){grpc_said}")
-        return (f"tfelastic {command}: no answer from {endpoint} (a host that is down, a firewall, or a "
+        return (f"no answer from {endpoint} (a host that is down, a firewall, or a "
                 f"coordinator too busy to answer){grpc_said}")
     # tfelastic's coordinator names the option itself; another server's refusal may not.
     named = "--token-file" in details
     hint = " (pass the job's --token-file)" if code is grpc.StatusCode.UNAUTHENTICATED and not named else ""
-    return f"tfelastic {command}: {code.name}: {details}{hint}"
+    return f"{code.name}: {details}{hint}"

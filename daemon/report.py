@@ -93,8 +93,8 @@ def _from_coordinator(config: OperatorConfig, token: str | None) -> dict[str, An
         raise _NoCoordinator(str(e)) from None
     except grpc.RpcError as e:
         if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise OperatorError(describe_rpc_error("report", endpoint, e)) from None
-        raise _NoCoordinator(describe_rpc_error("report", endpoint, e, tls=rdzv.tls.enabled)) from None
+            raise OperatorError(describe_rpc_error(endpoint, e)) from None
+        raise _NoCoordinator(describe_rpc_error(endpoint, e, tls=rdzv.tls.enabled)) from None
     doc = status_to_json(snapshot)
     return {**doc, "source": "coordinator", "generations": timeline_json(snapshot.goodput),
             "marks": marks_json(snapshot.goodput), "at": time.time()}

@@ -46,7 +46,11 @@ SHOWN_STATUS_TEXT_CHARS = 4096  # any text of a status reply (a coordinator's re
 SHOWN_NUMBER = 1e11  # any number of a status reply, either sign (a wall-clock time in the year 5138)
 
 NODE_ID_RULE = f"1-{MAX_NAME_CHARS} letters, digits, '.', '_', ':', '@' or '-', starting with a letter or digit"
-JOB_NAME_RULE = f"non-empty letters, digits, '-', '_' or '.' (at most {MAX_NAME_CHARS})"
+JOB_NAME_RULE = f"non-empty letters, digits, '-', '_' or '.' (ASCII, starting with a letter or digit, at most " \
+                f"{MAX_NAME_CHARS})"
+# A job's name names its backup and tier folders and /etc/tfelastic/JOB.toml: '.', '..' and names that differ only
+# in how a file system normalises Unicode would collide there.
+_JOB_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAME_CHARS - 1}}}")
 _NODE_ID = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:@-]{{0,{MAX_NAME_CHARS - 1}}}")
 _TIMINGS = tuple(f.name for f in dataclasses.fields(api.JobSpec) if f.name.endswith("_seconds"))
 
@@ -64,7 +68,7 @@ def node_id_problem(node_id: str) -> Problem | None:
 
 
 def job_name_problem(name: str) -> Problem | None:
-    if 0 < len(name) <= MAX_NAME_CHARS and all(c.isalnum() or c in "-_." for c in name):
+    if _JOB_NAME.fullmatch(name):
         return None
     return Problem("job", f"{name[:64]!r} must be {JOB_NAME_RULE}")
 

@@ -471,3 +471,14 @@ def test_a_token_file_of_another_user_or_one_others_need_to_read_is_refused_with
     result = tfelastic("run", "--rendezvous", LOOPBACK, "--token-file", str(token), "--", "true", cwd=tmp_path)
     assert_config_error(result, "is readable by other users (mode 640, group 42): not a file for a secret")
     assert "chmod 600 " + str(token) not in result.stderr
+
+
+@pytest.mark.parametrize("command", ["report", "status", "drain"])
+def test_an_operator_command_with_no_coordinator_says_so_once_with_its_own_name(tmp_path: Path,
+                                                                                command: str) -> None:
+    port = free_port()
+    result = tfelastic_process(command, *(["a"] if command == "drain" else []), "--rendezvous", f"127.0.0.1:{port}",
+                               cwd=tmp_path)
+    assert result.returncode == 1, result
+    assert result.stderr.startswith(f"tfelastic {command}: nothing listens at 127.0.0.1:{port}"), result.stderr
+    assert f"tfelastic {command}: tfelastic" not in result.stderr, result.stderr  # report said its name twice
