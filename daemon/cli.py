@@ -302,15 +302,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _dispatch(args, slurm)
     except ConfigError as e:
-        if args.command_name == "status" and getattr(args, "json", False):  # a script reads stdout: JSON there too
-            print(json.dumps({"error": f"configuration error: {e}"}, indent=2))
+        _json_error(args, f"configuration error: {e}")
         print(f"tfelastic: configuration error: {e}", file=sys.stderr)
         return ExitCode.CONFIG
     except commands.OperatorError as e:
+        _json_error(args, str(e))
         print(f"tfelastic {args.command_name}: {e}", file=sys.stderr)
         return ExitCode.FAILED
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED
+
+
+def _json_error(args: argparse.Namespace, error: str) -> None:
+    """``status --json`` and ``report --json`` print a JSON object in every case: a script reads stdout."""
+    if args.command_name in ("status", "report") and getattr(args, "json", False):
+        print(json.dumps({"error": error}, indent=2))
 
 
 if __name__ == "__main__":

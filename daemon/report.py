@@ -101,8 +101,9 @@ def _from_coordinator(config: OperatorConfig, token: str | None) -> dict[str, An
 
 
 def _from_etcd(config: OperatorConfig) -> dict[str, Any]:
+    from tfelastic.daemon.errors import ConfigError
     from tfelastic.daemon.etcd.client import EtcdClient, EtcdError
-    from tfelastic.daemon.etcd.election import Election
+    from tfelastic.daemon.etcd.election import BadJobState, Election
     from tfelastic.daemon.preflight import etcd_credentials
 
     target = config.rendezvous.etcd
@@ -112,6 +113,8 @@ def _from_etcd(config: OperatorConfig) -> dict[str, Any]:
         client = EtcdClient(target, etcd_credentials(config.rendezvous))
         try:
             return await Election(client, config.job, config.rendezvous.lease_ttl).recorded_state()
+        except BadJobState as e:  # not what a tfelastic coordinator writes: as for a coordinator, exit 78
+            raise ConfigError(str(e)) from None
         except EtcdError as e:
             raise OperatorError(f"etcd at {target} does not answer: {e}") from None
         finally:

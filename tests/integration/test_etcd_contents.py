@@ -67,6 +67,17 @@ def test_a_standalone_coordinator_refuses_it_too(tmp_path: Path, etcd: EtcdClust
                                                              "range" in result.stderr, result.stderr
 
 
+def test_report_refuses_it_as_a_bad_configuration_and_says_so_in_json_too(tmp_path: Path, etcd: EtcdCluster) -> None:
+    put(etcd, "/tfelastic/ledger/state", json.dumps(BAD_GENERATION))
+    base = [sys.executable, "-m", "tfelastic.daemon", "report", "--rendezvous", etcd.url, "--job", "ledger"]
+    text = subprocess.run(base, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert text.returncode == ExitCode.CONFIG and "key /tfelastic/ledger/state" in text.stderr, text
+    assert "Traceback" not in text.stderr
+    as_json = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert as_json.returncode == ExitCode.CONFIG, as_json
+    assert "generation: '1' is not an integer" in json.loads(as_json.stdout)["error"]
+
+
 def agent_finishes(make_cluster: ClusterFactory, etcd: EtcdCluster, job: str) -> str:
     """One agent of ``job`` trains to the end (exit 0) well before its join timeout; its log."""
     cluster = make_cluster(TRAINER, nodes="1", extra_args=[*FAST, "--job", job], etcd=etcd.url,
