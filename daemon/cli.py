@@ -221,9 +221,20 @@ def config_from_coordinator_args(args: argparse.Namespace,
     listen = Endpoint.parse(listen_text, listen_source, allow_port_zero=True) if listen_text else endpoint
     assert isinstance(listen, Endpoint)
     if not isinstance(given.setdefault("rendezvous", listen), EtcdTarget) and given["rendezvous"] != listen:
-        raise ConfigError("--rendezvous: a standalone coordinator takes only an etcd URL there (etcd://HOST:PORT,...); "
-                          "it listens on --listen")
+        source = _rendezvous_source(args, environ)
+        raise ConfigError(f"{source} is {given['rendezvous']}, but {listen_source} is {listen}: a standalone "
+                          "coordinator serves where the agents look for it; give both the same address (or leave "
+                          f"{listen_source} out), or an etcd URL (etcd://HOST:PORT,...) to run a candidate")
     return validate_coordinator(coordinator_from_values(given, listen))
+
+
+def _rendezvous_source(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """Where the rendezvous setting came from, in the order gather() takes them."""
+    if getattr(args, "rendezvous", _UNSET) is not _UNSET:
+        return "--rendezvous"
+    if environ.get("TFELASTIC_RENDEZVOUS"):
+        return "$TFELASTIC_RENDEZVOUS"
+    return f"{args.config}: rendezvous.endpoint"
 
 
 def _operator_config(args: argparse.Namespace,

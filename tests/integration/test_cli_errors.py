@@ -106,10 +106,7 @@ def test_a_refusal_and_a_usage_error_as_real_processes(tmp_path: Path) -> None:
      "--config: cannot read 'missing.toml': No such file or directory"),
     (["run", "--rendezvous", LOOPBACK, "--metrics-port", "29400", "--", "true"],
      "--metrics-port: port 29400 is also --rendezvous's; give each listener of this process its own port"),
-    (["report", "--rendezvous", LOOPBACK, "--json", "--html", "-"],
-     "--html - and --json both print to standard output: give --html a FILE"),
-], ids=["nodes-max-below-min", "nodes-zero", "rendezvous-not-host-port", "config-file-missing", "port-given-twice",
-        "report-page-and-json-on-stdout"])
+], ids=["nodes-max-below-min", "nodes-zero", "rendezvous-not-host-port", "config-file-missing", "port-given-twice"])
 def test_bad_option_gives_the_exact_message(tmp_path: Path, args: list[str], message: str) -> None:
     result = tfelastic(*args, cwd=tmp_path)
     assert_config_error(result)
@@ -482,3 +479,21 @@ def test_an_operator_command_with_no_coordinator_says_so_once_with_its_own_name(
     assert result.returncode == 1, result
     assert result.stderr.startswith(f"tfelastic {command}: nothing listens at 127.0.0.1:{port}"), result.stderr
     assert f"tfelastic {command}: tfelastic" not in result.stderr, result.stderr  # report said its name twice
+
+
+def test_a_coordinator_listening_elsewhere_than_its_job_files_endpoint_names_the_file(tmp_path: Path) -> None:
+    """It blamed a --rendezvous that was never given."""
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nname = "x"\ncommand = ["true"]\n[rendezvous]\nendpoint = "127.0.0.1:29411"\n')
+    result = tfelastic("coordinator", "--config", str(job), "--listen", "127.0.0.1:29412", cwd=tmp_path)
+    assert_config_error(result)
+    assert config_error_line(result).startswith(f"{job}: rendezvous.endpoint is 127.0.0.1:29411, but --listen is "
+                                                "127.0.0.1:29412: a standalone coordinator serves where the agents "
+                                                "look for it")
+
+
+def test_report_refuses_a_page_and_json_both_on_stdout_and_says_so_in_json(tmp_path: Path) -> None:
+    result = tfelastic("report", "--rendezvous", LOOPBACK, "--json", "--html", "-", cwd=tmp_path)
+    message = "--html - and --json both print to standard output: give --html a FILE"
+    assert result.returncode == EX_CONFIG and result.stderr == f"tfelastic: configuration error: {message}\n"
+    assert json.loads(result.stdout) == {"error": f"configuration error: {message}"}
