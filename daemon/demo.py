@@ -121,7 +121,8 @@ class _Demo:
         if not pid or not _is_demo_trainer(pid):
             return False
         os.kill(pid, signal.SIGKILL)
-        self.say(f"  step {victim['step']}: SIGKILL the worker of rank {victim['rank']} "
+        # status shows the last step the trainer reported; it may have trained and saved a few more since.
+        self.say(f"  last reported step {victim['step']}: SIGKILL the worker of rank {victim['rank']} "
                  f"({victim['node_id']}, pid {pid})")
         return True
 
