@@ -57,6 +57,7 @@ class RoundKeeper:
         self.spec = spec
         self.state = JobState.WAITING
         self.reason = ""
+        self._unfilled_reason = ""  # the reason while the waiting nodes could not fill a parameter-server job's tasks
         self.generation = 0
         self.nodes = Membership(settings.node_timeout_seconds)
         self._members: list[str] = []  # node ids of the current generation, in rank order
@@ -253,6 +254,8 @@ class RoundKeeper:
         spec = self._require_spec()
         waiting = self.nodes.count(NodeState.WAITING)
         if waiting < spec.min_nodes:
+            if self._unfilled_reason and self.reason == self._unfilled_reason:  # it named nodes no longer here
+                self.reason = self._unfilled_reason = ""
             if self._timers.below_min(now):
                 held = [n for n, node in self.nodes.items() if node.state is NodeState.QUARANTINED]
                 return self._finish(
@@ -283,7 +286,7 @@ class RoundKeeper:
                                                          f"join_timeout={self.settings.join_timeout_seconds:g}s")
                 if self.reason == str(e):
                     return []
-                self.reason = str(e)
+                self.reason = self._unfilled_reason = str(e)
                 return [self._waiting_notice(n, self.reason) for n in self.nodes.waiting()]
         self.generation = max(self.generation, self._seen_generation) + 1
         self.restarts.formed()

@@ -236,6 +236,14 @@ def test_a_round_that_nobody_can_fill_fails_the_job_after_join_timeout_and_names
     assert sends == [Send(n, Finished(JobState.FAILED, rv.reason)) for n in ("w1", "w2", "p1")]
 
 
+def test_the_missing_task_is_no_longer_named_once_the_nodes_it_listed_are_gone() -> None:
+    clock = FakeClock()
+    rv = without_a_chief(clock)
+    assert "(their --role: ps, worker)" in rv.reason
+    rv.leave("p1", "agent stopped (SIGTERM)")  # below min_nodes now: the reason listed a role nobody has
+    assert rv.reason == "" and rv.snapshot().reason == ""
+
+
 def test_a_chief_that_joins_before_join_timeout_fills_the_round() -> None:
     clock = FakeClock()
     rv = without_a_chief(clock)
