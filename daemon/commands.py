@@ -348,13 +348,19 @@ def _print(text: str) -> bool:
 
 def run_operator(name: str, endpoint: Endpoint, tls: TlsConfig, call: Callable[[], Coroutine[Any, Any, str]]) -> int:
     """``tfelastic drain`` or ``restart``: one authenticated call; prints what the coordinator did."""
+    from tfelastic.daemon.status import terminal_safe
+
     check_tls_files(tls)
     try:
         detail = asyncio.run(call())
     except grpc.RpcError as e:
         print(f"tfelastic {name}: {describe_rpc_error(endpoint, e)}", file=sys.stderr)
         return ExitCode.FAILED
-    _print(detail)
+    if not detail:  # every tfelastic coordinator says what it did
+        print(f"tfelastic {name}: the server at {endpoint} answered with an empty reply, which no tfelastic "
+              "coordinator sends: is it the job's coordinator (--rendezvous)? Nothing was done", file=sys.stderr)
+        return ExitCode.FAILED
+    _print(terminal_safe(detail))
     return ExitCode.SUCCEEDED
 
 

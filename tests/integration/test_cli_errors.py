@@ -497,3 +497,34 @@ def test_report_refuses_a_page_and_json_both_on_stdout_and_says_so_in_json(tmp_p
     message = "--html - and --json both print to standard output: give --html a FILE"
     assert result.returncode == EX_CONFIG and result.stderr == f"tfelastic: configuration error: {message}\n"
     assert json.loads(result.stdout) == {"error": f"configuration error: {message}"}
+
+
+# A gRPC server that answers every call with an empty message, whatever its method (a proxy, a stub).
+ANSWERS_ANYTHING = """
+import sys, time
+from concurrent import futures
+import grpc
+class Anything(grpc.GenericRpcHandler):
+    def service(self, details):
+        return grpc.unary_unary_rpc_method_handler(lambda request, context: b"")
+server = grpc.server(futures.ThreadPoolExecutor(2))
+server.add_generic_rpc_handlers([Anything()])
+server.add_insecure_port(f"127.0.0.1:{sys.argv[1]}")
+server.start()
+time.sleep(600)
+"""
+
+
+def test_drain_and_restart_answered_with_an_empty_reply_say_nothing_was_done(tmp_path: Path) -> None:
+    """They printed an empty line and exited 0."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", ANSWERS_ANYTHING, str(port)], cwd=tmp_path)
+    try:
+        wait_for(lambda: port_taken("127.0.0.1", port), 20, "the server to listen")
+        for command in (["drain", "a"], ["restart"], ["readmit", "a"]):
+            result = tfelastic_process(*command, "--rendezvous", f"127.0.0.1:{port}", cwd=tmp_path)
+            assert result.returncode == 1 and result.stdout == "", result
+            assert f"the server at 127.0.0.1:{port} answered with an empty reply" in result.stderr, result.stderr
+    finally:
+        server.kill()
+        server.wait()
