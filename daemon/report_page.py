@@ -22,7 +22,10 @@ from tfelastic.daemon.timeline import ORDER, Lane, Restart, Timeline
 COLOURS = {"training": "#2ca02c", "redone": "#ff7f0e", "startup": "#1f77b4", "checkpoint": "#9467bd",
            "other": "#8c564b", "detection": "#d62728", "stopping": "#7b1010", "waiting": "#b0b0b0"}
 RESTART_COLOURS = {"fault": "#d62728", "planned": "#17becf", "end": "#000000"}
-MARK_COLOURS = {"quarantined": "#d62728", "readmitted": "#2ca02c", "drained": "#1f77b4"}
+# Apart from every category's colour, so that a diamond shows on any lane.
+MARK_COLOURS = {"quarantined": "#e6007e", "readmitted": "#00e0a0", "drained": "#ffd400"}
+TIMELINE_BACKGROUND = "#fbfaf2"  # the timeline's own: tests/browser.py finds the drawing in a screenshot by it
+LABEL_CHAR_PX = 6.5  # about what a character of an 11 px label takes
 WIDTH = 1200  # the drawing, in CSS pixels
 LABEL_WIDTH = 150  # the lanes' names
 LANE_HEIGHT = 18
@@ -76,7 +79,10 @@ def _summary(timeline: Timeline, goodput: dict[str, Any] | None) -> str:
     ratio = "" if not goodput or goodput.get("ratio") is None else \
         f"goodput {100 * goodput['ratio']:.1f}% of {duration(goodput['wall_seconds'])}; "
     still = "still running, as of " if timeline.running else "from "
-    return (f"{ratio}{len(timeline.spans)} generation(s), {len(timeline.restarts)} restart(s) or end(s); "
+    listed = f"{len(timeline.spans)} generation(s)" if not timeline.not_listed else \
+        (f"generations {timeline.spans[0].generation}-{timeline.spans[-1].generation} drawn (the first "
+         f"{timeline.not_listed}, which the ledger no longer lists, are counted in the totals and the goodput)")
+    return (f"{ratio}{listed}, {len(timeline.restarts)} restart(s) or end(s); "
             f"{still}{_clock(timeline.start)} to {_clock(timeline.end)}")
 
 
@@ -85,6 +91,8 @@ def _legend(timeline: Timeline) -> str:
              for c in ORDER]
     items += [f'<span><i class="swatch" style="background:{RESTART_COLOURS[k]}"></i>{k}</span>'
               for k in ("fault", "planned", "end")]
+    items += [f'<span><i class="swatch" style="background:{MARK_COLOURS[k]};transform:rotate(45deg)"></i>{k}</span>'
+              for k in MARK_COLOURS]
     return f'<div class="legend">{"".join(items)}</div>'
 
 
@@ -100,31 +108,62 @@ def _timeline_svg(timeline: Timeline) -> str:
     scale = _Scale(timeline.start, timeline.end)
     lanes_top = 40
     height = lanes_top + LANE_HEIGHT * (len(timeline.lanes) + 1) + 10
-    parts = [f'<svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}">',
+    parts = [f'<svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+             f'style="background:{TIMELINE_BACKGROUND}">',
              *_ticks(scale, timeline, height), "<defs>", _strip(timeline, scale)]
     parts += [_lane_clip(i, lane, scale) for i, lane in enumerate(timeline.lanes)]
     parts += ["</defs>", f'<text x="4" y="{lanes_top + 13}">job</text>',
               f'<use href="#strip" y="{lanes_top}"/>']
     for i, lane in enumerate(timeline.lanes):
         y = lanes_top + LANE_HEIGHT * (i + 1)
-        role = f" ({lane.role})" if lane.role else ""
-        name = _text(lane.node + role, LANE_LABEL_CHARS)
-        parts += [f'<text x="4" y="{y + 13}" data-lane="{_text(lane.node)}">{name}</text>',
+        parts += [f'<text x="4" y="{y + 13}" data-lane="{_text(lane.node)}">{_lane_name(lane)}</text>',
                   f'<g transform="translate(0,{y})" clip-path="url(#lane{i})"><use href="#strip"/></g>']
     if timeline.nodes_not_drawn:
         parts.append(f'<text x="4" y="{height - 2}">and {timeline.nodes_not_drawn} more node(s)</text>')
-    few = len(timeline.restarts) <= RESTART_LABELS  # many: a tick each above the lanes, no line or label
-    parts += [_restart_mark(r, scale, lanes_top, height if few else lanes_top - 8, few) for r in timeline.restarts]
-    lane_of = {lane.node: i for i, lane in enumerate(timeline.lanes)}
-    for mark in timeline.marks:
-        if mark.node in lane_of:
-            x, mid = scale.x(mark.at), lanes_top + LANE_HEIGHT * (lane_of[mark.node] + 1) + LANE_HEIGHT / 2
-            parts.append(f'<path data-mark="{_text(mark.kind)}" d="M{x:.1f} {mid - 7:.1f}l6 7-6 7-6-7z" '
-                         f'fill="{MARK_COLOURS.get(mark.kind, "#000")}" stroke="#fff">'
-                         f"<title>{_text(mark.node)} {_text(mark.kind)} at {_clock(mark.at)}: "
-                         f"{_text(mark.detail)}</title></path>")
+    parts += _restart_marks(timeline, scale, lanes_top, height)
+    parts += _node_marks(timeline, scale, lanes_top)
     parts.append("</svg>")
     return "\n".join(parts)
+
+
+def _lane_name(lane: Lane) -> str:
+    """The node id, shortened where it must be; its task in full."""
+    role = f" ({lane.role})" if lane.role else ""
+    return _text(lane.node, max(8, LANE_LABEL_CHARS - len(role))) + _text(role, LANE_LABEL_CHARS)
+
+
+def _restart_marks(timeline: Timeline, scale: _Scale, top: int, height: int) -> list[str]:
+    """A triangle and a line per restart; a label where there is room for it (each has a tooltip and a row in the
+    table of restarts). Many restarts: a tick each above the lanes, no line or label."""
+    few = len(timeline.restarts) <= RESTART_LABELS
+    marks, free_from = [], 0.0  # where the last label drawn ends
+    for restart in timeline.restarts:
+        x = scale.x(restart.at)
+        label_width = LABEL_CHAR_PX * min(len(restart.reason), RESTART_LABEL_CHARS)
+        # Near the right edge a label ends at its mark; one that would overlap the last is left out.
+        left = x + 3 if x + 3 + label_width <= WIDTH else x - 3 - label_width
+        labelled = few and left >= free_from
+        if labelled:
+            free_from = left + label_width + 4
+        marks.append(_restart_mark(restart, scale, top, height if few else top - 8, labelled,
+                                   anchor="start" if left > x else "end"))
+    return marks
+
+
+def _node_marks(timeline: Timeline, scale: _Scale, top: int) -> list[str]:
+    """A diamond per quarantine, readmission or drain on its node's lane, within the drawn time (the table lists
+    every mark the ledger keeps, also those from before its first listed generation)."""
+    lane_of = {lane.node: i for i, lane in enumerate(timeline.lanes)}
+    shapes = []
+    for mark in timeline.marks:
+        if mark.node not in lane_of or not timeline.start <= mark.at <= timeline.end:
+            continue
+        x, mid = scale.x(mark.at), top + LANE_HEIGHT * (lane_of[mark.node] + 1) + LANE_HEIGHT / 2
+        shapes.append(f'<path data-mark="{_text(mark.kind)}" d="M{x:.1f} {mid - 7:.1f}l6 7-6 7-6-7z" '
+                      f'fill="{MARK_COLOURS.get(mark.kind, "#000")}" stroke="#fff">'
+                      f"<title>{_text(mark.node)} {_text(mark.kind)} at {_clock(mark.at)}: "
+                      f"{_text(mark.detail)}</title></path>")
+    return shapes
 
 
 def _strip(timeline: Timeline, scale: _Scale) -> str:
@@ -162,10 +201,11 @@ def _ticks(scale: _Scale, timeline: Timeline, height: int) -> list[str]:
     return ticks
 
 
-def _restart_mark(restart: Restart, scale: _Scale, top: int, height: int, labelled: bool) -> str:
+def _restart_mark(restart: Restart, scale: _Scale, top: int, height: int, labelled: bool, anchor: str) -> str:
     x, colour = scale.x(restart.at), RESTART_COLOURS[restart.kind]
-    label = f'<text x="{x + 3:.1f}" y="{top - 4}" fill="{colour}">{_text(restart.reason, RESTART_LABEL_CHARS)}</text>' \
-        if labelled else ""
+    label_x = x + 3 if anchor == "start" else x - 3
+    label = f'<text x="{label_x:.1f}" y="{top - 4}" fill="{colour}" text-anchor="{anchor}">' \
+            f"{_text(restart.reason, RESTART_LABEL_CHARS)}</text>" if labelled else ""
     cause = f": {_text(restart.cause)}" if restart.cause else ""
     return (f'<g data-restart="{restart.generation}" data-kind="{restart.kind}">'
             f'<line x1="{x:.1f}" y1="{top - 14}" x2="{x:.1f}" y2="{height}" stroke="{colour}" stroke-width="1.5"/>'

@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from tfelastic.daemon.commands import OperatorError
-from tfelastic.daemon.timeline import ORDER, Timeline, Trained
+from tfelastic.daemon.timeline import ORDER, Timeline
 
 SUFFIX = ".tfelastic-report"
 TAG = "tfelastic"
@@ -33,25 +33,27 @@ def write_scalars(timeline: Timeline, directory: Path) -> Path:
         raise OperatorError(f"report --tensorboard needs the tensorboard package ({e}): pip install "
                             "'tfelastic[report]'") from None
     _checked_directory(directory)
-    for old in directory.glob(f"events.out.tfevents.*{SUFFIX}"):
-        old.unlink()
-    path = directory / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}{SUFFIX}"
+    earlier = list(directory.glob(f"events.out.tfevents.*{SUFFIX}"))
+    path = directory / f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}{SUFFIX}"
     try:
-        with path.open("wb") as file:
+        with path.open("xb") as file:
             records = RecordWriter(file)
             records.write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
             for at, step, values in points(timeline):
                 summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=value)
                                                      for tag, value in values.items()])
                 records.write(event_pb2.Event(wall_time=at, step=step, summary=summary).SerializeToString())
+        for old in earlier:  # only once the new file is whole: a failed write leaves the last one
+            old.unlink(missing_ok=True)
     except OSError as e:
         raise OperatorError(f"report --tensorboard {directory}: cannot write {path.name} ({e.strerror})") from None
     return path
 
 
 def points(timeline: Timeline) -> list[tuple[float, int, dict[str, float]]]:
-    """(wall time, step, {tag: value}) at each generation's end, and now for a running job."""
-    trained, seconds, restarts = Trained(timeline.segments), dict.fromkeys(ORDER, 0.0), Counter[str]()
+    """(wall time, step, {tag: value}) at each generation's end, and now for a running job: from each generation's
+    own seconds (not the drawing's runs), the generations the ledger no longer lists counted in."""
+    seconds, restarts = dict(timeline.not_listed_seconds), Counter[str]()
     step, found = 0, []
     ends = {r.generation: r for r in timeline.restarts}
     for span in timeline.spans:
@@ -60,12 +62,11 @@ def points(timeline: Timeline) -> list[tuple[float, int, dict[str, float]]]:
         if span.generation in ends and ends[span.generation].kind != "end":
             restarts[ends[span.generation].reason] += 1
         step = max(step, span.reached_step or 0)
-        at = span.end
-        goodput = trained.goodput_at(at, timeline.start, timeline.window)
+        goodput = timeline.trained.goodput_at(span.end, timeline.window)
         values = {f"{TAG}/goodput": goodput.cumulative, f"{TAG}/goodput_window": goodput.window,
                   **{f"{TAG}/seconds/{c}": s for c, s in seconds.items()},
                   **{f"{TAG}/restarts/{_tag(r)}": float(n) for r, n in restarts.items()}}
-        found.append((at, step, values))
+        found.append((span.end, step, values))
     return found
 
 

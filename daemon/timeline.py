@@ -104,12 +104,20 @@ class Timeline:
     curve: tuple[GoodputPoint, ...]
     window: float  # the rolling window's length in seconds
     totals: dict[str, float]
+    trained: Trained  # the training seconds to any moment, the generations the ledger no longer lists counted in
+    not_listed: int  # generations before the first listed one (the ledger keeps the last MAX_GENERATIONS)
+    not_listed_seconds: dict[str, float]  # theirs, by category: the totals less the listed generations' seconds
+
+
+TERMINAL = ("succeeded", "failed")
 
 
 def lay_out(doc: dict[str, Any], min_share: float = MIN_SHARE) -> Timeline:
     """``doc``: what ``report --json`` prints (``at``: when it was read). Consecutive generations shorter than
-    ``min_share`` of the whole are drawn together, their categories added up."""
-    spans = _spans(doc["generations"], float(doc.get("at") or 0.0))
+    ``min_share`` of the whole are drawn together, their categories added up; goodput over time is computed
+    from each generation's own categories."""
+    state = str(doc["state"])
+    spans = _spans(doc["generations"], float(doc.get("at") or 0.0), running=state not in TERMINAL)
     segments = tuple(s for group in _groups(spans, min_share) for s in _segments(group))
     start = spans[0].start if spans else float(doc.get("at") or 0.0)
     end = spans[-1].end if spans else start
@@ -117,11 +125,27 @@ def lay_out(doc: dict[str, Any], min_share: float = MIN_SHARE) -> Timeline:
                   for m in doc.get("marks", ()))
     lanes, not_drawn = _lanes(spans, marks, {n["node_id"]: n.get("role") or "" for n in doc.get("nodes", ())})
     window = rolling_window(end - start)
-    goodput = doc.get("goodput") or {}
-    return Timeline(str(doc["job"]), str(doc["state"]), start, end, bool(spans) and not spans[-1].ended, spans,
-                    segments, tuple(r for span in spans if (r := _restart(span)) is not None), marks, lanes,
-                    not_drawn, goodput_curve(segments, start, end, window),
-                    window, dict(goodput.get("seconds") or {}))
+    totals = dict((doc.get("goodput") or {}).get("seconds") or {})
+    before = _not_listed_seconds(totals, spans)
+    trained = Trained(tuple(s for span in spans for s in _segments([span])), start, before["training"],
+                      sum(before.values()))
+    return Timeline(str(doc["job"]), state, start, end, state not in TERMINAL, spans, segments,
+                    _restarts(spans, state), marks, lanes, not_drawn, goodput_curve(trained, spans, window),
+                    window, totals, trained, spans[0].generation - 1 if spans else 0, before)
+
+
+def _not_listed_seconds(totals: dict[str, float], spans: tuple[Span, ...]) -> dict[str, float]:
+    """The seconds by category of the generations the ledger counts in its totals but lists no more."""
+    listed = {c: sum(span.seconds[c] for span in spans) for c in ORDER}
+    return {c: max(0.0, float(totals.get(c, 0.0)) - listed[c]) for c in ORDER}
+
+
+def _restarts(spans: tuple[Span, ...], state: str) -> tuple[Restart, ...]:
+    """Each generation's end; a job that ended while no generation ran (it failed waiting) gets its end too."""
+    found = [r for span in spans if (r := _restart(span)) is not None]
+    if state in TERMINAL and spans and (not found or found[-1].kind != "end"):
+        found.append(Restart(spans[-1].end, spans[-1].generation, state, "", "end"))
+    return tuple(found)
 
 
 def rolling_window(wall: float) -> float:
@@ -129,14 +153,14 @@ def rolling_window(wall: float) -> float:
     return HOUR if wall >= 4 * HOUR else max(60.0, wall / 4)
 
 
-def _spans(lines: list[dict[str, Any]], now: float) -> tuple[Span, ...]:
+def _spans(lines: list[dict[str, Any]], now: float, *, running: bool) -> tuple[Span, ...]:
     spans = []
     for i, line in enumerate(lines):
         start = float(line["formed_at"])
         seconds = {c: max(0.0, float(line["seconds"].get(c, 0.0))) for c in ORDER}
         # A line's seconds add up to its span: the next formation, or now for the last (the end of a job that ended).
         end = float(lines[i + 1]["formed_at"]) if i + 1 < len(lines) else start + sum(seconds.values())
-        if i + 1 == len(lines) and not line["ended"]:
+        if i + 1 == len(lines) and running:
             end = max(end, now)
         spans.append(Span(int(line["generation"]), start, max(start, end), int(line["size"]),
                           tuple(line["members"]), str(line["ended"]), line.get("restored_step"),
@@ -151,7 +175,8 @@ def _groups(spans: tuple[Span, ...], min_share: float) -> list[list[Span]]:
     least = (spans[-1].end - spans[0].start) * min_share
     groups: list[list[Span]] = [[]]
     for span in spans:
-        if groups[-1] and groups[-1][-1].end - groups[-1][0].start >= least:
+        # A span long enough to see stands alone: merged, its categories would be laid out past a short one's fault.
+        if groups[-1] and (groups[-1][-1].end - groups[-1][0].start >= least or span.end - span.start >= least):
             groups.append([])
         groups[-1].append(span)
     return groups
@@ -201,20 +226,24 @@ def _lanes(spans: tuple[Span, ...], marks: tuple[Mark, ...],
     return lanes, max(0, len(runs) - MAX_LANES)
 
 
-def goodput_curve(segments: tuple[Segment, ...], start: float, end: float,
-                  window: float) -> tuple[GoodputPoint, ...]:
-    """Goodput sampled at CURVE_POINTS times: since the start, and over the last ``window`` seconds."""
-    if end <= start:
+def goodput_curve(trained: Trained, spans: tuple[Span, ...], window: float) -> tuple[GoodputPoint, ...]:
+    """Goodput at CURVE_POINTS evenly spaced times and at every generation's end: since the start, and over the
+    last ``window`` seconds."""
+    if not spans or spans[-1].end <= spans[0].start:
         return ()
-    trained = Trained(segments)
-    return tuple(trained.goodput_at(start + (end - start) * k / CURVE_POINTS, start, window)
-                 for k in range(1, CURVE_POINTS + 1))
+    start, end = spans[0].start, spans[-1].end
+    times = sorted({*(start + (end - start) * k / CURVE_POINTS for k in range(1, CURVE_POINTS + 1)),
+                    *(span.end for span in spans if span.end > start)})
+    return tuple(trained.goodput_at(t, window) for t in times)
 
 
 class Trained:
-    """The training seconds up to any moment, in O(log segments)."""
+    """The training seconds up to any moment, in O(log segments); ``before_training`` and ``before_wall`` are those
+    of generations the ledger counts but lists no more, before ``start``."""
 
-    def __init__(self, segments: tuple[Segment, ...]) -> None:
+    def __init__(self, segments: tuple[Segment, ...], start: float, before_training: float = 0.0,
+                 before_wall: float = 0.0) -> None:
+        self.start, self._before_training, self._before_wall = start, before_training, before_wall
         self._training = [s for s in segments if s.category == "training"]
         self._starts = [s.start for s in self._training]
         self._before = [0.0]  # the training seconds before each training segment
@@ -227,7 +256,10 @@ class Trained:
             return 0.0
         return self._before[i] + min(t, self._training[i].end) - self._training[i].start
 
-    def goodput_at(self, t: float, start: float, window: float) -> GoodputPoint:
-        since = max(start, t - window)
-        return GoodputPoint(t, self.until(t) / (t - start) if t > start else 0.0,
+    def goodput_at(self, t: float, window: float) -> GoodputPoint:
+        """Since the job started (the generations no longer listed counted in), and over the last ``window``
+        seconds of the listed ones."""
+        wall = self._before_wall + t - self.start
+        since = max(self.start, t - window)
+        return GoodputPoint(t, (self._before_training + self.until(t)) / wall if wall > 0 else 0.0,
                             (self.until(t) - self.until(since)) / (t - since) if t > since else 0.0)

@@ -40,3 +40,18 @@ def png_size_and_colours(png: Path) -> tuple[tuple[int, int], dict[tuple[int, in
         rgb = image.convert("RGB")
         return rgb.size, {(colour[0], colour[1], colour[2]): count  # type: ignore[index]
                           for count, colour in rgb.getcolors(maxcolors=1 << 24) or []}
+
+
+def colours_within(png: Path, background: tuple[int, int, int]) -> dict[tuple[int, int, int], int]:
+    """How many pixels have each colour inside the box of the pixels painted ``background`` (a drawing's own
+    background: the screenshot's part where that drawing is)."""
+    from PIL import Image, ImageChops
+
+    with Image.open(png) as image:
+        rgb = image.convert("RGB")
+        mask = ImageChops.difference(rgb, Image.new("RGB", rgb.size, background)).convert("L").point(
+            lambda value: 255 if value == 0 else 0)
+        box = mask.getbbox()
+        assert box is not None, f"no pixel of the background {background} in {png}"
+        return {(c[0], c[1], c[2]): n  # type: ignore[index]
+                for n, c in rgb.crop(box).getcolors(maxcolors=1 << 24) or []}

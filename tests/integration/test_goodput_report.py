@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tfelastic.daemon.report_page import COLOURS
+from tfelastic.daemon.report_page import COLOURS, TIMELINE_BACKGROUND
 
 from bench.ledger_check import LEDGER_TRAINER, trainer_fresh_seconds, trainer_redone
-from tests.browser import BROWSER, dom, png_size_and_colours, screenshot
+from tests.browser import BROWSER, colours_within, dom, png_size_and_colours, screenshot
 from tests.cluster import COUNTER, kill, members, scrape, wait_for
 from tests.conftest import ClusterFactory
 from tests.etcd import EtcdCluster
@@ -98,11 +98,16 @@ def check_page_in_a_browser(page: Path, png: Path, ended: list[dict[str, Any]], 
     assert {c for g in ended for c, seconds in g["seconds"].items() if seconds > 0} <= categories, categories
     assert ("still running" in parsed) == running
     screenshot(page, png)
-    size, colours = png_size_and_colours(png)
+    size, _ = png_size_and_colours(png)
     assert size == (1280, 1400)
-    for category in ("training", "startup"):
-        red, green, blue = (int(COLOURS[category][i:i + 2], 16) for i in (1, 3, 5))
-        assert colours.get((red, green, blue), 0) > 200, f"{category}'s colour is not on the screenshot"
+    drawn_colours = colours_within(png, rgb(TIMELINE_BACKGROUND))  # the timeline alone: no legend, no table
+    # Training fills most of three lanes and the job's row (about 1000 px by 16 px each); each start-up a sliver.
+    assert drawn_colours.get(rgb(COLOURS["training"]), 0) > 20_000, "the lanes are not painted"
+    assert drawn_colours.get(rgb(COLOURS["startup"]), 0) > 100, "no start-up is painted"
+
+
+def rgb(colour: str) -> tuple[int, int, int]:
+    return int(colour[1:3], 16), int(colour[3:5], 16), int(colour[5:7], 16)
 
 
 def test_steps_redone_count_the_steps_a_killed_chief_made_after_its_last_report(

@@ -88,7 +88,9 @@ def test_a_lane_per_node_shows_when_it_was_a_member() -> None:
 def test_goodput_over_time_is_exact_where_the_job_ends_and_the_window_is_a_quarter_of_a_short_job() -> None:
     doc = three_generations()
     timeline = lay_out(doc)
-    assert len(timeline.curve) == CURVE_POINTS
+    assert len(timeline.curve) == CURVE_POINTS + 2  # and at the ends of generations 1 and 2
+    at_ends = {p.at: p.cumulative for p in timeline.curve}
+    assert at_ends[T0 + 64] == pytest.approx(50 / 64) and at_ends[T0 + 104] == pytest.approx(80 / 104)
     assert timeline.curve[-1].cumulative == pytest.approx(100 / 127)
     assert timeline.window == rolling_window(127.0) == 60.0
     last_minute = sum(min(s.end, T0 + 127) - max(s.start, T0 + 67) for s in timeline.segments
@@ -165,3 +167,54 @@ def test_500_generations_draw_in_a_bounded_page() -> None:
     assert len(re.findall(r"data-restart=", page)) == 499 and len(re.findall(r'data-row="', page)) == 500
     assert page.count("<rect data-generation") <= 150 * len(ORDER)
     assert len(page.encode()) < 1_000_000, len(page.encode())
+
+
+def test_a_long_generation_after_a_short_faulted_one_is_never_drawn_with_it() -> None:
+    """Merged, the short one's detection was laid out after the long one's training, far from its restart."""
+    doc = report_doc([line(1, T0, ["a"], "worker_exit: a: killed", startup=1, detection=1),
+                      line(2, T0 + 2, ["a"], "", training=10_000)])
+    timeline = lay_out(doc)
+    assert sorted({(s.generation, s.last_generation) for s in timeline.segments}) == [(1, 1), (2, 2)]
+    [detection] = [s for s in timeline.segments if s.category == "detection"]
+    assert detection.end <= timeline.restarts[0].at + 1e-9
+
+
+def test_goodput_counts_the_generations_the_ledger_no_longer_lists() -> None:
+    """The ledger lists its last 200 generations and counts every one in its totals: the curve, the scalars and
+    the page's summary say so instead of starting the job at the first listed one."""
+    doc = report_doc([line(101, T0, ["a"], "", training=90, startup=10)])
+    doc["goodput"]["seconds"] = dict(doc["goodput"]["seconds"], training=190.0, startup=210.0)  # 100 earlier ones
+    timeline = lay_out(doc)
+    assert timeline.not_listed == 100 and timeline.not_listed_seconds["startup"] == 200.0
+    assert timeline.curve[-1].cumulative == pytest.approx(190 / 400)
+    assert "generations 101-101 drawn (the first 100, which the ledger no longer lists" in render_page(timeline, doc)
+
+
+def test_a_job_between_generations_is_still_running_and_one_that_failed_waiting_has_its_end() -> None:
+    lines = three_generations()["generations"][:2]
+    restarting = report_doc(lines, state="restarting")
+    assert lay_out(restarting).running and "still running" in render_page(lay_out(restarting), restarting)
+    failed = report_doc(lines, state="failed")
+    timeline = lay_out(failed)
+    assert not timeline.running
+    assert [(r.generation, r.kind, r.reason) for r in timeline.restarts][-1] == (2, "end", "failed")
+
+
+def test_marks_outside_the_drawn_time_are_listed_not_drawn() -> None:
+    doc = three_generations()
+    doc["marks"] = [{"at": T0 - 500, "kind": "quarantined", "node": "a", "detail": "before the first line"},
+                    {"at": T0 + 10, "kind": "drained", "node": "b", "detail": "maintenance"}]
+    page = render_page(lay_out(doc), doc)
+    assert re.findall(r'data-mark="(\w+)"', page) == ["drained"] and "before the first line" in page
+
+
+def test_restart_labels_never_overlap_and_stay_on_the_drawing() -> None:
+    """Eight restarts in the last minute of a long job: one label fits; each has its tooltip and table row."""
+    lines = [line(1, T0, ["a"], "worker_exit: a: killed", training=36_000)]
+    lines += [line(g, T0 + 36_000 + 5 * (g - 2), ["a"], "worker_exit: a: killed" if g < 10 else "", startup=5)
+              for g in range(2, 11)]
+    page = render_page(lay_out(report_doc(lines)), report_doc(lines))
+    labels = re.findall(r'<text x="([\d.]+)" y="\d+" fill="#d62728" text-anchor="(\w+)">worker_exit</text>', page)
+    assert labels and len(labels) < 9 and len(re.findall(r"data-restart=", page)) == 9
+    for x, anchor in labels:
+        assert (float(x) + 6.5 * len("worker_exit") <= 1200) if anchor == "start" else float(x) <= 1200
