@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from tfelastic.daemon.endpoint import Endpoint
-from tfelastic.daemon.netutil import free_port
+from tfelastic.daemon.netutil import free_port, free_ports
 
 from bench.ledger_check import fresh_step_seconds, redone_from
 from tests.cluster import ROOT, Cluster, members
@@ -165,7 +165,7 @@ def hook_env(tmp: Path) -> dict[str, str]:
 
 
 def _launch_by_hand(tmp: Path, steps: int, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
-    addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
     procs = []
     for rank in range(2):
         tf_config = json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}})

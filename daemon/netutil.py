@@ -35,6 +35,17 @@ def free_port(host: str = "127.0.0.1", within: range | None = None) -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(count: int, host: str = "127.0.0.1", within: range | None = None) -> list[int]:
+    """``count`` different ports, each free now (:func:`free_port`): nothing holds a port until its user binds it, so
+    picks made one after the other can repeat one, and two processes given the same port cannot both start."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port(host, within)
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def daemon_ports() -> range:
     """Where :func:`free_port` picks by default: ``[low/2, low)``, ``low`` the start of the ephemeral range."""
     low = ephemeral_low()

@@ -21,7 +21,7 @@ from tfelastic.daemon.etcd.election import Election, LeaderInfo
 from tfelastic.daemon.etcd.url import EtcdTarget, parse_etcd_url
 
 from tests.cluster import wait_for
-from tests.ports import free_port
+from tests.ports import free_ports
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 ETCDCTL = shutil.which("etcdctl") or "/usr/bin/etcdctl"
@@ -67,7 +67,7 @@ class EtcdCluster:
         require_etcd()
         hosts = self.hosts or ["127.0.0.1"] * self.size
         for i, host in enumerate(hosts):
-            ports = (free_port(host), free_port(host)) if not self.netns else (2379, 2380)
+            ports = free_ports(2, host) if not self.netns else [2379, 2380]
             member = Member(f"m{i}", host, ports[0], ports[1], self.tmp / f"etcd-m{i}", self.tmp / f"etcd-m{i}.log",
                             self.netns[i] if self.netns else "")
             if self.tls:

@@ -27,3 +27,8 @@ def worker_slice() -> range:
 def free_port(host: str = "127.0.0.1") -> int:
     """A port of this worker's slice that ``host`` can bind now."""
     return netutil.free_port(host, within=worker_slice())
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` different ports of this worker's slice that ``host`` can bind now."""
+    return netutil.free_ports(count, host, within=worker_slice())

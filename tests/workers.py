@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.cluster import ROOT, wait_for
-from tests.ports import free_port
+from tests.ports import free_ports
 
 EXAMPLES = ROOT / "examples"
 
@@ -76,7 +76,7 @@ class WorkerSet:
     workers: list[Worker] = field(default_factory=list)
 
     def start(self, tag: str = "") -> WorkerSet:
-        addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.size)]
+        addresses = [f"127.0.0.1:{port}" for port in free_ports(self.size)]
         for rank in range(max(1, self.size)):
             cluster = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}}
             tf_config = {"TF_CONFIG": json.dumps(cluster)} if self.size else {}

@@ -28,7 +28,7 @@ from tfelastic.trainer.instrument import SITE_DIR
 from tfelastic.trainer.progress import Phase, ProgressMessage, decode
 
 from tests.cluster import ROOT, TF_DEADLINE, alive, processes_of, wait_for
-from tests.ports import free_port
+from tests.ports import free_ports
 from tests.workers import example, summaries, worker_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
@@ -119,12 +119,7 @@ class PsJob:
     history: list[Task] = field(default_factory=list)  # every process ever started, the replaced ones too
 
     def __post_init__(self) -> None:
-        ports: list[int] = []
-        while len(ports) < 1 + self.ps + self.workers:
-            port = free_port()  # free now, but nothing holds it: two calls can give the same one
-            if port not in ports:
-                ports.append(port)
-        addresses = [f"127.0.0.1:{port}" for port in ports]
+        addresses = [f"127.0.0.1:{port}" for port in free_ports(1 + self.ps + self.workers)]
         self.chief_address = addresses[0]
         self.ps_addresses = tuple(addresses[1:1 + self.ps])
         self.worker_addresses = tuple(addresses[1 + self.ps:])

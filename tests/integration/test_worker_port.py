@@ -14,7 +14,7 @@ import pytest
 
 from tests.cluster import kill, members, wait_for
 from tests.conftest import ClusterFactory
-from tests.ports import free_port
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,7 @@ def next_generation_training(generation: int) -> Callable[[dict[str, Any]], bool
 
 
 def test_restarts_with_fixed_worker_ports_find_them_free(make_cluster: ClusterFactory) -> None:
-    ports = {"a": free_port(), "b": free_port()}
+    ports = dict(zip("ab", free_ports(2), strict=True))
     cluster = make_cluster(COUNTER, extra_args=["--last-call", "0.5", "--max-restarts", "8", "--warm-start", "off",
                                                 "--stop-grace", "1"],
                            env={"COUNTER_STEPS": "100000", "COUNTER_HOLD_PORT_MB": "1000",

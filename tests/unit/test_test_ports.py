@@ -31,3 +31,10 @@ def test_a_port_comes_from_this_workers_slice(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw2")
     assert ports.free_port() in ports.worker_slice()
+
+
+def test_ports_picked_together_are_never_the_same_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slice of two ports picked twice in a row: random picks repeat often, the pairs must not."""
+    monkeypatch.setattr(ports, "worker_slice", lambda: range(20000, 20002))
+    pairs = [ports.free_ports(2) for _ in range(50)]
+    assert all(sorted(pair) == [20000, 20001] for pair in pairs)
