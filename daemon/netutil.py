@@ -20,19 +20,24 @@ def free_port(host: str = "127.0.0.1", within: range | None = None) -> int:
     the kernel hands out for bind(0) or an outgoing connection in the meantime can never be the one we promised to
     someone else.
     """
-    family = _family(host)
     ports = within or daemon_ports()
     for _ in range(64):
         port = random.choice(ports)
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-                return port
-            except OSError:
-                continue
-    with socket.socket(family, socket.SOCK_STREAM) as s:  # a crowded range: let the kernel choose
+        if can_bind(host, port):
+            return port
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:  # a crowded range: let the kernel choose
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def can_bind(host: str, port: int) -> bool:
+    """Whether a TCP socket could bind ``host:port`` now."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
 
 
 def free_ports(count: int, host: str = "127.0.0.1", within: range | None = None) -> list[int]:

@@ -38,3 +38,11 @@ def test_ports_picked_together_are_never_the_same_one(monkeypatch: pytest.Monkey
     monkeypatch.setattr(ports, "worker_slice", lambda: range(20000, 20002))
     pairs = [ports.free_ports(2) for _ in range(50)]
     assert all(sorted(pair) == [20000, 20001] for pair in pairs)
+
+
+def test_ports_picked_one_after_another_come_round_the_slice_before_repeating(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test picks a coordinator's port, then an etcd member's, before it starts either: no repeat within a slice."""
+    monkeypatch.setattr(ports, "worker_slice", lambda: range(20000, 20010))
+    picks = [ports.free_port() for _ in range(10)]
+    assert sorted(picks) == list(range(20000, 20010))
+    assert ports.free_port() == picks[0]  # and then round again, in the same order
