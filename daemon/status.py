@@ -5,6 +5,7 @@ The JSON shape is a stable contract (docs/status-json.md); fields are only ever 
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -44,7 +45,18 @@ def status_to_json(snap: ClusterSnapshot, now: float | None = None, wall: float 
         "quarantines_by_kind": dict(snap.quarantines_by_kind),
         "goodput": goodput_json(snap.goodput),
         "vacant": list(snap.vacant),
+        "last_restart": last_restart_json(snap.goodput),
     }
+
+
+def last_restart_json(view: GoodputView | None) -> dict[str, Any] | None:
+    """The most recent generation that ended in a restart (another followed it), and the ledger's words for why:
+    the reason, the node and its detail (a hang's site, an exit's exception). None before the first restart."""
+    generations = view.generations if view is not None else ()
+    restarted = [g for g, _next in itertools.pairwise(generations) if g.ended]
+    if not restarted:
+        return None
+    return {"generation": restarted[-1].generation, "ended": restarted[-1].ended}
 
 
 def goodput_json(view: GoodputView | None) -> dict[str, Any] | None:
@@ -134,6 +146,8 @@ def render_table(doc: dict[str, Any]) -> str:
                                                                else "")] if (c := doc.get("coordinator")) else []),
         *_versions_line(doc),
         *([goodput_line(g)] if (g := doc.get("goodput")) and g["ratio"] is not None else []),
+        *([f"last restart: generation {r['generation']} ended: {r['ended']}"]
+          if (r := doc.get("last_restart")) else []),
         *(f"WARNING: {warning}" for warning in doc.get("warnings", ())),
         *(_quarantine_line(n) for n in doc["nodes"] if n.get("quarantine")),
         *(f"vacant: {task}" for task in doc.get("vacant", ())),

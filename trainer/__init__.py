@@ -1,7 +1,8 @@
 """tfelastic.trainer: what runs inside the trainer process.
 
 Importing this package does not import TensorFlow: :mod:`~tfelastic.trainer.progress` (progress reports to the
-local agent, for hang detection, ``tfelastic status`` and metrics), :mod:`~tfelastic.trainer.environment` (what
+local agent, for hang detection, ``tfelastic status`` and metrics), :mod:`~tfelastic.trainer.stacks` (the
+stack dump the agent asks a hung trainer for), :mod:`~tfelastic.trainer.environment` (what
 the agent set), :mod:`~tfelastic.trainer.batching` (batch sizes and learning rate when the world size changes),
 :mod:`~tfelastic.trainer.tfkeras` (the tf_keras guard) and :mod:`~tfelastic.trainer.exit_codes` are pure.
 
@@ -12,5 +13,8 @@ exit 42) and ``export``. See docs/trainer.md.
 """
 
 from tfelastic.trainer.progress import Phase, ProgressReporter, report
+from tfelastic.trainer.stacks import register_stack_dump
+
+register_stack_dump()  # under an agent: where this trainer hangs, if it ever does (trainer/stacks.py)
 
 __all__ = ["Phase", "ProgressReporter", "report"]

@@ -19,6 +19,7 @@ from tfelastic.daemon.agent.api import (
     Announce,
     CoordinatorLost,
     DropSession,
+    DumpStacks,
     FatalSessionError,
     HangUp,
     HostUntilJobEnds,
@@ -238,6 +239,8 @@ class Agent:
                 self._placement.lost()
             elif isinstance(action, ProbeServer):
                 self._spawn(self.worker.probe_server(action))
+            elif isinstance(action, DumpStacks):
+                self._spawn(self.worker.dump_stacks(action))
             elif isinstance(action, Announce):
                 if action.ready:
                     self.hooks.ready()

@@ -143,6 +143,14 @@ class ProbeServer:
 
 
 @dataclass(frozen=True)
+class DumpStacks:
+    """Ask the running trainer, found hung, for its Python stacks (worker/stacks.py); the shell answers with
+    ``stacks_dumped``."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
 class StopRetrying:
     """The agent is leaving: end the wait between attempts to reach the coordinator now."""
 
@@ -195,7 +203,7 @@ class KeepMetricsUp:
 
 
 Action = (Send | Launch | Stop | HangUp | DropSession | Announce | RunNodeCheck | ListenForProbe | PrepareStandby |
-          StopRetrying | ProbeServer | CoordinatorLost | ScanSnapshots | WaitGpusReleased | WaitPortFree |
+          StopRetrying | ProbeServer | DumpStacks | CoordinatorLost | ScanSnapshots | WaitGpusReleased | WaitPortFree |
           RemoveLocalTier | HostUntilJobEnds | KeepMetricsUp)
 
 

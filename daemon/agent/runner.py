@@ -21,6 +21,7 @@ from tfelastic.daemon.rendezvous.roles import CHIEF, PS, WORKER
 from tfelastic.daemon.sources import config_variables
 from tfelastic.daemon.worker.instrument import instrumentation_env
 from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
+from tfelastic.daemon.worker.stacks import STACKS_SIGNAL, STACKS_SIGNAL_ENV
 from tfelastic.daemon.worker.warm import Standby, StandbyKey
 from tfelastic.trainer.environment import LOCAL_CHECKPOINT_DIR_ENV, RESTORE_STEP_ENV, TrainerEnvironment
 from tfelastic.trainer.progress import STEP_FILE_ENV
@@ -67,6 +68,13 @@ class WorkerRunner:
     @property
     def stopping(self) -> bool:
         return self._stopping is not None and not self._stopping.done()
+
+    async def dump_stacks(self) -> tuple[list[str], str]:
+        """The running trainer's Python stacks (WorkerProcess.dump_stacks), or why there are none."""
+        worker = self._worker
+        if worker is None or self.stopping:
+            return [], "no trainer runs any more"
+        return await worker.dump_stacks(STACKS_SIGNAL)
 
     def launch(self, generation: int, spec: WorkerSpec) -> None:
         self._launching = self._spawn(self._launch(generation, spec))
@@ -235,7 +243,7 @@ def trainer_env(base: Mapping[str, str], assignment: Assignment, *, job: str, no
     """The trainer's environment: ``base`` (the agent's, with the job's ``env`` on top), the generation's
     ``TF_CONFIG`` and ``TFELASTIC_*`` (the contract of :class:`TrainerEnvironment`: with the node's local
     snapshot tier, None when it is off, and the assignment's restore step), tf_keras unless the job says
-    otherwise, and the automatic instrumentation."""
+    otherwise, the signal that asks for its Python stacks, and the automatic instrumentation."""
     env = dict(base)
     env.setdefault("TF_USE_LEGACY_KERAS", "1")  # Keras 3 cannot run model.fit under MWMS (docs/facts.md, fact 1)
     env.setdefault("PYTHONUNBUFFERED", "1")  # a print reaches the log as it happens, and is not lost to a kill
@@ -243,6 +251,7 @@ def trainer_env(base: Mapping[str, str], assignment: Assignment, *, job: str, no
         env.pop(name, None)  # only the agent's own values: never one inherited from its environment
     if step_file:
         env[STEP_FILE_ENV] = step_file
+    env[STACKS_SIGNAL_ENV] = str(int(STACKS_SIGNAL))  # a hung trainer's stacks, on this signal (worker/stacks.py)
     task_type, task_index = assignment.members[assignment.rank].task
     by_type = {t: tuple(m.address for m in assignment.members if m.task_type == t) for t in (CHIEF, PS, WORKER)}
     env.update(TrainerEnvironment(

@@ -17,6 +17,7 @@ from tfelastic.daemon.exit_codes import CHECKPOINTED_AND_STOPPED
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.worker.output import describe_exit, exception_line
+from tfelastic.daemon.worker.stacks import hang_site
 from tfelastic.daemon.worker.stall import StallDetector, StallLimits
 from tfelastic.trainer.progress import ProgressMessage
 
@@ -34,13 +35,24 @@ class NodeReadings:
 
 
 StepMarkReader = Callable[[int], "int | None"]  # generation -> the step its trainer last marked, if any
+# How long a hang's report waits for the trainer's stacks (the shell's own bound is 2 s): then it goes without.
+STACKS_PATIENCE = 5.0
+
+
+@dataclass(frozen=True)
+class Hang:
+    """A stall found, whose report waits for the trainer's stacks."""
+
+    detail: str
+    found_at: float
 
 
 class TrainerWatch:
     def __init__(self, limits: StallLimits, stop_grace: float, metrics: AgentMetrics,
                  clock: Callable[[], float], step_mark: StepMarkReader | None = None) -> None:
-        self._metrics, self._stop_grace = metrics, stop_grace
+        self._metrics, self._stop_grace, self._clock = metrics, stop_grace, clock
         self._step_mark = step_mark
+        self._hang: Hang | None = None
         self.tracker = ProgressTracker(clock, metrics)
         self.failures = FailureTimes(clock, metrics)
         self.stall = StallDetector(limits, clock)
@@ -54,6 +66,7 @@ class TrainerWatch:
         """A new worker starts: nothing it reports has come in yet."""
         self._generation, self._pid, self.ended = generation, 0, None
         self._resumed_at = None
+        self._hang = None
         self.stall.reset()
         self.tracker.new_generation()
         self.failures.assigned()
@@ -123,15 +136,30 @@ class TrainerWatch:
         log.error("generation %d: cannot start the trainer: %s", self._generation, error)
         return self.ending(api.WorkerStatus.FAILED, detail=f"cannot start the trainer: {error}")
 
-    def stalled(self) -> Send | None:
-        """The stall report, the first time the running trainer is silent for longer than its limit."""
+    def stall_found(self) -> bool:
+        """True the first time the running trainer is silent for longer than its limit: its stacks are asked for,
+        and :meth:`hang_report` reports the hang with them."""
         silent = self.stall.newly_stalled()
         if silent is None:
-            return None
+            return False
         self.failures.worker_failed()
-        detail = f"no progress for {silent:.1f}s ({self.stall.explain()})"
-        log.warning("trainer stalled: %s", detail)
-        return self.ending(api.WorkerStatus.STALLED, detail=detail)
+        self._hang = Hang(f"no progress for {silent:.1f}s ({self.stall.explain()})", self._clock())
+        return True
+
+    def hang_overdue(self) -> bool:
+        """The stacks asked for have not come within :data:`STACKS_PATIENCE`."""
+        return self._hang is not None and self._clock() - self._hang.found_at >= STACKS_PATIENCE
+
+    def hang_report(self, stacks: list[str] | tuple[str, ...], missing: str) -> Send | None:
+        """The stall's report, with where the trainer hangs (worker/stacks.py) or why that is not known."""
+        hang, self._hang = self._hang, None
+        if hang is None:
+            return None
+        site = hang_site(stacks)
+        where = site or f"no Python stacks: {missing or 'the trainer printed no stack dump'}"
+        log.warning("trainer stalled: %s; %s%s", hang.detail, where,
+                    " (its stacks are the lines of its output just above)" if site else "")
+        return self.ending(api.WorkerStatus.STALLED, detail=f"{hang.detail}; {where}")
 
     def ending(self, status: api.WorkerStatus, *, exit_code: int = 0, detail: str = "") -> Send:
         self._read_step_mark()  # a trainer that died or hung between two reports made steps they do not show

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from tfelastic.daemon.agent.api import (
     Action,
     Announce,
+    DumpStacks,
     Identity,
     Launch,
     Leaving,
@@ -29,7 +30,7 @@ from tfelastic.daemon.agent.api import (
 from tfelastic.daemon.agent.progress_tracker import ProgressTracker
 from tfelastic.daemon.agent.replacements import PsTask
 from tfelastic.daemon.agent.standby_schedule import StandbySchedule
-from tfelastic.daemon.agent.trainer_watch import StepMarkReader, TrainerWatch
+from tfelastic.daemon.agent.trainer_watch import STACKS_PATIENCE, StepMarkReader, TrainerWatch
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
@@ -171,6 +172,13 @@ class WorkerCore:
             if self.trainer.progressed(message) else []
         return first + self._standby_due()
 
+    def stacks_dumped(self, generation: int, stacks: Sequence[str], missing: str = "") -> list[Action]:
+        """The answer to DumpStacks: the lines the hung trainer printed (its Python stacks), or why there are none;
+        the hang's report goes out with where it hangs."""
+        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
+            return []  # it ended meanwhile, and its end was reported
+        return self._hang_reported(stacks, missing)
+
     def server_probed(self, generation: int, answered: bool) -> list[Action]:
         """The answer to ProbeServer: a worker task whose server stopped answering is replaced like one that
         exited (agent/replacements.py)."""
@@ -249,9 +257,15 @@ class WorkerCore:
         return self.trainer.stall.limit_in_force() if self.worker.state is WorkerState.RUNNING else 0.0
 
     def _check_stall(self) -> list[Action]:
-        if self.worker.state is not WorkerState.RUNNING or self.ps_task.serves_only:
+        a = self.assignment
+        if self.worker.state is not WorkerState.RUNNING or self.ps_task.serves_only or a is None:
             return []
-        report = self.trainer.stalled()
+        if self.trainer.hang_overdue():
+            return self._hang_reported([], f"they did not come within {STACKS_PATIENCE:g}s")
+        return [DumpStacks(a.generation)] if self.trainer.stall_found() else []
+
+    def _hang_reported(self, stacks: Sequence[str], missing: str) -> list[Action]:
+        report = self.trainer.hang_report(list(stacks), missing)
         return [report] if report is not None else []
 
     def _replace(self, ended: Send) -> list[Action]:

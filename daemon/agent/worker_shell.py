@@ -11,7 +11,15 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 from tfelastic.daemon.agent import server_probe
-from tfelastic.daemon.agent.api import Action, ProbeServer, ScanSnapshots, StopResult, WaitGpusReleased, WaitPortFree
+from tfelastic.daemon.agent.api import (
+    Action,
+    DumpStacks,
+    ProbeServer,
+    ScanSnapshots,
+    StopResult,
+    WaitGpusReleased,
+    WaitPortFree,
+)
 from tfelastic.daemon.agent.core import AgentCore
 from tfelastic.daemon.agent.node import Node
 from tfelastic.daemon.agent.replacements import PROBE_TIMEOUT
@@ -92,6 +100,14 @@ class WorkerShell:
             log.exception("probing the worker's server at %s", probe.address)
             answered = False
         self._apply(self._core.server_probed(probe.generation, answered))
+
+    async def dump_stacks(self, ask: DumpStacks) -> None:
+        try:
+            lines, missing = await self.runner.dump_stacks()
+        except Exception as e:  # never a hang left unreported: the core waits for this answer
+            log.exception("asking the trainer for its stacks")
+            lines, missing = [], f"asking for them failed: {e!r}"
+        self._apply(self._core.stacks_dumped(ask.generation, lines, missing))
 
     # ------------------------------------------------------------------ worker events (runner -> core)
 

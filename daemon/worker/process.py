@@ -31,6 +31,8 @@ log = logging.getLogger("tfelastic.worker")
 
 KEEPER_PATH = str(Path(keeper.__file__).resolve())
 TAIL_LINES = 40  # the last lines of output kept, to say why a trainer failed (worker/output.py)
+STACKS_QUIET = 0.3  # a stack dump is whole once the trainer has printed nothing for this long...
+STACKS_LIMIT = 2.0  # ... or this long after it was asked: a hang's report waits no longer for it
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class WorkerProcess:
         self.pid = proc.pid  # the keeper: session leader, so also the process group id
         self.exited_before_stop = False  # set by stop(): it had ended by itself before it was signalled
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)  # its last lines of output
+        self._captures: list[list[str]] = []  # output being collected in full (dump_stacks)
         self._seen = {self.pid}
         self._output = asyncio.create_task(self._forward_output())
 
@@ -120,6 +123,26 @@ class WorkerProcess:
         await self._proc.wait()
         self._output.cancel()
 
+    async def dump_stacks(self, signum: int, *, quiet: float = STACKS_QUIET, limit: float = STACKS_LIMIT) \
+            -> tuple[list[str], str]:
+        """Asks the trainer for its Python stacks (worker/stacks.py): the lines it printed in answer (until
+        ``quiet`` seconds without a line, at most ``limit``), and why there are none when there are none. The lines
+        are logged as they come, like all its output."""
+        target = await asyncio.to_thread(stack_dumper, self.pid, signum)
+        if isinstance(target, str):
+            return [], target
+        lines: list[str] = []
+        self._captures.append(lines)
+        try:
+            os.kill(target, signum)
+            await _until_quiet(lines, quiet, limit)
+        except ProcessLookupError:
+            return [], f"its pid {target} ended before it could be asked for its stacks"
+        finally:
+            self._captures.remove(lines)
+        name = signal.Signals(signum).name
+        return lines, "" if lines else f"pid {target} printed nothing within {limit:g}s of {name}"
+
     async def _forward_output(self) -> None:
         assert self._proc.stdout is not None
         while True:
@@ -131,7 +154,51 @@ class WorkerProcess:
                 return
             text = line.decode(errors="replace").rstrip()
             self.tail.append(text)
+            for capture in self._captures:
+                capture.append(text)
             log.info("%s %s", self.log_prefix, text)
+
+
+async def _until_quiet(lines: list[str], quiet: float, limit: float) -> None:
+    """Until ``lines`` has had lines and then none for ``quiet`` seconds, or ``limit`` seconds have passed."""
+    deadline = time.monotonic() + limit
+    seen, since = 0, time.monotonic()
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        if len(lines) != seen:
+            seen, since = len(lines), time.monotonic()
+        elif lines and time.monotonic() - since >= quiet:
+            return
+
+
+def stack_dumper(keeper: int, signum: int) -> int | str:
+    """The pid to ask for stacks: the shallowest process under the keeper that catches ``signum`` (its children
+    inherit the handler, and one dump is enough); else why there is none. Blocking: run in a thread."""
+    name = signal.Signals(signum).name
+    try:
+        level = psutil.Process(keeper).children()
+        while level:
+            for process in level:
+                if catches_signal(process.pid, signum):
+                    if process.status() == psutil.STATUS_STOPPED:
+                        return f"the trainer (pid {process.pid}) is stopped (SIGSTOP): it cannot dump its stacks"
+                    return process.pid
+            level = [child for process in level for child in process.children()]
+    except psutil.Error as e:
+        return f"the trainer's processes could not be read: {e}"
+    return (f"no process of the worker catches {name}: its stacks are dumped by the instrumentation's "
+            "sitecustomize and by import tfelastic.trainer (docs/operations.md)")
+
+
+def catches_signal(pid: int, signum: int) -> bool:
+    """Whether ``pid`` has a handler for ``signum`` (``SigCgt`` of /proc/PID/status): sent to a process that does
+    not, a signal such as SIGUSR2 ends it."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next((line.split()[1] for line in f if line.startswith("SigCgt:")), "0")
+    except (OSError, IndexError):
+        return False
+    return bool(int(caught, 16) >> (signum - 1) & 1)
 
 
 def process_tree(root: int) -> list[psutil.Process]:

@@ -75,6 +75,7 @@ def test_stalled_worker_is_caught(make_cluster: ClusterFactory, done_at: int | N
     assert cluster.wait_all(60) == [0, 0], cluster.logs()
     assert starts(cluster.events(), 2), "no second generation after the hang"
     assert "trainer stalled: no progress" in cluster.logs()
+    assert f"hung in main ({COUNTER}:" in cluster.logs(), cluster.logs()  # its stacks: tfelastic.trainer registers
     assert_no_stale_workers(cluster.events())
 
 

@@ -15,6 +15,7 @@ from tfelastic.trainer.instrument import ENABLE_ENV, SITE_DIR
 
 from tests.cluster import ROOT, TF_DEADLINE, Cluster, kill, members, trainer_pids, wait_for
 from tests.conftest import ClusterFactory
+from tests.integration.test_goodput_report import report
 
 pytestmark = [pytest.mark.integration, pytest.mark.tensorflow]
 
@@ -77,6 +78,26 @@ def test_hung_input_pipeline_is_caught_as_a_stall(make_cluster: ClusterFactory, 
     assert hung.proc.poll() is None  # the agent is fine; only its trainer hung
     assert cluster.wait_all(180) == [0, 0], cluster.logs()
     assert first_epoch(cluster, 2) >= 3, cluster.logs()
+
+
+def test_where_a_hung_trainer_hangs_is_in_the_log_status_and_report(make_cluster: ClusterFactory,
+                                                                    tmp_path: Path) -> None:
+    """Every worker's pipeline hangs at once, so whichever node the stall is first found on hangs in the script's
+    own slow_input: its main thread waits in fit, called from main, and the pipeline's thread is in slow_input."""
+    env = {"UNMODIFIED_HANG_AT": "15", "UNMODIFIED_HANG_MARKER": str(tmp_path / "hung"),
+           "UNMODIFIED_HANG_EVERY_WORKER": "1"}
+    cluster = start(make_cluster, tmp_path, env=env)
+    doc = cluster.wait_status(lambda d: d["last_restart"] is not None, TF_DEADLINE + 60, "the restart after the stall")
+    site = (rf"stalled: (?P<node>a|b): no progress for [\d.]+s \(stall_timeout=8s\); hung in main "
+            rf"\({re.escape(SCRIPT)}:\d+\), waiting in \w+ \(.+\); another thread in slow_input "
+            rf"\({re.escape(SCRIPT)}:\d+\)$")
+    found = re.match(site, doc["last_restart"]["ended"])
+    assert found, doc["last_restart"]
+    assert report(str(cluster.endpoint))["generations"][0]["ended"] == doc["last_restart"]["ended"]
+    log = next(a for a in cluster.agents if a.node_id == found["node"]).log()
+    assert doc["last_restart"]["ended"].partition(": ")[2].partition(": ")[2] in log  # the agent logged the site
+    assert re.search(r"\[rank \d\] Current thread 0x[0-9a-f]+ \(most recent call first\):", log)  # and the stacks
+    cluster.stop()
 
 
 def test_without_instrumentation_the_script_runs_and_status_has_no_step(make_cluster: ClusterFactory,

@@ -10,9 +10,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 from tfelastic.daemon.worker import keeper as keeper_module
 from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec, group_members
+from tfelastic.daemon.worker.stacks import STACKS_SIGNAL, STACKS_SIGNAL_ENV, hang_site
+from tfelastic.trainer.instrument import SITE_DIR
 
 from tests.cluster import alive, processes_of, wait_for
 
@@ -164,3 +167,74 @@ def test_a_stop_that_comes_before_the_trainer_exists_still_reaches_it(tmp_path: 
         if worker.poll() is None:
             os.killpg(worker.pid, signal.SIGKILL)
             worker.wait()
+
+
+# A trainer that hangs in a function of its own, under a shell, as a wrapper script would start it.
+WEDGED = textwrap.dedent("""
+    import time
+    def wedged_in_the_input_pipeline():
+        print("wedged", flush=True)
+        while True:
+            time.sleep(60)
+    wedged_in_the_input_pipeline()
+""")
+
+
+def _wedged(tmp_path: Path, *interpreter_flags: str) -> tuple[str, WorkerSpec]:
+    script = tmp_path / "wedged.py"
+    script.write_text(WEDGED)
+    env = {**os.environ, "PYTHONPATH": SITE_DIR, STACKS_SIGNAL_ENV: str(int(STACKS_SIGNAL))}
+    # Not exec'd: the shell stays as the trainer's parent, and does not catch SIGUSR2.
+    command = ["/bin/sh", "-c", f'"{sys.executable}" {" ".join(interpreter_flags)} "{script}"; exit $?']
+    return str(script), WorkerSpec(command, env, None, "[t]", 5.0)
+
+
+async def _dump_when_wedged(worker: WorkerProcess) -> tuple[list[str], str]:
+    await asyncio.to_thread(wait_for, lambda: "wedged" in worker.tail, 30, "the trainer to wedge")
+    return await worker.dump_stacks(STACKS_SIGNAL)
+
+
+def test_a_wedged_trainer_under_a_shell_dumps_its_stacks_on_the_agents_signal_and_lives_on(tmp_path: Path) -> None:
+    """The instrumentation's sitecustomize registers the dump; the agent asks the Python under the shell (the shell
+    itself would die of SIGUSR2), and the trainer runs on until the agent stops it."""
+    script, spec = _wedged(tmp_path)
+
+    async def scenario() -> None:
+        worker = await WorkerProcess.start(spec)
+        lines, missing = await _dump_when_wedged(worker)
+        assert missing == "" and (hang_site(lines) or "").startswith(f"hung in wedged_in_the_input_pipeline ({script}:")
+        assert not worker.has_exited()
+        assert any(line.startswith("Current thread 0x") for line in worker.tail)  # the log has the whole dump
+        await worker.stop(5.0)
+
+    asyncio.run(scenario())
+
+
+def test_a_trainer_that_registers_no_dump_is_not_sent_the_signal_and_the_reason_is_given(tmp_path: Path) -> None:
+    _, spec = _wedged(tmp_path, "-I")  # -I: no PYTHONPATH, so no sitecustomize
+
+    async def scenario() -> None:
+        worker = await WorkerProcess.start(spec)
+        lines, missing = await _dump_when_wedged(worker)
+        assert lines == [] and missing.startswith("no process of the worker catches SIGUSR2"), missing
+        assert not worker.has_exited()
+        await worker.stop(5.0)
+
+    asyncio.run(scenario())
+
+
+def test_a_trainer_stopped_by_sigstop_is_said_to_be_stopped(tmp_path: Path) -> None:
+    _, spec = _wedged(tmp_path)
+
+    async def scenario() -> None:
+        worker = await WorkerProcess.start(spec)
+        await asyncio.to_thread(wait_for, lambda: "wedged" in worker.tail, 30, "the trainer to wedge")
+        python = psutil.Process(worker.pid).children(recursive=True)[-1]
+        python.suspend()
+        await asyncio.to_thread(wait_for, lambda: python.status() == psutil.STATUS_STOPPED, 10, "SIGSTOP")
+        lines, missing = await worker.dump_stacks(STACKS_SIGNAL)
+        assert lines == [] and missing == f"the trainer (pid {python.pid}) is stopped (SIGSTOP): it cannot dump its " \
+                                          "stacks", missing
+        await worker.stop(5.0)
+
+    asyncio.run(scenario())

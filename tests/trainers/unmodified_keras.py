@@ -12,7 +12,7 @@ Test knobs, ordinary environment variables: UNMODIFIED_EPOCHS (default 6), UNMOD
 default 10), UNMODIFIED_STEP_SECONDS (time the input pipeline takes per batch, default 0), UNMODIFIED_HANG_AT and
 UNMODIFIED_HANG_MARKER: the input pipeline of the first worker to produce batch number HANG_AT sleeps forever
 while its process stays alive (a stuck pipeline, which TensorFlow does not notice: docs/facts.md, fact 3), once
-per marker file.
+per marker file; with UNMODIFIED_HANG_EVERY_WORKER=1 every worker's pipeline does (a marker file per task index).
 """
 
 import json
@@ -28,6 +28,8 @@ STEPS = int(os.environ.get("UNMODIFIED_STEPS", "10"))
 STEP_SECONDS = float(os.environ.get("UNMODIFIED_STEP_SECONDS", "0"))
 HANG_AT = int(os.environ.get("UNMODIFIED_HANG_AT", "0"))
 HANG_MARKER = os.environ.get("UNMODIFIED_HANG_MARKER", "")
+if HANG_MARKER and os.environ.get("UNMODIFIED_HANG_EVERY_WORKER") == "1":
+    HANG_MARKER += f".{json.loads(os.environ.get('TF_CONFIG', '{}')).get('task', {}).get('index', 0)}"
 
 _batches = 0
 

@@ -14,6 +14,7 @@ from tfelastic.daemon.agent.api import (
     Connection,
     CoordinatorLost,
     DropSession,
+    DumpStacks,
     HangUp,
     HostUntilJobEnds,
     Identity,
@@ -36,6 +37,7 @@ from tfelastic.daemon.agent.api import (
 )
 from tfelastic.daemon.agent.core import AgentCore
 from tfelastic.daemon.agent.replacements import ReplacementPolicy
+from tfelastic.daemon.agent.trainer_watch import STACKS_PATIENCE
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
@@ -97,8 +99,11 @@ def reports(actions: list[Action]) -> list[api.WorkerReport]:
     return [m for m in sent(actions) if isinstance(m, api.WorkerReport)]
 
 
-def stalled(actions: list[Action]) -> list[api.WorkerReport]:
-    return [r for r in reports(actions) if r.status is api.WorkerStatus.STALLED]
+def stalled(actions: list[Action], core: AgentCore) -> list[api.WorkerReport]:
+    """The hang reports among ``actions``, each DumpStacks answered first (with no stacks: a pure test)."""
+    answers = [answer for a in actions if isinstance(a, DumpStacks)
+               for answer in core.stacks_dumped(a.generation, [], "no trainer in a unit test")]
+    return [r for r in reports([*actions, *answers]) if r.status is api.WorkerStatus.STALLED]
 
 
 def stops(actions: list[Action]) -> list[Stop]:
@@ -220,14 +225,14 @@ def test_no_progress_for_the_stall_timeout_is_reported_once() -> None:
     h.core.progress(ProgressMessage(1, 4001, step=5))
     h.clock.now += STALL  # exactly the timeout: not yet
     h.core.received(api.Heartbeat())
-    assert stalled(h.core.tick()) == []
+    assert stalled(h.core.tick(), h.core) == []
     h.clock.now += 0.25
     h.core.received(api.Heartbeat())
-    [report] = stalled(h.core.tick())
-    assert report.detail == "no progress for 10.2s (stall_timeout=10s)"
+    [report] = stalled(h.core.tick(), h.core)
+    assert report.detail == "no progress for 10.2s (stall_timeout=10s); no Python stacks: no trainer in a unit test"
     h.clock.now += 0.25
     h.core.received(api.Heartbeat())
-    assert stalled(h.core.tick()) == []  # the coordinator decides; one report is enough
+    assert stalled(h.core.tick(), h.core) == []  # the coordinator decides; one report is enough
 
 
 def test_training_completed_pauses_the_stall_check_until_the_next_report() -> None:
@@ -237,11 +242,11 @@ def test_training_completed_pauses_the_stall_check_until_the_next_report() -> No
     for _ in range(100):  # 50 s of silent evaluation and export, far past the stall timeout
         h.clock.now += 0.5
         h.core.received(api.Heartbeat())
-        assert stalled(h.core.tick()) == []
+        assert stalled(h.core.tick(), h.core) == []
     h.core.progress(ProgressMessage(1, 4001, step=0))  # another fit: watched again
     h.clock.now += STALL + 0.25
     h.core.received(api.Heartbeat())
-    assert len(stalled(h.core.tick())) == 1
+    assert len(stalled(h.core.tick(), h.core)) == 1
 
 
 def test_a_learned_limit_reports_a_live_hang_after_the_floor_and_names_where_it_came_from() -> None:
@@ -254,13 +259,13 @@ def test_a_learned_limit_reports_a_live_hang_after_the_floor_and_names_where_it_
         h.core.progress(ProgressMessage(1, 4001, step=step))
     assert h.registry.get_sample_value("tfelastic_stall_limit_seconds") == 20.0
     silent = 0.0
-    while not (found := stalled(h.core.tick())):
+    while not (found := stalled(h.core.tick(), h.core)):
         h.clock.now += 0.25
         silent += 0.25
         h.core.received(api.Heartbeat())
     assert silent == 20.25
     assert found[0].detail == ("no progress for 20.2s (learned limit 20.0s: 10 x the longest step gap 0.25s, "
-                               "floor 20s)")
+                               "floor 20s); no Python stacks: no trainer in a unit test")
 
 
 def test_a_save_reported_by_the_trainer_is_not_a_stall() -> None:
@@ -274,7 +279,7 @@ def test_a_save_reported_by_the_trainer_is_not_a_stall() -> None:
     for _ in range(400):  # 100 s of saving
         h.clock.now += 0.25
         h.core.received(api.Heartbeat())
-        assert stalled(h.core.tick()) == []
+        assert stalled(h.core.tick(), h.core) == []
 
 
 def test_the_stall_limit_gauge_is_zero_while_nothing_is_watched() -> None:
@@ -288,12 +293,61 @@ def test_the_stall_limit_gauge_is_zero_while_nothing_is_watched() -> None:
     assert h.registry.get_sample_value("tfelastic_stall_limit_seconds") == 0.0
 
 
+def hung(h: Harness) -> list[Action]:
+    """A running trainer that reported step 5 and then nothing for longer than the stall timeout."""
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=5))
+    h.clock.now += STALL + 0.25
+    h.core.received(api.Heartbeat())
+    return h.core.tick()
+
+
+DUMP = ["Current thread 0x00007f0000000001 (most recent call first):",
+        '  File "/srv/job/train.py", line 12 in wedged_step',
+        '  File "/srv/job/train.py", line 20 in <module>']
+
+
+def test_a_hang_asks_for_the_trainers_stacks_first_and_its_report_names_where_it_hangs() -> None:
+    h = Harness()
+    actions = hung(h)
+    assert [a for a in actions if isinstance(a, DumpStacks)] == [DumpStacks(1)] and reports(actions) == []
+    h.clock.now += 0.25
+    assert stalled(h.core.tick(), h.core) == []  # asked once; the report waits for the answer
+    [report] = reports(h.core.stacks_dumped(1, ["input pipeline: hanging", *DUMP]))
+    assert report.status is api.WorkerStatus.STALLED
+    assert report.detail == ("no progress for 10.2s (stall_timeout=10s); hung in wedged_step "
+                             "(/srv/job/train.py:12)")
+    assert h.core.stacks_dumped(1, DUMP) == []  # one report per hang
+
+
+def test_stacks_that_never_come_do_not_hold_the_hangs_report_back() -> None:
+    h = Harness()
+    hung(h)
+    h.clock.now += STACKS_PATIENCE - 0.25
+    h.core.received(api.Heartbeat())
+    assert reports(h.core.tick()) == []
+    h.clock.now += 0.25
+    h.core.received(api.Heartbeat())
+    [report] = reports(h.core.tick())
+    assert report.status is api.WorkerStatus.STALLED
+    assert report.detail.endswith(f"; no Python stacks: they did not come within {STACKS_PATIENCE:g}s")
+    assert h.core.stacks_dumped(1, DUMP) == []  # too late: reported already
+
+
+def test_a_trainer_that_ends_while_its_stacks_are_read_is_reported_as_ended_not_as_hung() -> None:
+    h = Harness()
+    hung(h)
+    [failed] = reports(h.core.worker_exited(1, -9))
+    assert failed.status is api.WorkerStatus.FAILED
+    assert h.core.stacks_dumped(1, DUMP) == []
+
+
 def test_a_trainer_that_never_reports_is_not_checked() -> None:
     h = Harness()
     h.running()
     h.clock.now += 10 * STALL
     h.core.received(api.Heartbeat())
-    assert stalled(h.core.tick()) == []
+    assert stalled(h.core.tick(), h.core) == []
 
 
 # ------------------------------------------------------------------------------ completion during a stop
@@ -1169,7 +1223,7 @@ def test_a_parameter_server_and_a_worker_are_not_watched_for_progress_but_the_ch
         h = PsHarness(rank=rank)
         h.core.progress(ProgressMessage(1, 4001, step=5))  # a worker's sitecustomize may report too: ignored
         h.clock.now += STALL + 0.25
-        assert bool(stalled(h.tick())) is watched
+        assert bool(stalled(h.tick(), h.core)) is watched
 
 
 def test_a_worker_whose_server_stops_answering_is_replaced() -> None:

@@ -14,7 +14,7 @@ from tfelastic.daemon.status import SCHEMA_VERSION, render_table, status_to_json
 
 TOP_KEYS = ["schema_version", "job", "state", "reason", "generation", "world_size", "min_nodes", "max_nodes",
             "max_restarts", "restarts_total", "restarts_by_reason", "nodes", "warnings", "steps_redone", "steps_lost",
-            "coordinator", "quarantines_by_kind", "goodput", "vacant"]
+            "coordinator", "quarantines_by_kind", "goodput", "vacant", "last_restart"]
 NODE_KEYS = ["node_id", "rank", "address", "state", "worker_pid", "step", "loss", "last_checkpoint_step",
              "progress_age_seconds", "steps_per_second", "last_checkpoint_age_seconds", "gpus", "gpu_utilization",
              "version", "quarantine", "role", "task_type", "task_index", "replacements"]
@@ -92,6 +92,7 @@ def test_status_to_json_has_exactly_the_documented_keys_and_values() -> None:
         "quarantines_by_kind": {},
         "goodput": None,  # the proto has no ledger: an older coordinator's status
         "vacant": [],
+        "last_restart": None,
     }
     assert SCHEMA_VERSION == 1
     json.dumps(doc)  # serialisable as it is
@@ -132,7 +133,8 @@ def test_an_empty_status_is_a_complete_document() -> None:
     assert doc == {"schema_version": 1, "job": "", "state": "unknown", "reason": "", "generation": 0,
                    "world_size": 0, "min_nodes": 0, "max_nodes": 0, "max_restarts": 0, "restarts_total": 0,
                    "restarts_by_reason": {}, "nodes": [], "warnings": [], "steps_redone": 0, "steps_lost": 0,
-                   "coordinator": None, "quarantines_by_kind": {}, "goodput": None, "vacant": []}
+                   "coordinator": None, "quarantines_by_kind": {}, "goodput": None, "vacant": [],
+                   "last_restart": None}
 
 
 def test_render_table() -> None:
@@ -243,6 +245,15 @@ def test_the_goodput_ledger_in_json_and_the_table() -> None:
                    {"category": "other", "seconds": 1.0, "share": 0.001}]}
     assert render_table(doc).splitlines()[4] == "goodput 90.0% of 16m40s; badput: startup 4.0%, redone 3.0%, " \
                                                 "detection 1.5%"
+
+
+def test_the_last_restart_is_the_last_generation_another_followed_and_the_table_says_why() -> None:
+    doc = to_json(cluster_status(goodput=LEDGER))
+    assert doc["last_restart"] == {"generation": 1, "ended": "stalled: node-b: no progress for 15.0s"}
+    assert render_table(doc).splitlines()[5] == \
+        "last restart: generation 1 ended: stalled: node-b: no progress for 15.0s"
+    ended = pb.Goodput(generations=[LEDGER.generations[0]])  # the job ended in generation 1: no restart
+    assert to_json(cluster_status(goodput=ended))["last_restart"] is None
 
 
 def test_the_report_has_a_line_per_generation_then_the_totals() -> None:

@@ -9,6 +9,9 @@ stderr and ignored: the script runs as if this file were not there.
 
 Then it runs the ``sitecustomize`` this file shadows, if any (a virtual environment's, or the distribution's),
 so that whatever the environment sets up there still happens, errors included.
+
+First of all it registers :mod:`faulthandler` (a built-in module) for the signal the agent names in
+``TFELASTIC_STACKS_SIGNAL``: the agent asks a hung trainer for its Python stacks with it (tfelastic.trainer.stacks).
 """
 
 from __future__ import annotations
@@ -31,6 +34,18 @@ _HERE = os.path.dirname(os.path.realpath(__file__))
 def _warn(what: str, error: BaseException) -> None:
     print(f"tfelastic: automatic progress reporting is off in this process: {what}: {error!r}",
           file=sys.stderr, flush=True)
+
+
+def _register_stack_dump() -> None:
+    """tfelastic.trainer.stacks.register_stack_dump, which this file cannot import (it would cost every program)."""
+    value = os.environ.get("TFELASTIC_STACKS_SIGNAL", "").strip()
+    if value.isdigit():
+        try:
+            import faulthandler
+
+            faulthandler.register(int(value), all_threads=True, chain=False)
+        except Exception as e:  # a closed stderr, say: the trainer runs on, the agent reports the hang without stacks
+            print(f"tfelastic: no stack dump on signal {value} in this process: {e!r}", file=sys.stderr, flush=True)
 
 
 def _instrument(module: ModuleType) -> None:
@@ -105,6 +120,7 @@ def _chain() -> None:
     spec.loader.exec_module(module)  # its errors reach site.py, which reports them as it always did
 
 
+_register_stack_dump()
 if os.environ.get("TFELASTIC_INSTRUMENT", "1").strip().lower() not in _OFF_VALUES \
         and _TARGET not in sys.modules:
     sys.meta_path.insert(0, TfelasticFitFinder())

@@ -1,0 +1,105 @@
+"""Where a hung trainer hangs, from the Python stacks it dumps on a signal. Pure, except for the constants.
+
+A trainer's Python signal handlers do not run while its main thread waits in TensorFlow's C++ (a collective, an
+iterator, a device call): CPython runs them between bytecodes, on the main thread. :mod:`faulthandler` does not
+wait: its handler is a C signal handler that writes every thread's Python stack to stderr at once. The agent sets
+:data:`STACKS_SIGNAL_ENV` in the trainer's environment; the instrumentation's ``sitecustomize`` (every Python
+program of the worker) and ``import tfelastic.trainer`` register faulthandler for that signal. Before the agent
+reports a hang, it sends the signal to the shallowest process of the worker that catches it (read from
+``/proc/PID/status``: a process that does not catch it would die of it), and the dump reaches the agent's log
+through the trainer's output like any other line. This module reads the dump back into a one-line summary.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import tfelastic.daemon
+import tfelastic.trainer
+
+STACKS_SIGNAL = signal.SIGUSR2
+STACKS_SIGNAL_ENV = "TFELASTIC_STACKS_SIGNAL"  # its number; trainer/stacks.py and the sitecustomize read it
+
+# tfelastic's own files: a frame there (TrainLoop, a callback) is not the user's code.
+OWN_CODE = tuple(str(Path(module.__file__ or "").resolve().parent) for module in (tfelastic.daemon, tfelastic.trainer))
+
+_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):$")
+_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<function>.+)$')
+# Installed libraries and the standard library (TensorFlow, tf_keras, threading), and frozen modules.
+_LIBRARY = re.compile(r"/(site|dist)-packages/|/lib/python3(\.\d+)?/|^<")
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: str  # "???" when faulthandler could not tell
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.function} ({self.file}:{self.line})"
+
+
+@dataclass(frozen=True)
+class ThreadStack:
+    current: bool  # the thread that ran the signal handler
+    frames: tuple[Frame, ...]  # innermost first, as faulthandler writes them
+
+    @property
+    def started_by_threading(self) -> bool:
+        """A thread of the threading module (its outermost frame is threading's bootstrap), not the main one."""
+        return bool(self.frames) and self.frames[-1].function == "_bootstrap" and \
+            self.frames[-1].file.endswith("threading.py")
+
+
+def parse_dump(lines: Iterable[str]) -> list[ThreadStack]:
+    """The threads of a faulthandler dump among ``lines`` (other output around it is skipped)."""
+    threads: list[ThreadStack] = []
+    current: bool | None = None
+    frames: list[Frame] = []
+    for line in lines:
+        if (start := _THREAD.match(line.rstrip())) is not None:
+            if current is not None:
+                threads.append(ThreadStack(current, tuple(frames)))
+            current, frames = start.group(1) == "Current thread", []
+        elif current is not None and (frame := _FRAME.match(line.rstrip())) is not None:
+            frames.append(Frame(frame["file"], frame["line"], frame["function"]))
+    if current is not None:
+        threads.append(ThreadStack(current, tuple(frames)))
+    return threads
+
+
+def main_thread(threads: Sequence[ThreadStack]) -> ThreadStack | None:
+    """The main thread: not one the threading module started, its outermost frame a module's top level; the thread
+    that ran the handler, or the last listed (CPython lists the oldest thread last), when that does not decide."""
+    candidates = [t for t in threads if t.frames and not t.started_by_threading] or [t for t in threads if t.frames]
+    top_level = [t for t in candidates if t.frames[-1].function == "<module>"] or candidates
+    return next((t for t in top_level if t.current), top_level[-1] if top_level else None)
+
+
+def is_own_code(frame: Frame, library: Sequence[str] = OWN_CODE) -> bool:
+    """A frame of the trainer's own code: not the standard library, an installed package or tfelastic."""
+    return not _LIBRARY.search(frame.file) and not any(frame.file.startswith(root + "/") for root in library)
+
+
+def hang_site(lines: Iterable[str], library: Sequence[str] = OWN_CODE) -> str | None:
+    """One line: the innermost frame of the trainer's own code on its main thread, the library call it waits in,
+    and another thread that is in the trainer's own code (an input pipeline's function run by TensorFlow); None
+    when ``lines`` hold no dump."""
+    threads = parse_dump(lines)
+    main = main_thread(threads)
+    if main is None:
+        return None
+    own = next((f for f in main.frames if is_own_code(f, library)), None)
+    innermost = main.frames[0]
+    if own is None:
+        return f"hung in {innermost}, in no frame of the trainer's own code"
+    site = f"hung in {own}" + (f", waiting in {innermost}" if innermost != own else "")
+    elsewhere = [f for t in threads if t is not main
+                 for f in t.frames[:1] if is_own_code(f, library)]  # a thread whose innermost frame is the user's
+    if elsewhere:
+        site += f"; another thread in {elsewhere[0]}"
+    return site

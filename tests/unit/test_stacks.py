@@ -1,0 +1,116 @@
+"""Where a hung trainer hangs, read from its faulthandler dump (daemon/worker/stacks.py): a real dump of a real
+process, and the cases a real one rarely shows (no main thread found, no frame of the trainer's own code)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tfelastic.daemon.worker.stacks import (
+    STACKS_SIGNAL,
+    STACKS_SIGNAL_ENV,
+    Frame,
+    ThreadStack,
+    hang_site,
+    is_own_code,
+    main_thread,
+    parse_dump,
+)
+from tfelastic.trainer.stacks import register_stack_dump
+
+# A trainer with a helper thread of its own and one in the standard library, which dumps its stacks to stderr by
+# raising the agent's signal at itself from inside a named function, registered the way tfelastic.trainer does.
+HUNG = textwrap.dedent("""
+    import os, queue, signal, sys, threading, time
+    from tfelastic.trainer.stacks import register_stack_dump
+    assert register_stack_dump()
+    started = threading.Barrier(3)
+
+    def prefetch():
+        started.wait()
+        while True:
+            time.sleep(60)
+
+    def idle():
+        started.wait()
+        queue.Queue().get()
+
+    threading.Thread(target=prefetch, daemon=True).start()
+    threading.Thread(target=idle, daemon=True).start()
+
+    def train_step():
+        started.wait()
+        time.sleep(0.2)  # both threads in their waits
+        os.kill(os.getpid(), int(os.environ["TFELASTIC_STACKS_SIGNAL"]))
+        time.sleep(0.2)
+
+    train_step()
+""")
+
+
+def real_dump(tmp_path: Path) -> tuple[str, list[str]]:
+    script = tmp_path / "hung_trainer.py"
+    script.write_text(HUNG)
+    env = {**os.environ, STACKS_SIGNAL_ENV: str(int(STACKS_SIGNAL))}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr  # the handler dumped and the process went on
+    return str(script), done.stderr.splitlines()
+
+
+def test_a_real_dump_names_the_trainers_function_file_and_line_and_its_other_thread(tmp_path: Path) -> None:
+    script, lines = real_dump(tmp_path)
+    threads = parse_dump(lines)
+    assert len(threads) == 3
+    main = main_thread(threads)
+    assert main is not None and main.frames[-1] == Frame(script, main.frames[-1].line, "<module>")
+    site = hang_site(lines)
+    assert site is not None
+    assert site.startswith(f"hung in train_step ({script}:"), site
+    assert f"another thread in prefetch ({script}:" in site, site  # not idle: it waits in the standard library
+
+
+def test_the_innermost_library_frame_is_named_beside_the_trainers_own() -> None:
+    lines = ["Current thread 0x00007f0000000001 (most recent call first):",
+             '  File "/usr/lib/python3/dist-packages/tensorflow/python/eager/execute.py", line 53 in quick_execute',
+             '  File "/opt/venv/lib/python3.11/site-packages/tf_keras/src/engine/training.py", line 1807 in fit',
+             '  File "/home/ml/train.py", line 88 in main',
+             '  File "/home/ml/train.py", line 99 in <module>']
+    assert hang_site(lines) == ("hung in main (/home/ml/train.py:88), waiting in quick_execute "
+                                "(/usr/lib/python3/dist-packages/tensorflow/python/eager/execute.py:53)")
+
+
+def test_the_main_thread_is_the_one_threading_did_not_start_even_when_another_ran_the_handler() -> None:
+    lines = ["Current thread 0x00007f0000000002 (most recent call first):",
+             '  File "/srv/job/loader.py", line 5 in load',
+             '  File "/usr/lib/python3.11/threading.py", line 975 in run',
+             '  File "/usr/lib/python3.11/threading.py", line 995 in _bootstrap',
+             "",
+             "Thread 0x00007f0000000001 (most recent call first):",
+             '  File "/srv/job/train.py", line 12 in step',
+             '  File "/srv/job/train.py", line 20 in <module>']
+    assert hang_site(lines) == "hung in step (/srv/job/train.py:12); another thread in load (/srv/job/loader.py:5)"
+
+
+def test_a_main_thread_with_no_frame_of_the_trainers_own_says_so_and_tfelastics_frames_are_not_its_own() -> None:
+    library = ("/opt/tfelastic/trainer",)
+    lines = ["Current thread 0x00007f0000000001 (most recent call first):",
+             '  File "/usr/lib/python3.11/threading.py", line 320 in wait',
+             '  File "/opt/tfelastic/trainer/loop.py", line 40 in run',
+             '  File "<frozen runpy>", line 88 in _run_code']
+    assert not is_own_code(Frame("/opt/tfelastic/trainer/loop.py", "40", "run"), library)
+    assert hang_site(lines, library) == "hung in wait (/usr/lib/python3.11/threading.py:320), in no frame of the " \
+                                        "trainer's own code"
+
+
+def test_output_without_a_dump_has_no_site() -> None:
+    assert hang_site(["Epoch 3/8", "Traceback (most recent call last):", '  File "x.py", line 1 in f']) is None
+    assert parse_dump([]) == []
+    assert main_thread([ThreadStack(True, ())]) is None
+
+
+def test_outside_an_agent_nothing_is_registered() -> None:
+    assert register_stack_dump({}) is False
+    assert register_stack_dump({STACKS_SIGNAL_ENV: "SIGUSR2"}) is False  # the number only, as the agent sets it
