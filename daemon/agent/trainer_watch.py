@@ -16,7 +16,7 @@ from tfelastic.daemon.agent.progress_tracker import FailureTimes, ProgressTracke
 from tfelastic.daemon.exit_codes import CHECKPOINTED_AND_STOPPED
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
-from tfelastic.daemon.worker.output import describe_exit, exception_line
+from tfelastic.daemon.worker.output import cause_in_words, describe_exit, exception_line, failure_cause
 from tfelastic.daemon.worker.stacks import hang_site
 from tfelastic.daemon.worker.stall import StallDetector, StallLimits
 from tfelastic.trainer.progress import ProgressMessage
@@ -75,10 +75,11 @@ class TrainerWatch:
         self._pid = pid
         return self.report(api.WorkerStatus.RUNNING, pid=pid)
 
-    def report(self, status: api.WorkerStatus, *, pid: int = 0, exit_code: int = 0, detail: str = "") -> Send:
+    def report(self, status: api.WorkerStatus, *, pid: int = 0, exit_code: int = 0, detail: str = "",
+               cause: api.FailureCause | None = None) -> Send:
         return Send(api.WorkerReport(self._generation, status, pid=pid, exit_code=exit_code, detail=detail,
                                      progress=self.tracker.for_report(), gpus=self.node.gpus,
-                                     gpu_utilization=self.node.gpu_utilization))
+                                     gpu_utilization=self.node.gpu_utilization, cause=cause))
 
     def progress_report(self, *, stopping: bool = False) -> Send | None:
         """The latest progress, if the coordinator has not seen it yet; ``stopping``: the trainer is about to be
@@ -125,16 +126,19 @@ class TrainerWatch:
             log.info("generation %d: trainer exited 0", self._generation)
             return self.ending(api.WorkerStatus.SUCCEEDED)
         self.failures.worker_failed()
+        cause = failure_cause(code, output)
         detail = describe_exit(code) if code != 0 else "exited 0, but its task serves until the job ends"
         if (exception := exception_line(output)) is not None:
             detail = f"{detail}: {exception}"
-        log.warning("generation %d: trainer %s", self._generation, detail)
-        return self.ending(api.WorkerStatus.FAILED, exit_code=code, detail=f"trainer {detail}")
+        detail = cause_in_words(cause) + detail
+        log.warning("generation %d: trainer %s (cause: %s)", self._generation, detail, cause.value)
+        return self.ending(api.WorkerStatus.FAILED, exit_code=code, detail=f"trainer {detail}", cause=cause)
 
     def launch_failed(self, error: str) -> Send:
         self.failures.worker_failed()
         log.error("generation %d: cannot start the trainer: %s", self._generation, error)
-        return self.ending(api.WorkerStatus.FAILED, detail=f"cannot start the trainer: {error}")
+        return self.ending(api.WorkerStatus.FAILED, detail=f"cannot start the trainer: {error}",
+                           cause=api.FailureCause.LAUNCH_FAILED)
 
     def stall_found(self) -> bool:
         """True the first time the running trainer is silent for longer than its limit: its stacks are asked for,
@@ -159,11 +163,15 @@ class TrainerWatch:
         where = site or f"no Python stacks: {missing or 'the trainer printed no stack dump'}"
         log.warning("trainer stalled: %s; %s%s", hang.detail, where,
                     " (its stacks are the lines of its output just above)" if site else "")
-        return self.ending(api.WorkerStatus.STALLED, detail=f"{hang.detail}; {where}")
+        return self.ending(api.WorkerStatus.STALLED, detail=f"{hang.detail}; {where}", cause=api.FailureCause.HANG)
 
-    def ending(self, status: api.WorkerStatus, *, exit_code: int = 0, detail: str = "") -> Send:
+    def ending(self, status: api.WorkerStatus, *, exit_code: int = 0, detail: str = "",
+               cause: api.FailureCause | None = None) -> Send:
+        """The report of the worker's end; a failure's ``cause`` is counted here, once per end."""
         self._read_step_mark()  # a trainer that died or hung between two reports made steps they do not show
-        self.ended = self.report(status, exit_code=exit_code, detail=detail)
+        if cause is not None:
+            self._metrics.trainer_failures.labels(cause=cause.value).inc()
+        self.ended = self.report(status, exit_code=exit_code, detail=detail, cause=cause)
         return self.ended
 
     def _read_step_mark(self) -> None:

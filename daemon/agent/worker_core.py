@@ -194,7 +194,8 @@ class WorkerCore:
         if hung is None:
             return []
         log.warning("generation %d: %s is hung: %s", generation, self.ps_task.task_name(), hung)
-        return self._replace(self.trainer.ending(api.WorkerStatus.STALLED, detail=f"hung: {hung}"))
+        return self._replace(self.trainer.ending(api.WorkerStatus.STALLED, detail=f"hung: {hung}",
+                                                 cause=api.FailureCause.HANG))
 
     def _assigned(self, assignment: api.Assignment) -> list[Action]:
         if self.worker.state is not WorkerState.WAITING or self.leaving is not None:

@@ -7,6 +7,7 @@ clash with Prometheus's. ``tfelastic_agent_info`` carries them once, for joins i
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from tfelastic.daemon.rendezvous.api import FailureCause
 from tfelastic.daemon.worker.states import WorkerState
 from tfelastic.trainer.progress import ProgressMessage
 
@@ -44,6 +45,13 @@ class AgentMetrics:
                                   registry=registry)
         self.restarts = Counter("tfelastic_restarts", "Restarts of the worker set this node took part in.",
                                 ["reason"], registry=registry)
+        self.trainer_failures = Counter(
+            "tfelastic_trainer_failures", "This node's trainer failures, by cause: 'out_of_memory', 'peer_failure' (a "
+            "collective or connection to a peer failed: another worker's fault), 'exception', 'signal', 'exit_code', "
+            "'hang' or 'launch_failed'.", ["cause"], registry=registry)
+        for cause in FailureCause:
+            if cause is not FailureCause.OTHER:  # the agent's own classification never says "other"
+                self.trainer_failures.labels(cause=cause.value)  # every cause from zero: rate() sees the first
         self.graceful_stops = Counter(
             "tfelastic_worker_graceful_stops", "Planned stops of the worker, by how it ended: 'checkpointed' (it "
             "saved at an agreed step and exited 42: no work lost), 'exited' (another exit) or 'killed' (SIGKILL "

@@ -55,6 +55,20 @@ class RestartReason(enum.Enum):
                             RestartReason.WORKER_REPLACED)
 
 
+class FailureCause(enum.Enum):
+    """Why a trainer failed, from its exit status and last lines of output (daemon/worker/output.py): a fixed set,
+    so that a metric labelled by it stays small."""
+
+    OUT_OF_MEMORY = "out_of_memory"  # ResourceExhaustedError, a CUDA or host out-of-memory error
+    PEER_FAILURE = "peer_failure"  # a collective or a connection to a peer failed: another worker's fault
+    EXCEPTION = "exception"  # a Python exception (its type is in the detail)
+    SIGNAL = "signal"  # killed by a signal (its name is in the detail)
+    EXIT_CODE = "exit_code"  # a non-zero exit with no exception seen (or a serving task's exit 0)
+    HANG = "hang"  # alive, and no progress for longer than its limit (where it hung is in the detail)
+    LAUNCH_FAILED = "launch_failed"  # the agent could not start it
+    OTHER = "other"  # a cause a newer agent sent that this version does not know
+
+
 class NodeState(enum.Enum):
     """A node as the coordinator sees it."""
 
@@ -208,6 +222,7 @@ class WorkerReport:
     progress: WorkerProgress | None = None
     gpus: int = 0  # GPUs NVML sees on the node
     gpu_utilization: float = 0.0  # their mean utilization, 0..1
+    cause: FailureCause | None = None  # why a FAILED or STALLED trainer ended
 
 
 @dataclass(frozen=True)

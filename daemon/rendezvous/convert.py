@@ -94,7 +94,8 @@ def join_from_proto(join: pb.Join) -> api.Join:
 def report_to_proto(report: api.WorkerReport, now: float) -> pb.WorkerReport:
     message = pb.WorkerReport(generation=report.generation, status=WORKER_STATUSES[report.status], pid=report.pid,
                               exit_code=report.exit_code, detail=report.detail, gpus=report.gpus,
-                              gpu_utilization=report.gpu_utilization)
+                              gpu_utilization=report.gpu_utilization,
+                              cause=report.cause.value if report.cause is not None else "")
     if report.progress is not None:
         message.has_progress = True
         message.progress.CopyFrom(progress_to_proto(report.progress, now))
@@ -106,7 +107,17 @@ def report_from_proto(report: pb.WorkerReport, now: float) -> api.WorkerReport:
         generation=report.generation, status=_WORKER_STATUS_NAMES.get(report.status, api.WorkerStatus.RUNNING),
         pid=report.pid, exit_code=report.exit_code, detail=report.detail,
         progress=progress_from_proto(report.progress, now) if report.has_progress else None,
-        gpus=report.gpus, gpu_utilization=report.gpu_utilization)
+        gpus=report.gpus, gpu_utilization=report.gpu_utilization, cause=cause_from_proto(report.cause))
+
+
+def cause_from_proto(value: str) -> api.FailureCause | None:
+    """None for none; a cause this version does not know (a newer agent's) is OTHER, never an error."""
+    if not value:
+        return None
+    return _CAUSES.get(value, api.FailureCause.OTHER)
+
+
+_CAUSES = {cause.value: cause for cause in api.FailureCause}
 
 
 def progress_to_proto(progress: api.WorkerProgress, now: float) -> pb.Progress:

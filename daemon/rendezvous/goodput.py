@@ -222,6 +222,11 @@ class GoodputLedger:
         self.lines[-1].ended = reason
         self._open("stopping", now)
 
+    def blamed_instead(self, was: str, ended: str) -> None:
+        """The last restart's record ``was`` names its root cause now (rendezvous/blame.py)."""
+        if self.lines and self.lines[-1].ended == was:
+            self.lines[-1].ended = ended
+
     def stopped(self) -> None:
         """Every old worker is gone: waiting for the next formation."""
         if self._activity == "stopping":

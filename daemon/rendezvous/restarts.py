@@ -52,6 +52,14 @@ class RestartBook:
     def failures_in_window(self) -> int:
         return len(self._failures)
 
+    def reclassified(self, was: str, reason: RestartReason) -> None:
+        """The last restart, counted as ``was``, turned out to be ``reason``'s (rendezvous/blame.py)."""
+        if self.by_reason[was] > 0:
+            self.by_reason[was] -= 1
+            if not self.by_reason[was]:
+                del self.by_reason[was]
+        self.by_reason[reason.value] += 1
+
     def restarted(self, reason: RestartReason) -> float:
         """Records a restart; returns how long the next generation must wait (0: at once)."""
         self.by_reason[reason.value] += 1

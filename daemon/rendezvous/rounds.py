@@ -31,6 +31,7 @@ from tfelastic.daemon.rendezvous.api import (
     StopWorkers,
     Waiting,
 )
+from tfelastic.daemon.rendezvous.blame import BlameBook
 from tfelastic.daemon.rendezvous.goodput import GoodputLedger
 from tfelastic.daemon.rendezvous.membership import Membership, Node
 from tfelastic.daemon.rendezvous.ps_job import TaskBook
@@ -72,6 +73,7 @@ class RoundKeeper:
         self.quarantine = QuarantineBook(settings)
         self.goodput = GoodputLedger(clock)
         self.tasks = TaskBook()  # a parameter-server job's tasks (rendezvous/ps_job.py)
+        self.blame = BlameBook()  # a restart a survivor's report of a peer failure caused (rendezvous/blame.py)
         self.wall_offset = 0.0  # wall clock minus this clock, for times shown to people (the host sets it)
 
     @property
@@ -181,7 +183,24 @@ class RoundKeeper:
             return self._restart(RestartReason.NODE_LOST, f"{node_id}: {why}")
         if node.state is NodeState.SUCCEEDED and self.state is JobState.RUNNING:
             return self._restart(RestartReason.NODE_LOST, f"{node_id}: {why} before the job finished")
+        if self.state is JobState.RESTARTING and node_id in self._members:
+            self._blame_instead(node_id, self.generation, RestartReason.NODE_LOST, why)
         return self._try_close_round(self._clock())
+
+    def _blame_instead(self, node_id: str, generation: int, reason: RestartReason, detail: str) -> bool:
+        """The root cause of a restart that a survivor's report of a peer failure started (rendezvous/blame.py):
+        the restart's record names it instead. False when no such restart is open."""
+        blame = self.blame.root_cause(generation, node_id) if node_id in self._ranks else None
+        if blame is None:
+            return False
+        text = f"{reason.value}: {node_id}: {detail}"
+        if self.reason.startswith(blame.text):  # keep what follows: a backoff, a quarantine
+            self.reason = text + self.reason[len(blame.text):]
+        self.goodput.blamed_instead(blame.text, text)
+        self.restarts.reclassified(blame.reason, reason)
+        log.warning("generation %d: %s (after %s reported a peer's failure): the restart is recorded as %s's",
+                    self.generation, text, blame.node_id, node_id)
+        return True
 
     def _restart(self, reason: RestartReason, detail: str) -> list[Send]:
         if self.state is not JobState.RUNNING:
@@ -289,6 +308,7 @@ class RoundKeeper:
                 self.reason = self._unfilled_reason = str(e)
                 return [self._waiting_notice(n, self.reason) for n in self.nodes.waiting()]
         self.generation = max(self.generation, self._seen_generation) + 1
+        self.blame.closed()
         self.restarts.formed()
         self._reformation.done()
         self.goodput.formed(self.generation, chosen)

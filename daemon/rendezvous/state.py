@@ -16,6 +16,7 @@ from tfelastic.daemon.rendezvous.api import (
     DrainNode,
     DuplicateNodeError,
     Evict,
+    FailureCause,
     Finished,
     JobClosedError,
     JobSpec,
@@ -37,6 +38,7 @@ from tfelastic.daemon.rendezvous.api import (
     WorkerReport,
     WorkerStatus,
 )
+from tfelastic.daemon.rendezvous.blame import PeerBlame
 from tfelastic.daemon.rendezvous.durable import DurableState
 from tfelastic.daemon.rendezvous.goodput import ChiefReport
 from tfelastic.daemon.rendezvous.membership import Node
@@ -243,9 +245,10 @@ class Rendezvous(RoundKeeper):
             return self.worker_succeeded(node_id, generation)
         if report.status is WorkerStatus.FAILED:
             detail = report.detail or f"trainer exited with code {report.exit_code}"
-            return self.worker_failed(node_id, generation, RestartReason.WORKER_EXIT, detail)
+            return self.worker_failed(node_id, generation, RestartReason.WORKER_EXIT, detail, report.cause)
         if report.status is WorkerStatus.STALLED:
-            return self.worker_failed(node_id, generation, RestartReason.STALLED, report.detail or "stalled")
+            return self.worker_failed(node_id, generation, RestartReason.STALLED, report.detail or "stalled",
+                                      report.cause)
         if report.status is WorkerStatus.REPLACED and self._member_of(node_id, generation) is not None:
             self.tasks.replaced(node_id, report.detail)  # the job trains on: nothing to send
             self.restarts.by_reason[RestartReason.WORKER_REPLACED.value] += 1
@@ -267,21 +270,36 @@ class Rendezvous(RoundKeeper):
             return self._finish(JobState.SUCCEEDED, f"every trainer of generation {generation} exited 0")
         return []
 
-    def worker_failed(self, node_id: str, generation: int, reason: RestartReason, detail: str) -> list[Send]:
-        """A member's trainer exited non-zero or stalled. Stale reports (older generations) are ignored."""
+    def worker_failed(self, node_id: str, generation: int, reason: RestartReason, detail: str,
+                      cause: FailureCause | None = None) -> list[Send]:
+        """A member's trainer exited non-zero or stalled. Stale reports (older generations) are ignored. A
+        survivor's report of a peer's failure stops the generation like any other, but the restart is recorded as
+        the root cause's when that comes while the set stops (rendezvous/blame.py)."""
+        peer = cause is FailureCause.PEER_FAILURE
+        if self.state is JobState.RESTARTING and not peer and \
+                self._blame_instead(node_id, generation, reason, detail):
+            self._strike(node_id, detail)
+            return []
         if self._member_of(node_id, generation) is None:
             return []
         first = self.state is JobState.RUNNING  # its failure is the one that stops the generation
         sends = self._restart(reason, f"{node_id}: {detail}")
         if first and not self.state.is_terminal:  # not when it ended the job (budget spent, chief done)
-            others = sum(1 for n, node in self.nodes.items()
-                         if n != node_id and node.state is not NodeState.LEAVING and not self.quarantine.is_held(n))
-            note = self.quarantine.failed_first(node_id, detail, self._clock(), others,
-                                                self._require_spec().min_nodes)
-            if note:
-                self.goodput.marked("quarantined", node_id, self.quarantine.held[node_id].reason)
-            self.reason += note
+            if peer:  # not this node's fault: no strike, and the root cause may still come
+                self.blame.peer_failure_restarted(PeerBlame(generation, node_id, reason.value,
+                                                            f"{reason.value}: {node_id}: {detail}"))
+            else:
+                self._strike(node_id, detail)
         return sends
+
+    def _strike(self, node_id: str, detail: str) -> None:
+        """The node's worker failed first: a strike towards its quarantine (rendezvous/quarantine.py)."""
+        others = sum(1 for n, node in self.nodes.items()
+                     if n != node_id and node.state is not NodeState.LEAVING and not self.quarantine.is_held(n))
+        note = self.quarantine.failed_first(node_id, detail, self._clock(), others, self._require_spec().min_nodes)
+        if note:
+            self.goodput.marked("quarantined", node_id, self.quarantine.held[node_id].reason)
+        self.reason += note
 
     def readmit(self, node_id: str) -> list[Send]:
         """An operator lifts a quarantine: the node checks itself at once and, if the check passes, joins."""

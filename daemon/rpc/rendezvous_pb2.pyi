@@ -131,7 +131,7 @@ class Progress(_message.Message):
     def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: bool = ..., examples: _Optional[int] = ..., age_seconds: _Optional[float] = ..., checkpoint_step: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., checkpoint_age_seconds: _Optional[float] = ..., save_seconds: _Optional[float] = ..., other_seconds: _Optional[float] = ..., training_done: bool = ...) -> None: ...
 
 class WorkerReport(_message.Message):
-    __slots__ = ("generation", "status", "exit_code", "pid", "progress", "has_progress", "detail", "gpus", "gpu_utilization")
+    __slots__ = ("generation", "status", "exit_code", "pid", "progress", "has_progress", "detail", "gpus", "gpu_utilization", "cause")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class WorkerReport(_message.Message):
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     GPU_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     status: WorkerStatus
     exit_code: int
@@ -150,7 +151,8 @@ class WorkerReport(_message.Message):
     detail: str
     gpus: int
     gpu_utilization: float
-    def __init__(self, generation: _Optional[int] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., exit_code: _Optional[int] = ..., pid: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., has_progress: bool = ..., detail: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_utilization: _Optional[float] = ...) -> None: ...
+    cause: str
+    def __init__(self, generation: _Optional[int] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., exit_code: _Optional[int] = ..., pid: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., has_progress: bool = ..., detail: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., cause: _Optional[str] = ...) -> None: ...
 
 class Leave(_message.Message):
     __slots__ = ("reason",)

@@ -74,7 +74,9 @@ def test_killed_agent_takes_its_worker_and_the_others_reform(make_cluster: Clust
     victim.proc.send_signal(signal.SIGKILL)
     wait_for(lambda: not alive(worker), 15, "the killed agent's worker to die")
     doc = cluster.wait_running(2, 2, timeout=60)
+    # Even when a survivor's report of its aborted collective came first (rendezvous/blame.py)
     assert doc["restarts_by_reason"] == {"node_lost": 1}
+    assert doc["last_restart"]["ended"].startswith("node_lost: c: "), doc["last_restart"]
     assert [a.wait(180) for a in cluster.agents[:2]] == [0, 0], cluster.logs()
     assert_finished_at_target_after_resuming(cluster.events(), 2)
     assert by_event(cluster.events(), "start")[1]["world_size"] == 2

@@ -13,6 +13,8 @@ default 10), UNMODIFIED_STEP_SECONDS (time the input pipeline takes per batch, d
 UNMODIFIED_HANG_MARKER: the input pipeline of the first worker to produce batch number HANG_AT sleeps forever
 while its process stays alive (a stuck pipeline, which TensorFlow does not notice: docs/facts.md, fact 3), once
 per marker file; with UNMODIFIED_HANG_EVERY_WORKER=1 every worker's pipeline does (a marker file per task index).
+UNMODIFIED_OOM_MARKER: the first worker to start asks TensorFlow for a 4 TiB tensor before it trains, and dies of
+the ResourceExhaustedError, once per marker file.
 """
 
 import json
@@ -51,6 +53,15 @@ def slow_input(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+def run_out_of_memory_once(marker: str) -> None:
+    """A real out-of-memory error of TensorFlow's: no machine here has 4 TiB, and it raises, not the kernel."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    tf.random.uniform([2**20, 2**20])
+
+
 def generated_dataset(batch_size: int) -> tf.data.Dataset:
     rng = np.random.default_rng(7)
     x_train = rng.random((2048, 28, 28), dtype=np.float32)
@@ -82,6 +93,8 @@ def main() -> int:
     per_worker_batch_size = 16
     tf_config = json.loads(os.environ.get("TF_CONFIG", '{"cluster": {"worker": ["localhost:0"]}}'))
     num_workers = len(tf_config["cluster"]["worker"])
+    if os.environ.get("UNMODIFIED_OOM_MARKER"):
+        run_out_of_memory_once(os.environ["UNMODIFIED_OOM_MARKER"])
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     global_batch_size = per_worker_batch_size * num_workers

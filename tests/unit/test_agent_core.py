@@ -592,6 +592,40 @@ def test_the_exception_a_trainer_died_of_is_in_its_report() -> None:
     output = ("Traceback (most recent call last):", '  File "train.py", line 3', "ZeroDivisionError: division by zero")
     [report] = reports(h.core.worker_exited(1, 1, output))
     assert report.detail == "trainer exited with code 1: ZeroDivisionError: division by zero"
+    assert report.cause is api.FailureCause.EXCEPTION
+
+
+@pytest.mark.parametrize(("code", "output", "cause", "detail"), [
+    (1, ("tensorflow.python.framework.errors_impl.ResourceExhaustedError: OOM when allocating tensor",),
+     api.FailureCause.OUT_OF_MEMORY, "trainer ran out of memory: exited with code 1: "
+                                     "tensorflow.python.framework.errors_impl.ResourceExhaustedError: OOM when "
+                                     "allocating tensor"),
+    (1, ("tensorflow.python.framework.errors_impl.UnavailableError: Collective ops is aborted by: recvmsg",),
+     api.FailureCause.PEER_FAILURE, "trainer saw a peer fail (not its own fault): exited with code 1: "
+                                    "tensorflow.python.framework.errors_impl.UnavailableError: Collective ops is "
+                                    "aborted by: recvmsg"),
+    (-9, (), api.FailureCause.SIGNAL, "trainer was killed by SIGKILL"),
+], ids=["oom", "peer", "signal"])
+def test_a_failures_cause_goes_with_its_report_and_is_counted(code: int, output: tuple[str, ...],
+                                                              cause: api.FailureCause, detail: str) -> None:
+    h = Harness()
+    h.running()
+    [report] = reports(h.core.worker_exited(1, code, output))
+    assert (report.cause, report.detail) == (cause, detail)
+    counted = {c.value: h.registry.get_sample_value("tfelastic_trainer_failures_total", {"cause": c.value})
+               for c in api.FailureCause if c is not api.FailureCause.OTHER}
+    assert counted == {c: (1.0 if c == cause.value else 0.0) for c in counted}
+
+
+def test_a_hang_and_a_failed_launch_have_their_causes() -> None:
+    h = Harness()
+    [hang] = stalled(hung(h), h.core)
+    assert hang.cause is api.FailureCause.HANG
+    h = Harness()
+    h.running()
+    [failed] = reports(h.core.launch_failed(1, "OSError: [Errno 2] No such file or directory"))
+    assert failed.cause is api.FailureCause.LAUNCH_FAILED
+    assert h.registry.get_sample_value("tfelastic_trainer_failures_total", {"cause": "launch_failed"}) == 1.0
 
 
 def test_the_first_progress_of_a_generation_is_reported_at_once() -> None:

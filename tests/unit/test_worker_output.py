@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 from tfelastic.daemon.agent.runner import trainer_env
 from tfelastic.daemon.rendezvous import api
-from tfelastic.daemon.worker.output import exception_line
+from tfelastic.daemon.rendezvous.api import FailureCause
+from tfelastic.daemon.rendezvous.convert import report_from_proto, report_to_proto
+from tfelastic.daemon.worker.output import exception_line, failure_cause
 
 TRACEBACK = """\
 epoch 1/3
@@ -50,3 +52,43 @@ def test_the_generations_variables_win_over_the_agents_environment() -> None:
     mine = env({"TFELASTIC_RANK": "7", "TF_CONFIG": "{}"})
     assert (mine["TFELASTIC_RANK"], mine["TFELASTIC_GENERATION"]) == ("1", "3")
     assert mine["TF_CONFIG"] != "{}"
+
+
+OOM = ["Traceback (most recent call last):", '  File "/srv/train.py", line 40, in <module>',
+       "tensorflow.python.framework.errors_impl.ResourceExhaustedError: OOM when allocating tensor with "
+       "shape[8192,8192] and type float on /job:worker/replica:0/task:0/device:GPU:0"]
+PEER = ["Traceback (most recent call last):", '  File "/srv/train.py", line 40, in <module>',
+        "tensorflow.python.framework.errors_impl.UnavailableError: Collective ops is aborted by: recvmsg:Connection "
+        "reset by peer"]
+
+
+@pytest.mark.parametrize(("code", "lines", "cause"), [
+    (1, OOM, FailureCause.OUT_OF_MEMORY),
+    (1, PEER, FailureCause.PEER_FAILURE),
+    (1, TRACEBACK, FailureCause.EXCEPTION),
+    (-9, TRACEBACK, FailureCause.SIGNAL),  # killed: whatever it printed before
+    (-9, OOM, FailureCause.SIGNAL),
+    (3, ["step 1"], FailureCause.EXIT_CODE),
+    (0, [], FailureCause.EXIT_CODE),  # a serving task's exit 0
+    # A C++ abort prints no Python exception: its last lines decide.
+    (-6, ["2026-12-03 F tensorflow/core/common_runtime/bfc_allocator.cc] CUDA_ERROR_OUT_OF_MEMORY: out of memory"],
+     FailureCause.OUT_OF_MEMORY),
+    (-6, ["E0000 coordination_service.cc] tasks are unhealthy (stopped sending heartbeats)"],
+     FailureCause.PEER_FAILURE),
+    (-6, ["terminate called without an active exception"], FailureCause.SIGNAL),
+    # A peer's failure the trainer survived earlier does not hide its own exception.
+    (1, ["Worker /job:worker/replica:0/task:1 failed with UnavailableError: Connection reset by peer", *TRACEBACK],
+     FailureCause.EXCEPTION),
+], ids=["oom", "peer", "exception", "sigkill-after-traceback", "sigkill-after-oom", "exit-code", "serving-exit-0",
+        "abort-oom", "abort-peer", "abort", "own-exception-after-a-peer"])
+def test_the_cause_of_a_failure(code: int, lines: list[str], cause: FailureCause) -> None:
+    assert failure_cause(code, lines) is cause
+
+
+def test_a_cause_crosses_the_wire_and_one_this_version_does_not_know_is_other() -> None:
+    report = api.WorkerReport(3, api.WorkerStatus.FAILED, exit_code=1, cause=FailureCause.OUT_OF_MEMORY)
+    assert report_from_proto(report_to_proto(report, 0.0), 0.0).cause is FailureCause.OUT_OF_MEMORY
+    assert report_from_proto(report_to_proto(api.WorkerReport(3, api.WorkerStatus.RUNNING), 0.0), 0.0).cause is None
+    newer = report_to_proto(report, 0.0)
+    newer.cause = "thermal_throttle"
+    assert report_from_proto(newer, 0.0).cause is FailureCause.OTHER

@@ -1,0 +1,48 @@
+"""Whose failure a restart is recorded as, when the first report is a survivor's: a peer's failure seen by a
+worker whose collective was aborted under it. Pure.
+
+A mirrored job's workers all fail when one dies: TensorFlow aborts the survivors' collectives at once ("Collective
+ops is aborted by: ... Connection reset by peer", docs/facts.md, fact 3), so a survivor's report can reach the
+coordinator before the dead worker's, and always does when the dead worker's whole node is lost (its loss is
+known only after the node timeout). The restart is not delayed for it: the first report of a failure stops the
+generation, whoever's it is. But while the set stops, the root cause (another member's failure of another kind,
+or its node's loss) replaces the survivor's in the restart's record: its reason, the ledger's line, the restart
+counts by reason, and the quarantine strike, which a peer's failure never earns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PeerBlame:
+    """A restart recorded, for now, as a survivor's report of a peer's failure."""
+
+    generation: int
+    node_id: str  # the survivor
+    reason: str  # the restart's reason (a RestartReason's value)
+    text: str  # the restart's record: "worker_exit: a: trainer saw a peer fail ..."
+
+
+class BlameBook:
+    """The restart, if any, that a peer's failure caused and whose root cause is still to come."""
+
+    def __init__(self) -> None:
+        self._open: PeerBlame | None = None
+
+    def peer_failure_restarted(self, blame: PeerBlame) -> None:
+        self._open = blame
+
+    def root_cause(self, generation: int, node_id: str) -> PeerBlame | None:
+        """Another member of the same generation failed otherwise, or its node was lost: the record it replaces
+        (now closed); None when there is none to replace."""
+        blame = self._open
+        if blame is None or blame.generation != generation or blame.node_id == node_id:
+            return None
+        self._open = None
+        return blame
+
+    def closed(self) -> None:
+        """A new generation formed (or the job ended): the last restart's record is final."""
+        self._open = None
