@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from tfelastic.daemon.metrics.gpu import THROTTLE_REASONS
-from tfelastic.daemon.rendezvous.api import GoodputView, JobState, NodeState, RestartReason
+from tfelastic.daemon.rendezvous.api import FailureCause, GoodputView, JobState, NodeState, RestartReason
 from tfelastic.daemon.rendezvous.goodput import CATEGORIES
 from tfelastic.daemon.rendezvous.quarantine import QUARANTINE_KINDS
 from tfelastic.daemon.worker.states import WorkerState
@@ -53,8 +53,8 @@ KNOWN_METRICS = frozenset({
     "tfelastic_training_last_progress_timestamp_seconds", "tfelastic_checkpoint_step",
     "tfelastic_checkpoint_timestamp_seconds", "tfelastic_generation", "tfelastic_world_size", "tfelastic_rank",
     "tfelastic_worker_state", "tfelastic_restarts_total", "tfelastic_worker_graceful_stops_total",
-    "tfelastic_stall_limit_seconds", "tfelastic_worker_launches_total", "tfelastic_standby_memory_bytes",
-    "tfelastic_standby_ready", "tfelastic_checkpoint_restores_total",
+    "tfelastic_trainer_failures_total", "tfelastic_stall_limit_seconds", "tfelastic_worker_launches_total",
+    "tfelastic_standby_memory_bytes", "tfelastic_standby_ready", "tfelastic_checkpoint_restores_total",
     *(f"{h}_{suffix}" for h in _HISTOGRAMS for suffix in ("bucket", "sum", "count")),
     "tfelastic_worker_processes", "tfelastic_worker_cpu_seconds_total", "tfelastic_worker_resident_memory_bytes",
     "tfelastic_worker_open_fds", "tfelastic_host_memory_total_bytes", "tfelastic_host_memory_available_bytes",
@@ -92,7 +92,8 @@ METRIC_LABELS: dict[str, tuple[str, ...]] = {
     "tfelastic_gpu_ecc_errors_total": (*_GPU, "type"), "tfelastic_gpu_throttle_reason": (*_GPU, "reason"),
     "tfelastic_gpu_info": (*_GPU, "driver_version"),
     "tfelastic_worker_graceful_stops_total": ("outcome",), "tfelastic_worker_launches_total": ("start",),
-    "tfelastic_checkpoint_restores_total": ("tier",), "tfelastic_etcd_request_errors_total": ("method", "code"),
+    "tfelastic_trainer_failures_total": ("cause",), "tfelastic_checkpoint_restores_total": ("tier",),
+    "tfelastic_etcd_request_errors_total": ("method", "code"),
     "tfelastic_etcd_request_duration_seconds_bucket": ("method", "le"),
     "tfelastic_etcd_request_duration_seconds_sum": ("method",),
     "tfelastic_etcd_request_duration_seconds_count": ("method",),
@@ -111,6 +112,7 @@ LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ("tfelastic_gpu_throttle_reason", "reason"): frozenset(reason for reason, _ in THROTTLE_REASONS),
     ("tfelastic_worker_graceful_stops_total", "outcome"): frozenset({"checkpointed", "exited", "killed"}),
     ("tfelastic_worker_launches_total", "start"): frozenset({"warm", "cold"}),
+    ("tfelastic_trainer_failures_total", "cause"): frozenset(c.value for c in FailureCause),
     ("tfelastic_checkpoint_restores_total", "tier"): frozenset(RESTORE_TIERS),
     ("tfelastic_job_seconds_total", "category"): frozenset(CATEGORIES),
     ("tfelastic_build_info", "role"): frozenset({"agent", "coordinator"}),
@@ -459,6 +461,7 @@ def cluster_series() -> list[tuple[str, str]]:
         for state in ("init", "waiting", "running", "succeeded", "failed", "stopping", "stopped"):
             add("tfelastic_worker_state", {**base, "state": state}, const(1 if state == "running" else 0))
         add("tfelastic_restarts_total", {**base, "reason": "worker_exit"}, grows(1))
+        add("tfelastic_trainer_failures_total", {**base, "cause": "peer_failure"}, grows(1))
         for histogram in _HISTOGRAMS:
             buckets = ("0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "30.0", "60.0", "120.0", "300.0")
             for i, le in enumerate(buckets):
