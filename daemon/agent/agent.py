@@ -20,12 +20,14 @@ from tfelastic.daemon.agent.api import (
     CoordinatorLost,
     DropSession,
     DumpStacks,
+    ExitAgent,
     FatalSessionError,
     HangUp,
     HostUntilJobEnds,
     KeepMetricsUp,
     Launch,
     ListenForProbe,
+    ObserveEtcd,
     PrepareStandby,
     ProbeServer,
     RemoveLocalTier,
@@ -93,6 +95,7 @@ class Agent:
         self._leaving = asyncio.Event()  # a LEAVE_SIGNALS signal or a drain: cut the wait between retries short
         self._signalled = asyncio.Event()  # a LEAVE_SIGNALS signal: stop everything, a hosted coordinator too
         self._ticked_at = clock()  # the control loop's last turn, for systemd's watchdog
+        self._exiting = False  # the session loop is over: the agent is on its way out
         self.hooks = ServiceHooks()
 
     # ------------------------------------------------------------------------------------------ main loop
@@ -117,6 +120,7 @@ class Agent:
             self.core.refused(str(e), e.exit_code)
             code = e.exit_code
         finally:
+            self._exiting = True  # the way out has no ticks: the last stop, a hosted coordinator, /metrics' linger
             self._apply(self.core.final_stop())
             await self.worker.close()
             await self._prepare(self.core.worker_closed())
@@ -131,22 +135,21 @@ class Agent:
                 await self._prepare(self.core.coordinator_found())
                 try:
                     await self._session_once(endpoint)
-                    problem = None if self.core.winding_down else "the coordinator closed the session"
+                    ended = self.core.session_closed()
                 except FatalSessionError as e:
                     self.core.refused(str(e), e.exit_code)
                     return e.exit_code
                 except SessionLost as e:
-                    problem = str(e)
+                    ended = self.core.session_ended(str(e))
                 except Exception as e:  # a bug must not leave a worker unsupervised: fence, and try again
                     log.exception("the session with the coordinator failed")
-                    problem = f"{type(e).__name__}: {e}"
-                self._apply(self.core.session_ended(problem))
-            if isinstance(self._placement, EtcdPlacement):
-                self._apply(self.core.etcd_observed(*await self._placement.observe_within(self.core.etcd_patience())))
+                    ended = self.core.session_ended(f"{type(e).__name__}: {e}")
+                self._apply(ended)
+            await self._prepare(self.core.between_sessions())
             await self.worker.idle()  # a fenced worker is gone before we try again
-            verdict = self.core.verdict()
-            if verdict is not None:
-                return verdict
+            for action in self.core.next_attempt():
+                if isinstance(action, ExitAgent):
+                    return action.code
             self._placement.changed.clear()
             await first_of(self._leaving.wait(), self._placement.changed.wait(), timeout=RETRY_SECONDS)
 
@@ -209,6 +212,9 @@ class Agent:
                 await self._placement.host_after_drain(self._signalled)
             elif isinstance(action, KeepMetricsUp):
                 await self._keep_metrics_up(action.verdict)
+            elif isinstance(action, ObserveEtcd):
+                if isinstance(self._placement, EtcdPlacement):  # the core asks only with etcd (failover)
+                    self._apply(self.core.etcd_observed(*await self._placement.observe_within(action.within)))
             else:
                 await self.worker.prepare([action])
 
@@ -250,7 +256,7 @@ class Agent:
     def control_loop_healthy(self, max_age: float) -> bool:
         """For systemd's watchdog: the control loop turned within ``max_age`` seconds. A worker stop in progress
         (bounded by its grace period) and the planned way out (job over, drain, SIGTERM) count as healthy."""
-        if self.core.winding_down or self.worker.stopping:
+        if self._exiting or self.worker.stopping:
             return True
         return self._clock() - self._ticked_at <= max_age
 

@@ -184,6 +184,21 @@ class WaitPortFree:
 
 
 @dataclass(frozen=True)
+class ObserveEtcd:
+    """A preparation between sessions, with etcd: read the job's recorded generation and how long its coordinator
+    has been known, waiting at most ``within`` seconds; the shell answers with ``etcd_observed``."""
+
+    within: float
+
+
+@dataclass(frozen=True)
+class ExitAgent:
+    """Between sessions: stop trying the coordinator; the agent exits with ``code``."""
+
+    code: ExitCode
+
+
+@dataclass(frozen=True)
 class RemoveLocalTier:
     """A preparation of the exit: the job succeeded, nothing will resume from this node's local snapshots."""
 
@@ -204,7 +219,7 @@ class KeepMetricsUp:
 
 Action = (Send | Launch | Stop | HangUp | DropSession | Announce | RunNodeCheck | ListenForProbe | PrepareStandby |
           StopRetrying | ProbeServer | DumpStacks | CoordinatorLost | ScanSnapshots | WaitGpusReleased | WaitPortFree |
-          RemoveLocalTier | HostUntilJobEnds | KeepMetricsUp)
+          ObserveEtcd | ExitAgent | RemoveLocalTier | HostUntilJobEnds | KeepMetricsUp)
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,14 @@ from tfelastic.daemon.agent.api import (
     Connection,
     CoordinatorLost,
     DropSession,
+    ExitAgent,
     HangUp,
     HostUntilJobEnds,
     Identity,
     KeepMetricsUp,
     Leaving,
     ListenForProbe,
+    ObserveEtcd,
     RemoveLocalTier,
     RunNodeCheck,
     Send,
@@ -219,9 +221,25 @@ class AgentCore(WorkerCore):
                            recorded_running=recorded_running)
         return self._stop(why, planned=False) if why is not None else []
 
-    def etcd_patience(self) -> float:
-        """Between sessions, with etcd: how long to wait for etcd's answer. The coordinator counts this node lost
-        after node_timeout of silence; rule 2 of failover.py must be decided half a heartbeat before that."""
+    def session_closed(self) -> list[Action]:
+        """The coordinator closed the session without an error: as planned when this agent's job is over or it is
+        leaving, else a lost session like any other."""
+        return self.session_ended(None if self.winding_down else "the coordinator closed the session")
+
+    def between_sessions(self) -> list[Action]:
+        """No session runs (it ended, or no coordinator was found): with etcd, what etcd says comes first
+        (:class:`ObserveEtcd`, answered with :meth:`etcd_observed`), then :meth:`next_attempt`."""
+        return [ObserveEtcd(self._etcd_patience())] if self._failover else []
+
+    def next_attempt(self) -> list[Action]:
+        """Once a fenced worker is gone: the agent's exit (:class:`ExitAgent`), or nothing to try the coordinator
+        again."""
+        code = self._verdict()
+        return [ExitAgent(code)] if code is not None else []
+
+    def _etcd_patience(self) -> float:
+        """How long to wait for etcd's answer. The coordinator counts this node lost after node_timeout of
+        silence; rule 2 of failover.py must be decided half a heartbeat before that."""
         contact = self._contact
         return max(0.1, contact.fence_after + contact.heartbeat_interval / 2 - contact.silent())
 
@@ -249,7 +267,7 @@ class AgentCore(WorkerCore):
         log.error("%s", message)
         self.exit_code = exit_code
 
-    def verdict(self) -> ExitCode | None:
+    def _verdict(self) -> ExitCode | None:
         """Between sessions: how the agent ends, or None to try the coordinator again."""
         if self.exit_code is not None:
             return self.exit_code

@@ -15,12 +15,14 @@ from tfelastic.daemon.agent.api import (
     CoordinatorLost,
     DropSession,
     DumpStacks,
+    ExitAgent,
     HangUp,
     HostUntilJobEnds,
     Identity,
     KeepMetricsUp,
     Launch,
     ListenForProbe,
+    ObserveEtcd,
     PrepareStandby,
     ProbeServer,
     RemoveLocalTier,
@@ -104,6 +106,19 @@ def stalled(actions: list[Action], core: AgentCore) -> list[api.WorkerReport]:
     answers = [answer for a in actions if isinstance(a, DumpStacks)
                for answer in core.stacks_dumped(a.generation, [], "no trainer in a unit test")]
     return [r for r in reports([*actions, *answers]) if r.status is api.WorkerStatus.STALLED]
+
+
+def verdict(core: AgentCore) -> ExitCode | None:
+    """How the agent ends between sessions (its ExitAgent), None to try the coordinator again."""
+    exits = [a.code for a in core.next_attempt() if isinstance(a, ExitAgent)]
+    assert len(exits) <= 1
+    return exits[0] if exits else None
+
+
+def etcd_patience(core: AgentCore) -> float:
+    [observe] = core.between_sessions()
+    assert isinstance(observe, ObserveEtcd)
+    return observe.within
 
 
 def stops(actions: list[Action]) -> list[Stop]:
@@ -412,7 +427,7 @@ def test_fences_one_heartbeat_before_the_coordinators_lease_runs_out() -> None:
     # The session is dropped and the worker stopped before the coordinator (node_timeout 2 s) gives up on us.
     actions = h.core.session_ended(drop.reason)
     assert stops(actions) == [Stop("fencing: the coordinator is unreachable", planned=False)]
-    assert h.core.verdict() is None  # and it tries the coordinator again
+    assert verdict(h.core) is None  # and it tries the coordinator again
 
 
 def test_any_message_renews_the_lease() -> None:
@@ -430,9 +445,9 @@ def test_gives_up_after_join_timeout_without_the_coordinator() -> None:
     h.core.session_ended("UNAVAILABLE: connection refused")
     h.core.worker_stopped(StopResult(-15, False))
     h.clock.now += 59.0
-    assert h.core.verdict() is None
+    assert verdict(h.core) is None
     h.clock.now += 2.0
-    assert h.core.verdict() is ExitCode.FAILED
+    assert verdict(h.core) is ExitCode.FAILED
 
 
 # ------------------------------------------------------------------------------------------ planned leave
@@ -447,7 +462,7 @@ def test_sigterm_leaves_the_job_after_the_worker_checkpointed() -> None:
     assert HangUp() not in actions  # not before the worker is gone
     assert h.core.worker_stopped(StopResult(42, False)) == [HangUp()]
     assert h.core.session_ended(None) == []
-    assert h.core.verdict() is ExitCode.SUCCEEDED
+    assert verdict(h.core) is ExitCode.SUCCEEDED
 
 
 def test_a_drain_is_a_leave_that_says_so() -> None:
@@ -495,7 +510,7 @@ def test_a_leave_with_no_worker_hangs_up_at_once() -> None:
 def test_a_leave_between_sessions_ends_the_agent() -> None:
     h = Harness()
     assert h.core.signal_received(signal.SIGTERM) == [StopRetrying()]  # nobody to tell: the wait ends now
-    assert h.core.verdict() is ExitCode.SUCCEEDED
+    assert verdict(h.core) is ExitCode.SUCCEEDED
     assert h.core.signal_received(signal.SIGTERM) == []  # once
 
 
@@ -504,7 +519,7 @@ def test_the_job_finished_ends_the_agent_with_its_verdict() -> None:
     h.running()
     actions = h.core.received(api.Finished(api.JobState.FAILED, "restart budget exhausted"))
     assert actions[-1] == HangUp()
-    assert h.core.verdict() is ExitCode.FAILED
+    assert verdict(h.core) is ExitCode.FAILED
 
 
 # ------------------------------------------------------------------------------------------- progress
@@ -736,11 +751,12 @@ def test_with_etcd_the_agent_waits_for_etcd_only_until_it_must_decide_whether_to
     h = Harness(failover=True)
     h.running()
     h.core.received(api.Heartbeat())  # heard now
-    assert h.core.etcd_patience() == pytest.approx(1.75)
+    assert Harness().core.between_sessions() == []  # without etcd nothing to ask
+    assert etcd_patience(h.core) == pytest.approx(1.75)
     h.clock.now += 1.5
-    assert h.core.etcd_patience() == pytest.approx(0.25)
+    assert etcd_patience(h.core) == pytest.approx(0.25)
     h.clock.now += 5.0
-    assert h.core.etcd_patience() == 0.1
+    assert etcd_patience(h.core) == 0.1
 
 
 # ------------------------------------------------------------------------------------------------ node check
@@ -1337,7 +1353,7 @@ def test_a_leaving_parameter_server_or_worker_serves_until_the_coordinator_order
     assert not h.metric("tfelastic_restarts_total", reason="node_left")  # its own leave, not a restart
     assert h.core.worker_stopped(StopResult(-15, False)) == [HangUp()]
     assert h.core.session_ended(None) == []
-    assert h.core.verdict() is ExitCode.SUCCEEDED
+    assert verdict(h.core) is ExitCode.SUCCEEDED
 
 
 def test_a_leaving_parameter_server_stops_after_stop_grace_or_when_the_coordinator_is_gone() -> None:
@@ -1413,9 +1429,9 @@ def test_join_timeout_after_nothing_but_a_foreign_program_on_the_port_is_a_bad_c
     h.core.session_ended("UNAVAILABLE: failed to connect to all addresses; last error: UNAVAILABLE: "
                          "ipv4:127.0.0.1:4000: Failed parsing HTTP/2 (Expected SETTINGS frame as the first frame)")
     h.clock.now += 8.5
-    assert h.core.verdict() is ExitCode.CONFIG
+    assert verdict(h.core) is ExitCode.CONFIG
     down = Harness(join_timeout=8.0)
     down.core.session_ended("UNAVAILABLE: failed to connect to all addresses; last error: UNAVAILABLE: "
                             "ipv4:127.0.0.1:4000: Connection refused")
     down.clock.now += 8.5
-    assert down.core.verdict() is ExitCode.FAILED
+    assert verdict(down.core) is ExitCode.FAILED
