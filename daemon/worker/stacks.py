@@ -80,9 +80,19 @@ def main_thread(threads: Sequence[ThreadStack]) -> ThreadStack | None:
     return next((t for t in top_level if t.current), top_level[-1] if top_level else None)
 
 
-def is_own_code(frame: Frame, library: Sequence[str] = OWN_CODE) -> bool:
-    """A frame of the trainer's own code: not the standard library, an installed package or tfelastic."""
+def is_own_code(frame: Frame, library: Sequence[str] = OWN_CODE, script: str | None = None) -> bool:
+    """A frame of the trainer's own code: its ``script`` (wherever it lies: ``python -m`` runs one from a package),
+    or any file but the standard library, an installed package and tfelastic."""
+    if frame.file == script:
+        return True
     return not _LIBRARY.search(frame.file) and not any(frame.file.startswith(root + "/") for root in library)
+
+
+def script_of(thread: ThreadStack) -> str | None:
+    """The file the main thread runs as ``__main__``: its outermost module-level frame (``python -m`` puts runpy's
+    frames outside it)."""
+    return next((f.file for f in reversed(thread.frames) if f.function == "<module>" and not f.file.startswith("<")),
+                None)
 
 
 def hang_site(lines: Iterable[str], library: Sequence[str] = OWN_CODE) -> str | None:
@@ -93,13 +103,14 @@ def hang_site(lines: Iterable[str], library: Sequence[str] = OWN_CODE) -> str | 
     main = main_thread(threads)
     if main is None:
         return None
-    own = next((f for f in main.frames if is_own_code(f, library)), None)
+    script = script_of(main)
+    own = next((f for f in main.frames if is_own_code(f, library, script)), None)
     innermost = main.frames[0]
     if own is None:
         return f"hung in {innermost}, in no frame of the trainer's own code"
     site = f"hung in {own}" + (f", waiting in {innermost}" if innermost != own else "")
-    elsewhere = [f for t in threads if t is not main
-                 for f in t.frames[:1] if is_own_code(f, library)]  # a thread whose innermost frame is the user's
+    # A thread whose innermost frame is the trainer's own code: an input pipeline's function, say.
+    elsewhere = [f for t in threads if t is not main for f in t.frames[:1] if is_own_code(f, library, script)]
     if elsewhere:
         site += f"; another thread in {elsewhere[0]}"
     return site

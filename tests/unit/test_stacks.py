@@ -114,3 +114,18 @@ def test_output_without_a_dump_has_no_site() -> None:
 def test_outside_an_agent_nothing_is_registered() -> None:
     assert register_stack_dump({}) is False
     assert register_stack_dump({STACKS_SIGNAL_ENV: "SIGUSR2"}) is False  # the number only, as the agent sets it
+
+
+def test_the_script_run_as_main_is_the_trainers_own_code_even_inside_a_package() -> None:
+    """``python -m tfelastic.trainer.demo_trainer``: runpy's frames outside, the script's own file in tfelastic."""
+    library = ("/opt/tfelastic/trainer",)
+    lines = ["Current thread 0x00007f0000000001 (most recent call first):",
+             '  File "/usr/lib/python3.11/threading.py", line 327 in wait',
+             '  File "/opt/tfelastic/trainer/demo_trainer.py", line 98 in on_train_batch_end',
+             '  File "/opt/venv/lib/python3.11/site-packages/tf_keras/src/callbacks.py", line 300 in _call_batch_hook',
+             '  File "/opt/tfelastic/trainer/loop.py", line 40 in run',
+             '  File "/opt/tfelastic/trainer/demo_trainer.py", line 150 in <module>',
+             '  File "<frozen runpy>", line 88 in _run_code',
+             '  File "<frozen runpy>", line 198 in _run_module_as_main']
+    assert hang_site(lines, library) == ("hung in on_train_batch_end (/opt/tfelastic/trainer/demo_trainer.py:98), "
+                                         "waiting in wait (/usr/lib/python3.11/threading.py:327)")
