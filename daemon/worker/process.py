@@ -31,7 +31,7 @@ log = logging.getLogger("tfelastic.worker")
 
 KEEPER_PATH = str(Path(keeper.__file__).resolve())
 TAIL_LINES = 40  # the last lines of output kept, to say why a trainer failed (worker/output.py)
-STACKS_QUIET = 0.3  # a stack dump is whole once the trainer has printed nothing for this long...
+STACKS_QUIET = 0.15  # a stack dump is whole once the trainer has printed nothing for this long...
 STACKS_LIMIT = 2.0  # ... or this long after it was asked: a hang's report waits no longer for it
 
 
