@@ -37,6 +37,7 @@ class Quarantined:
     reason: str
     until: float  # on the coordinator's clock
     checking: bool = False  # the cooldown is over (or an operator readmitted it): its node check was asked for
+    by_operator: bool = False  # an operator readmitted it (not kept in etcd: it only words the timeline's mark)
 
     def notice(self, now: float) -> str:
         """What the node's agent is told while it waits."""
@@ -134,7 +135,7 @@ class QuarantineBook:
         self._records.pop(node_id, None)
         held = self.held.get(node_id)
         if held is not None:
-            held.checking, held.until = True, now
+            held.checking, held.until, held.by_operator = True, now, True
 
     def times_quarantined(self, node_id: str) -> int:
         record = self._records.get(node_id)

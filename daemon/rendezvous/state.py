@@ -138,11 +138,12 @@ class Rendezvous(RoundKeeper):
 
     def _admission(self, node_id: str, checked: bool, failure: str, now: float) -> list[Send] | None:
         """None: the joining node may take part. Otherwise it is (now, or still) quarantined: the orders."""
-        was_held = self.quarantine.is_held(node_id)
+        was = self.quarantine.held.get(node_id)
         held = self.quarantine.admit(node_id, checked, failure, now)
         if held is None:
-            if was_held:
-                self.goodput.marked("readmitted", node_id, "it passed its node check")
+            if was is not None:  # one mark per readmission, when it happens
+                self.goodput.marked("readmitted", node_id, "an operator readmitted it; it passed its node check"
+                                    if was.by_operator else "it passed its node check")
             return None
         if failure:
             self.goodput.marked("quarantined", node_id, held.reason)
@@ -306,8 +307,7 @@ class Rendezvous(RoundKeeper):
         if not self.quarantine.is_held(node_id):
             held = ", ".join(sorted(self.quarantine.held)) or "none"
             raise OperatorRefusedError(f"node {node_id!r} is not quarantined (quarantined nodes: {held})")
-        self.quarantine.readmit(node_id, self._clock())
-        self.goodput.marked("readmitted", node_id, "by an operator")
+        self.quarantine.readmit(node_id, self._clock())  # marked on the timeline once its check passes
         log.info("operator readmits node %s", node_id)
         return [Send(node_id, CheckNode("readmitted by an operator"))] if node_id in self.nodes else []
 

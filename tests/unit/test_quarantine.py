@@ -154,6 +154,7 @@ def test_after_the_cooldown_the_node_is_checked_and_admitted_if_the_check_passes
     assert rv.tick() == []  # asked once
     assert checked(rv, "c") == waiting("c", 1, SCALE_UP)  # admitted: the job grows to take it in again
     assert rv.quarantine.held == {}
+    assert [(m.kind, m.detail) for m in rv.goodput.marks][-1] == ("readmitted", "it passed its node check")
     at(clock, rv, until + 1 + SETTINGS.settle_seconds)
     assert rv.tick() == stops(3, ["a", "b"], RestartReason.SCALE_UP)
 
@@ -168,6 +169,7 @@ def test_a_node_whose_check_fails_again_stays_aside_twice_as_long() -> None:
                                     "not writable: Read-only file system")
     assert rv.quarantine.held["c"].until == clock.now + 2 * COOLDOWN
     assert rv.snapshot().quarantines_by_kind == {"worker_failures": 1, "node_check": 1}
+    assert [m.kind for m in rv.goodput.marks] == ["quarantined", "quarantined"]  # never readmitted in between
 
 
 def test_the_cooldown_doubles_up_to_its_cap() -> None:
@@ -371,9 +373,8 @@ def test_the_timeline_marks_each_quarantine_readmission_and_drain() -> None:
     assert [(m.at, m.kind, m.node, m.detail) for m in rv.goodput.marks] == [
         (20.0, "quarantined", "c", "its worker failed first in 2 generations within 3600s; last: trainer exited "
                                    "with code 1"),
-        (30.0, "readmitted", "c", "by an operator"),
-        (30.0, "readmitted", "c", "it passed its node check"),
+        (30.0, "readmitted", "c", "an operator readmitted it; it passed its node check"),
         (20.0 + 2 * COOLDOWN, "quarantined", "d", "node check failed: no GPU found"),
         (20.0 + 2 * COOLDOWN, "drained", "a", "maintenance")]
     assert [m.kind for m in rv.snapshot().goodput.marks] == [  # type: ignore[union-attr]
-        "quarantined", "readmitted", "readmitted", "quarantined", "drained"]
+        "quarantined", "readmitted", "quarantined", "drained"]
