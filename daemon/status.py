@@ -5,12 +5,11 @@ The JSON shape is a stable contract (docs/status-json.md); fields are only ever 
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Any
 
 from tfelastic.daemon.netutil import host_port
-from tfelastic.daemon.rendezvous.api import ClusterSnapshot, GoodputView, NodeSnapshot
+from tfelastic.daemon.rendezvous.api import ClusterSnapshot, GoodputView, NodeSnapshot, RestartReason
 from tfelastic.daemon.rendezvous.bounds import printable
 from tfelastic.daemon.rendezvous.roles import WORKER, Task
 
@@ -49,11 +48,14 @@ def status_to_json(snap: ClusterSnapshot, now: float | None = None, wall: float 
     }
 
 
+_RESTART_PREFIXES = tuple(f"{reason.value}: " for reason in RestartReason)
+
+
 def last_restart_json(view: GoodputView | None) -> dict[str, Any] | None:
-    """The most recent generation that ended in a restart (another followed it), and the ledger's words for why:
-    the reason, the node and its detail (a hang's site, an exit's exception). None before the first restart."""
-    generations = view.generations if view is not None else ()
-    restarted = [g for g, _next in itertools.pairwise(generations) if g.ended]
+    """The most recent generation that ended in a restart, the one under way included, and the ledger's words for
+    why: the reason, the node and its detail (a hang's site, an exit's exception). A job's end is no restart
+    (its words do not start with a restart's reason). None before the first restart."""
+    restarted = [g for g in (view.generations if view is not None else ()) if g.ended.startswith(_RESTART_PREFIXES)]
     if not restarted:
         return None
     return {"generation": restarted[-1].generation, "ended": restarted[-1].ended}

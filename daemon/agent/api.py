@@ -145,9 +145,10 @@ class ProbeServer:
 @dataclass(frozen=True)
 class DumpStacks:
     """Ask the running trainer, found hung, for its Python stacks (worker/stacks.py); the shell answers with
-    ``stacks_dumped``."""
+    ``stacks_dumped``. ``pid``: the process that reported its progress (0: not known)."""
 
     generation: int
+    pid: int = 0
 
 
 @dataclass(frozen=True)

@@ -69,12 +69,13 @@ class WorkerRunner:
     def stopping(self) -> bool:
         return self._stopping is not None and not self._stopping.done()
 
-    async def dump_stacks(self) -> tuple[list[str], str]:
-        """The running trainer's Python stacks (WorkerProcess.dump_stacks), or why there are none."""
+    async def dump_stacks(self, reporter: int) -> tuple[list[str], str]:
+        """The running trainer's Python stacks (WorkerProcess.dump_stacks; ``reporter``: the pid that reported its
+        progress), or why there are none."""
         worker = self._worker
         if worker is None or self.stopping:
             return [], "no trainer runs any more"
-        return await worker.dump_stacks(STACKS_SIGNAL)
+        return await worker.dump_stacks(STACKS_SIGNAL, reporter=reporter)
 
     def launch(self, generation: int, spec: WorkerSpec) -> None:
         self._launching = self._spawn(self._launch(generation, spec))

@@ -263,7 +263,10 @@ class WorkerCore:
             return []
         if self.trainer.hang_overdue():
             return self._hang_reported([], f"they did not come within {STACKS_PATIENCE:g}s")
-        return [DumpStacks(a.generation)] if self.trainer.stall_found() else []
+        if not self.trainer.stall_found():
+            return []
+        latest = self.tracker.latest
+        return [DumpStacks(a.generation, latest.pid if latest is not None else 0)]
 
     def _hang_reported(self, stacks: Sequence[str], missing: str) -> list[Action]:
         report = self.trainer.hang_report(list(stacks), missing)

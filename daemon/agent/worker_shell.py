@@ -103,7 +103,7 @@ class WorkerShell:
 
     async def dump_stacks(self, ask: DumpStacks) -> None:
         try:
-            lines, missing = await self.runner.dump_stacks()
+            lines, missing = await self.runner.dump_stacks(ask.pid)
         except Exception as e:  # never a hang left unreported: the core waits for this answer
             log.exception("asking the trainer for its stacks")
             lines, missing = [], f"asking for them failed: {e!r}"

@@ -5,14 +5,22 @@ A mirrored job's workers all fail when one dies: TensorFlow aborts the survivors
 ops is aborted by: ... Connection reset by peer", docs/facts.md, fact 3), so a survivor's report can reach the
 coordinator before the dead worker's, and always does when the dead worker's whole node is lost (its loss is
 known only after the node timeout). The restart is not delayed for it: the first report of a failure stops the
-generation, whoever's it is. But while the set stops, the root cause (another member's failure of another kind,
-or its node's loss) replaces the survivor's in the restart's record: its reason, the ledger's line, the restart
-counts by reason, and the quarantine strike, which a peer's failure never earns.
+generation, whoever's it is. But while the set stops, the root cause (another member's death by a signal, out
+of memory, a hang, a failed launch, or its node's loss) replaces the survivor's in the restart's record: its
+reason, the ledger's line, the count by reason (held until the record is final) and the quarantine strike, which a
+peer's failure never earns.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from tfelastic.daemon.rendezvous.api import FailureCause
+
+# A member's failure that is its own for sure. An exception or an exit code may be a survivor's echo that the agent
+# did not recognise as a peer's failure (an NCCL error, an agent of 0.3.0 that sends no cause): never a root cause.
+ROOT_CAUSES = frozenset({FailureCause.SIGNAL, FailureCause.OUT_OF_MEMORY, FailureCause.HANG,
+                         FailureCause.LAUNCH_FAILED})
 
 
 @dataclass(frozen=True)
@@ -34,15 +42,18 @@ class BlameBook:
     def peer_failure_restarted(self, blame: PeerBlame) -> None:
         self._open = blame
 
-    def root_cause(self, generation: int, node_id: str) -> PeerBlame | None:
-        """Another member of the same generation failed otherwise, or its node was lost: the record it replaces
-        (now closed); None when there is none to replace."""
+    def root_cause(self, generation: int, node_id: str, cause: FailureCause | None) -> PeerBlame | None:
+        """Another member of the same generation failed on its own (``cause`` among :data:`ROOT_CAUSES`; None: its
+        node was lost), the record it replaces (now closed); None when there is none to replace."""
         blame = self._open
-        if blame is None or blame.generation != generation or blame.node_id == node_id:
+        if blame is None or blame.generation != generation or blame.node_id == node_id or \
+                (cause is not None and cause not in ROOT_CAUSES):
             return None
         self._open = None
         return blame
 
-    def closed(self) -> None:
-        """A new generation formed (or the job ended): the last restart's record is final."""
-        self._open = None
+    def closed(self) -> PeerBlame | None:
+        """A new generation formed (or the job ended): the last restart's record is final. Returns the one that
+        stayed open, if any."""
+        blame, self._open = self._open, None
+        return blame

@@ -226,6 +226,7 @@ class GoodputLedger:
         """The last restart's record ``was`` names its root cause now (rendezvous/blame.py)."""
         if self.lines and self.lines[-1].ended == was:
             self.lines[-1].ended = ended
+            self._exported = self._export_now(0.0)  # a successor takes the record over as it is now
 
     def stopped(self) -> None:
         """Every old worker is gone: waiting for the next formation."""

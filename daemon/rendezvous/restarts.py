@@ -30,6 +30,7 @@ class RestartBook:
         self._settings, self._clock = settings, clock
         self.total = 0
         self.by_reason: Counter[str] = Counter()
+        self._held: str | None = None  # the reason of the last restart while its count waits (settled)
         self._failures: deque[float] = deque()  # times of failures inside the restart window
         self.failed_in_a_row = 0  # failed generations since the last healthy run
         self._formed_at: float | None = None  # when the current generation formed
@@ -52,17 +53,21 @@ class RestartBook:
     def failures_in_window(self) -> int:
         return len(self._failures)
 
-    def reclassified(self, was: str, reason: RestartReason) -> None:
-        """The last restart, counted as ``was``, turned out to be ``reason``'s (rendezvous/blame.py)."""
-        if self.by_reason[was] > 0:
-            self.by_reason[was] -= 1
-            if not self.by_reason[was]:
-                del self.by_reason[was]
-        self.by_reason[reason.value] += 1
+    def settled(self, reason: str) -> None:
+        """The reason of the restart whose count was held (``restarted(..., held=True)``) is known: counted now.
+        Counts by reason only ever grow: they are Prometheus counters (tfelastic_cluster_restarts_total)."""
+        if self._held is not None:
+            self._held = None
+            self.by_reason[reason] += 1
 
-    def restarted(self, reason: RestartReason) -> float:
-        """Records a restart; returns how long the next generation must wait (0: at once)."""
-        self.by_reason[reason.value] += 1
+    def restarted(self, reason: RestartReason, *, held: bool = False) -> float:
+        """Records a restart; returns how long the next generation must wait (0: at once). ``held``: its count by
+        reason waits for :meth:`settled` (a survivor's report, whose root cause may still come:
+        rendezvous/blame.py); the total and the budget count it now."""
+        if held:
+            self._held = reason.value
+        else:
+            self.by_reason[reason.value] += 1
         self.total += 1
         now = self._clock()
         # A healthy generation resets the count however it ends: a scale-up after it must not leave the failures
@@ -103,10 +108,14 @@ class RestartBook:
         """What a new coordinator needs to continue the count, the budget and the backoff; failure times as
         wall-clock seconds (``wall_offset``: wall clock minus this clock)."""
         r = self.resumes
-        return {"restarts_total": self.total, "restarts_by_reason": dict(self.by_reason),
+        return {"restarts_total": self.total, "restarts_by_reason": dict(self._counted_by_reason()),
                 "failures": tuple(t + wall_offset for t in self._failures), "failed_in_a_row": self.failed_in_a_row,
                 "reached_step": r.reached_step, "checkpoint_step": r.checkpoint_step,
                 "steps_redone": r.steps_redone, "steps_lost": r.steps_lost, "warnings": tuple(r.warnings)}
+
+    def _counted_by_reason(self) -> Counter[str]:
+        """For etcd: a successor knows nothing of a held count's root cause, so it counts as first reported."""
+        return self.by_reason + Counter([self._held] if self._held is not None else [])
 
     def take_over(self, recorded: DurableState, wall_offset: float) -> None:
         self.total = recorded.restarts_total

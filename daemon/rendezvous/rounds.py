@@ -17,6 +17,7 @@ from collections.abc import Callable
 from tfelastic.daemon.rendezvous.api import (
     Assignment,
     ClusterSnapshot,
+    FailureCause,
     Finished,
     JobSpec,
     JobState,
@@ -187,22 +188,25 @@ class RoundKeeper:
             self._blame_instead(node_id, self.generation, RestartReason.NODE_LOST, why)
         return self._try_close_round(self._clock())
 
-    def _blame_instead(self, node_id: str, generation: int, reason: RestartReason, detail: str) -> bool:
+    def _blame_instead(self, node_id: str, generation: int, reason: RestartReason, detail: str,
+                       cause: FailureCause | None = None) -> bool:
         """The root cause of a restart that a survivor's report of a peer failure started (rendezvous/blame.py):
-        the restart's record names it instead. False when no such restart is open."""
-        blame = self.blame.root_cause(generation, node_id) if node_id in self._ranks else None
+        the restart's record names it instead. ``cause`` None: the node was lost. False when no such restart is
+        open, or ``cause`` is no root cause."""
+        blame = self.blame.root_cause(generation, node_id, cause) if node_id in self._ranks else None
         if blame is None:
             return False
         text = f"{reason.value}: {node_id}: {detail}"
         if self.reason.startswith(blame.text):  # keep what follows: a backoff, a quarantine
             self.reason = text + self.reason[len(blame.text):]
         self.goodput.blamed_instead(blame.text, text)
-        self.restarts.reclassified(blame.reason, reason)
+        self.restarts.settled(reason.value)
         log.warning("generation %d: %s (after %s reported a peer's failure): the restart is recorded as %s's",
                     self.generation, text, blame.node_id, node_id)
         return True
 
-    def _restart(self, reason: RestartReason, detail: str) -> list[Send]:
+    def _restart(self, reason: RestartReason, detail: str, *, peer_failure: bool = False) -> list[Send]:
+        """``peer_failure``: a survivor reported it; its count by reason waits for the root cause (blame.py)."""
         if self.state is not JobState.RUNNING:
             return []  # a restart is already under way; later reports of the same fault add nothing
         if self._chief_succeeded:  # training is complete; see the module docstring
@@ -219,7 +223,7 @@ class RoundKeeper:
                 f"{spec.restart_window_seconds:g}s exceed max_restarts={spec.max_restarts}; "
                 f"last: {reason.value} ({detail})",
             )
-        delay = self.restarts.restarted(reason)
+        delay = self.restarts.restarted(reason, held=peer_failure)
         self.state = JobState.RESTARTING  # RUNNING -> RESTARTING
         self.reason = f"{reason.value}: {detail}"
         if delay:
@@ -308,7 +312,7 @@ class RoundKeeper:
                 self.reason = self._unfilled_reason = str(e)
                 return [self._waiting_notice(n, self.reason) for n in self.nodes.waiting()]
         self.generation = max(self.generation, self._seen_generation) + 1
-        self.blame.closed()
+        self._close_blame()
         self.restarts.formed()
         self._reformation.done()
         self.goodput.formed(self.generation, chosen)
@@ -338,7 +342,14 @@ class RoundKeeper:
             sends.append(self._waiting_notice(node_id, f"standby: the job is at max_nodes={spec.max_nodes}"))
         return sends
 
+    def _close_blame(self) -> None:
+        """The last restart's record is final: a survivor's report that no root cause replaced counts as is."""
+        blame = self.blame.closed()
+        if blame is not None:
+            self.restarts.settled(blame.reason)
+
     def _finish(self, state: JobState, reason: str) -> list[Send]:
+        self._close_blame()
         self.state = state  # RUNNING -> SUCCEEDED, * -> FAILED
         self.reason = reason
         self.goodput.finished(f"{state.value}: {reason}")

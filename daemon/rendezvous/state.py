@@ -277,14 +277,14 @@ class Rendezvous(RoundKeeper):
         survivor's report of a peer's failure stops the generation like any other, but the restart is recorded as
         the root cause's when that comes while the set stops (rendezvous/blame.py)."""
         peer = cause is FailureCause.PEER_FAILURE
-        if self.state is JobState.RESTARTING and not peer and \
-                self._blame_instead(node_id, generation, reason, detail):
+        if self.state is JobState.RESTARTING and cause is not None and \
+                self._blame_instead(node_id, generation, reason, detail, cause):
             self._strike(node_id, detail)
             return []
         if self._member_of(node_id, generation) is None:
             return []
         first = self.state is JobState.RUNNING  # its failure is the one that stops the generation
-        sends = self._restart(reason, f"{node_id}: {detail}")
+        sends = self._restart(reason, f"{node_id}: {detail}", peer_failure=peer)
         if first and not self.state.is_terminal:  # not when it ended the job (budget spent, chief done)
             if peer:  # not this node's fault: no strike, and the root cause may still come
                 self.blame.peer_failure_restarted(PeerBlame(generation, node_id, reason.value,

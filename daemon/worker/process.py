@@ -123,12 +123,13 @@ class WorkerProcess:
         await self._proc.wait()
         self._output.cancel()
 
-    async def dump_stacks(self, signum: int, *, quiet: float = STACKS_QUIET, limit: float = STACKS_LIMIT) \
-            -> tuple[list[str], str]:
+    async def dump_stacks(self, signum: int, *, reporter: int = 0, quiet: float = STACKS_QUIET,
+                          limit: float = STACKS_LIMIT) -> tuple[list[str], str]:
         """Asks the trainer for its Python stacks (worker/stacks.py): the lines it printed in answer (until
         ``quiet`` seconds without a line, at most ``limit``), and why there are none when there are none. The lines
-        are logged as they come, like all its output."""
-        target = await asyncio.to_thread(stack_dumper, self.pid, signum)
+        are logged as they come, like all its output. ``reporter``: the pid that reported the trainer's progress,
+        asked first."""
+        target = await asyncio.to_thread(stack_dumper, self.pid, signum, reporter)
         if isinstance(target, str):
             return [], target
         lines: list[str] = []
@@ -171,23 +172,36 @@ async def _until_quiet(lines: list[str], quiet: float, limit: float) -> None:
             return
 
 
-def stack_dumper(keeper: int, signum: int) -> int | str:
-    """The pid to ask for stacks: the shallowest process under the keeper that catches ``signum`` (its children
-    inherit the handler, and one dump is enough); else why there is none. Blocking: run in a thread."""
+def stack_dumper(keeper: int, signum: int, reporter: int = 0) -> int | str:
+    """The pid to ask for stacks: the process under the keeper that reported the trainer's progress, if it catches
+    ``signum``; else the shallowest that does (a wrapper shell does not; a fork of the trainer, such as an input
+    worker, inherits the handler, so the shallowest is the trainer itself); else why there is none. A process that
+    does not catch the signal is never sent it: it would die of it. Blocking: run in a thread."""
     name = signal.Signals(signum).name
     try:
-        level = psutil.Process(keeper).children()
-        while level:
-            for process in level:
-                if catches_signal(process.pid, signum):
-                    if process.status() == psutil.STATUS_STOPPED:
-                        return f"the trainer (pid {process.pid}) is stopped (SIGSTOP): it cannot dump its stacks"
-                    return process.pid
-            level = [child for process in level for child in process.children()]
+        tree = psutil.Process(keeper).children(recursive=True)
+        by_depth = [p for p in tree if p.pid == reporter] + _shallowest_first(keeper, tree)
+        for process in by_depth:
+            if catches_signal(process.pid, signum):
+                if process.status() == psutil.STATUS_STOPPED:
+                    return f"the trainer (pid {process.pid}) is stopped (SIGSTOP): it cannot dump its stacks"
+                return process.pid
     except psutil.Error as e:
         return f"the trainer's processes could not be read: {e}"
     return (f"no process of the worker catches {name}: its stacks are dumped by the instrumentation's "
             "sitecustomize and by import tfelastic.trainer (docs/operations.md)")
+
+
+def _shallowest_first(keeper: int, tree: list[psutil.Process]) -> list[psutil.Process]:
+    parents = {p.pid: p.ppid() for p in tree}
+
+    def depth(pid: int) -> int:
+        steps = 0
+        while pid != keeper and pid in parents and steps < len(parents):
+            pid, steps = parents[pid], steps + 1
+        return steps
+
+    return sorted(tree, key=lambda p: depth(p.pid))
 
 
 def catches_signal(pid: int, signum: int) -> bool:

@@ -238,3 +238,38 @@ def test_a_trainer_stopped_by_sigstop_is_said_to_be_stopped(tmp_path: Path) -> N
         await worker.stop(5.0)
 
     asyncio.run(scenario())
+
+
+# A trainer whose Python forks a child that trains (and reports): both catch the signal (a fork keeps the handler).
+FORKED = textwrap.dedent("""
+    import os, sys, time
+    def parent_waits():
+        os.waitpid(child, 0)
+    def child_wedged_in_its_step():
+        print("wedged", os.getpid(), flush=True)
+        while True:
+            time.sleep(60)
+    child = os.fork()
+    if child == 0:
+        child_wedged_in_its_step()
+    parent_waits()
+""")
+
+
+def test_the_process_that_reported_is_asked_for_its_stacks_before_its_parent(tmp_path: Path) -> None:
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED)
+    env = {**os.environ, "PYTHONPATH": SITE_DIR, STACKS_SIGNAL_ENV: str(int(STACKS_SIGNAL))}
+
+    async def scenario() -> None:
+        worker = await WorkerProcess.start(WorkerSpec([sys.executable, str(script)], env, None, "[t]", 5.0))
+        line = await asyncio.to_thread(wait_for, lambda: next((t for t in worker.tail if t.startswith("wedged")), None),
+                                       30, "the child to wedge")
+        reporter = int(line.split()[1])
+        lines, missing = await worker.dump_stacks(STACKS_SIGNAL, reporter=reporter)
+        assert (hang_site(lines) or "").startswith(f"hung in child_wedged_in_its_step ({script}:"), (lines, missing)
+        lines, _ = await worker.dump_stacks(STACKS_SIGNAL)  # not known: the shallowest, the parent
+        assert (hang_site(lines) or "").startswith(f"hung in parent_waits ({script}:"), lines
+        await worker.stop(5.0)
+
+    asyncio.run(scenario())

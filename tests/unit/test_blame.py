@@ -20,6 +20,8 @@ def peer_first(clock: FakeClock, now: float = 10.0) -> Rendezvous:
     at(clock, rv, now)
     sends = rv.worker_failed("a", rv.generation, RestartReason.WORKER_EXIT, PEER, FailureCause.PEER_FAILURE)
     assert sends == stops(rv.generation, IDS, RestartReason.WORKER_EXIT)  # no delay waiting for the root cause
+    # Counted in the total and the budget now; by reason once the record is final (counters never go down).
+    assert (rv.restarts_total, rv.snapshot().restarts_by_reason) == (1, {})
     return rv
 
 
@@ -61,7 +63,9 @@ def test_without_a_root_cause_the_survivors_report_stays_and_a_later_generation_
     rv = peer_first(clock)
     rv.worker_failed("b", 1, RestartReason.WORKER_EXIT, PEER, FailureCause.PEER_FAILURE)  # another survivor
     assert rv.reason == f"worker_exit: a: {PEER}"
+    assert rv.durable(0.0).restarts_by_reason == {"worker_exit": 1}  # a successor counts it as first reported
     rejoin_each(rv, IDS)
+    assert rv.snapshot().restarts_by_reason == {"worker_exit": 1}  # final at the next generation
     assert rv.worker_failed("c", 1, RestartReason.WORKER_EXIT, KILLED, FailureCause.SIGNAL) == []  # stale
     assert rv.goodput.lines[0].ended == f"worker_exit: a: {PEER}" and not rv.goodput.lines[1].ended
     assert not rv.quarantine.is_held("a")
@@ -73,4 +77,17 @@ def test_a_failure_of_its_own_first_is_the_restarts_cause_whatever_follows() -> 
     at(clock, rv, 10.0)
     rv.worker_failed("c", 1, RestartReason.WORKER_EXIT, KILLED, FailureCause.SIGNAL)
     rv.worker_failed("a", 1, RestartReason.STALLED, "no progress for 20.0s", FailureCause.HANG)
+    assert rv.reason == f"worker_exit: c: {KILLED}"
+
+
+def test_an_exception_or_a_report_without_a_cause_may_be_a_survivors_echo_and_takes_no_blame() -> None:
+    """An NCCL error the agent does not know as a peer's, or an agent of 0.3.0 that sends no cause."""
+    clock = FakeClock()
+    rv = peer_first(clock)
+    rv.worker_failed("b", 1, RestartReason.WORKER_EXIT, "trainer exited with code 1: InternalError: NCCL error",
+                     FailureCause.EXCEPTION)
+    rv.worker_failed("c", 1, RestartReason.WORKER_EXIT, "trainer exited with code 1")  # no cause: an old agent
+    assert rv.reason == f"worker_exit: a: {PEER}"
+    assert not rv.quarantine.is_held("b") and not rv.quarantine.is_held("c")
+    rv.worker_failed("c", 1, RestartReason.WORKER_EXIT, KILLED, FailureCause.SIGNAL)  # the root cause still counts
     assert rv.reason == f"worker_exit: c: {KILLED}"

@@ -3,12 +3,15 @@ process, and the cases a real one rarely shows (no main thread found, no frame o
 
 from __future__ import annotations
 
+import io
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from tfelastic.daemon.worker.stacks import (
     STACKS_SIGNAL,
     STACKS_SIGNAL_ENV,
@@ -129,3 +132,17 @@ def test_the_script_run_as_main_is_the_trainers_own_code_even_inside_a_package()
              '  File "<frozen runpy>", line 198 in _run_module_as_main']
     assert hang_site(lines, library) == ("hung in on_train_batch_end (/opt/tfelastic/trainer/demo_trainer.py:98), "
                                          "waiting in wait (/usr/lib/python3.11/threading.py:327)")
+
+
+def test_registering_never_fails_an_import_and_keeps_the_trainers_own_handler(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {STACKS_SIGNAL_ENV: str(int(STACKS_SIGNAL))}
+    previous = signal.signal(STACKS_SIGNAL, lambda *_: None)  # the trainer's own handler
+    try:
+        assert register_stack_dump(env) is False
+    finally:
+        signal.signal(STACKS_SIGNAL, previous)
+    wrapper = io.StringIO()  # a stderr with no file descriptor
+    monkeypatch.setattr(sys, "stderr", wrapper)
+    assert register_stack_dump(env) is False
+    assert "no stack dump on signal" in wrapper.getvalue()

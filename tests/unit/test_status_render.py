@@ -252,8 +252,11 @@ def test_the_last_restart_is_the_last_generation_another_followed_and_the_table_
     assert doc["last_restart"] == {"generation": 1, "ended": "stalled: node-b: no progress for 15.0s"}
     assert render_table(doc).splitlines()[5] == \
         "last restart: generation 1 ended: stalled: node-b: no progress for 15.0s"
-    ended = pb.Goodput(generations=[LEDGER.generations[0]])  # the job ended in generation 1: no restart
-    assert to_json(cluster_status(goodput=ended))["last_restart"] is None
+    restarting = pb.Goodput(generations=[LEDGER.generations[0]])  # generation 1 stopping: no generation 2 yet
+    assert to_json(cluster_status(goodput=restarting))["last_restart"] == doc["last_restart"]
+    ended = pb.Goodput(generations=[pb.GenerationLine(generation=1, formed_at=WALL, size=2,
+                                                      ended="succeeded: every trainer of generation 1 exited 0")])
+    assert to_json(cluster_status(goodput=ended))["last_restart"] is None  # the job's end is no restart
 
 
 def test_the_report_has_a_line_per_generation_then_the_totals() -> None:
