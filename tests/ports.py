@@ -39,6 +39,8 @@ _cursor: dict[range, int] = {}  # per slice: the index the next pick starts at
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` different ports of this worker's slice that ``host`` can bind now, the next ones round the slice."""
+    if count == 0:
+        return []
     ports = worker_slice()
     start = _cursor.get(ports, random.randrange(len(ports)))  # a random start: a rerun does not retrace the last
     picked: list[int] = []

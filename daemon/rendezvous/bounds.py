@@ -38,7 +38,9 @@ DIGEST_BYTES = 32  # SHA-256 of the trainer command
 
 # How much of a value from the network a log line or a reply shows (printable): enough to read it, never a flood.
 SHOWN_REASON_CHARS = 200  # a Leave's or an operator's reason
-SHOWN_DETAIL_CHARS = 300  # a WorkerReport's detail (an exit, a signal, the trainer's last error)
+# A WorkerReport's detail (an exit, a signal, the trainer's last error; a hang's site with two paths of the
+# trainer's own code), as the coordinator keeps and shows it.
+SHOWN_DETAIL_CHARS = 600
 SHOWN_CHECK_FAILURE_CHARS = 500  # what a node check found
 SHOWN_VALUE_CHARS = 32  # a bad enum value (a strategy, a role) quoted in a refusal
 SHOWN_STORED_VALUE_CHARS = 80  # a bad value read back from etcd

@@ -31,6 +31,7 @@ _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent c
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<function>.+)$')
 # Installed libraries and the standard library (TensorFlow, tf_keras, threading), and frozen modules.
 _LIBRARY = re.compile(r"/(site|dist)-packages/|/lib/python3(\.\d+)?/|^<")
+_LIBRARY_ROOT = re.compile(r"^.*/(site|dist)-packages/|^.*/lib/python3(\.\d+)?/")  # up to a package's own path
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class Frame:
 
     def __str__(self) -> str:
         return f"{self.function} ({self.file}:{self.line})"
+
+    def short(self) -> str:
+        """As ``str``, a library's file named from its package (``tensorflow/python/eager/execute.py``)."""
+        return f"{self.function} ({_LIBRARY_ROOT.sub('', self.file)}:{self.line})"
 
 
 @dataclass(frozen=True)
@@ -107,8 +112,8 @@ def hang_site(lines: Iterable[str], library: Sequence[str] = OWN_CODE) -> str | 
     own = next((f for f in main.frames if is_own_code(f, library, script)), None)
     innermost = main.frames[0]
     if own is None:
-        return f"hung in {innermost}, in no frame of the trainer's own code"
-    site = f"hung in {own}" + (f", waiting in {innermost}" if innermost != own else "")
+        return f"hung in {innermost.short()}, in no frame of the trainer's own code"
+    site = f"hung in {own}" + (f", waiting in {innermost.short()}" if innermost != own else "")
     # A thread whose innermost frame is the trainer's own code: an input pipeline's function, say.
     elsewhere = [f for t in threads if t is not main for f in t.frames[:1] if is_own_code(f, library, script)]
     if elsewhere:

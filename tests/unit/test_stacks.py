@@ -82,7 +82,7 @@ def test_the_innermost_library_frame_is_named_beside_the_trainers_own() -> None:
              '  File "/home/ml/train.py", line 88 in main',
              '  File "/home/ml/train.py", line 99 in <module>']
     assert hang_site(lines) == ("hung in main (/home/ml/train.py:88), waiting in quick_execute "
-                                "(/usr/lib/python3/dist-packages/tensorflow/python/eager/execute.py:53)")
+                                "(tensorflow/python/eager/execute.py:53)")  # a library's file from its package
 
 
 def test_the_main_thread_is_the_one_threading_did_not_start_even_when_another_ran_the_handler() -> None:
@@ -104,8 +104,7 @@ def test_a_main_thread_with_no_frame_of_the_trainers_own_says_so_and_tfelastics_
              '  File "/opt/tfelastic/trainer/loop.py", line 40 in run',
              '  File "<frozen runpy>", line 88 in _run_code']
     assert not is_own_code(Frame("/opt/tfelastic/trainer/loop.py", "40", "run"), library)
-    assert hang_site(lines, library) == "hung in wait (/usr/lib/python3.11/threading.py:320), in no frame of the " \
-                                        "trainer's own code"
+    assert hang_site(lines, library) == "hung in wait (threading.py:320), in no frame of the trainer's own code"
 
 
 def test_output_without_a_dump_has_no_site() -> None:
@@ -131,7 +130,7 @@ def test_the_script_run_as_main_is_the_trainers_own_code_even_inside_a_package()
              '  File "<frozen runpy>", line 88 in _run_code',
              '  File "<frozen runpy>", line 198 in _run_module_as_main']
     assert hang_site(lines, library) == ("hung in on_train_batch_end (/opt/tfelastic/trainer/demo_trainer.py:98), "
-                                         "waiting in wait (/usr/lib/python3.11/threading.py:327)")
+                                         "waiting in wait (threading.py:327)")
 
 
 def test_registering_never_fails_an_import_and_keeps_the_trainers_own_handler(

@@ -47,3 +47,8 @@ def test_ports_picked_one_after_another_come_round_the_slice_before_repeating(mo
     picks = [ports.free_port() for _ in range(10)]
     assert sorted(picks) == list(range(start, start + 10))
     assert ports.free_port() == picks[0]  # and then round again, in the same order
+
+
+def test_no_ports_asked_for_are_none() -> None:
+    """A worker alone has no peers: a hand-made TF_CONFIG asks for no other port."""
+    assert ports.free_ports(0) == []
