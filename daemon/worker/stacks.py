@@ -24,8 +24,12 @@ import tfelastic.trainer
 STACKS_SIGNAL = signal.SIGUSR2
 STACKS_SIGNAL_ENV = "TFELASTIC_STACKS_SIGNAL"  # its number; trainer/stacks.py and the sitecustomize read it
 
-# tfelastic's own files: a frame there (TrainLoop, a callback) is not the user's code.
-OWN_CODE = tuple(str(Path(module.__file__ or "").resolve().parent) for module in (tfelastic.daemon, tfelastic.trainer))
+# tfelastic's own files: a frame there (TrainLoop, a callback) is not the user's code. Where this process imports
+# them from, as imported and with links resolved (a checkout); an installed or linked layout is recognised by its
+# path as well (_TFELASTIC), since a trainer may import them from another place than its agent.
+OWN_CODE = tuple({str(path) for module in (tfelastic.daemon, tfelastic.trainer)
+                  for path in (Path(module.__file__ or "").parent, Path(module.__file__ or "").resolve().parent)})
+_TFELASTIC = re.compile(r"/tfelastic/(trainer|daemon)/")
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):$")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<function>.+)$')
@@ -90,7 +94,8 @@ def is_own_code(frame: Frame, library: Sequence[str] = OWN_CODE, script: str | N
     or any file but the standard library, an installed package and tfelastic."""
     if frame.file == script:
         return True
-    return not _LIBRARY.search(frame.file) and not any(frame.file.startswith(root + "/") for root in library)
+    return not _LIBRARY.search(frame.file) and not _TFELASTIC.search(frame.file) and \
+        not any(frame.file.startswith(root + "/") for root in library)
 
 
 def script_of(thread: ThreadStack) -> str | None:

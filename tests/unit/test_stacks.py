@@ -104,6 +104,9 @@ def test_a_main_thread_with_no_frame_of_the_trainers_own_says_so_and_tfelastics_
              '  File "/opt/tfelastic/trainer/loop.py", line 40 in run',
              '  File "<frozen runpy>", line 88 in _run_code']
     assert not is_own_code(Frame("/opt/tfelastic/trainer/loop.py", "40", "run"), library)
+    # tfelastic linked into a virtual environment (tests/environments.py), or installed: not the trainer's either
+    assert not is_own_code(Frame("/tmp/floor/tree/tfelastic/trainer/instrument/__init__.py", "80", "instrumented_fit"))
+    assert is_own_code(Frame("/srv/job/train.py", "1", "<module>"))
     assert hang_site(lines, library) == "hung in wait (threading.py:320), in no frame of the trainer's own code"
 
 
