@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tfelastic.daemon.agent.api import Send, StopResult
@@ -154,7 +154,7 @@ class TrainerWatch:
         """The stacks asked for have not come within :data:`STACKS_PATIENCE`."""
         return self._hang is not None and self._clock() - self._hang.found_at >= STACKS_PATIENCE
 
-    def hang_report(self, stacks: list[str] | tuple[str, ...], missing: str) -> Send | None:
+    def hang_report(self, stacks: Sequence[str], missing: str) -> Send | None:
         """The stall's report, with where the trainer hangs (worker/stacks.py) or why that is not known."""
         hang, self._hang = self._hang, None
         if hang is None:

@@ -269,7 +269,7 @@ class WorkerCore:
         return [DumpStacks(a.generation, latest.pid if latest is not None else 0)]
 
     def _hang_reported(self, stacks: Sequence[str], missing: str) -> list[Action]:
-        report = self.trainer.hang_report(list(stacks), missing)
+        report = self.trainer.hang_report(stacks, missing)
         return [report] if report is not None else []
 
     def _replace(self, ended: Send) -> list[Action]:

@@ -30,7 +30,17 @@ class PeerBlame:
     generation: int
     node_id: str  # the survivor
     reason: str  # the restart's reason (a RestartReason's value)
-    text: str  # the restart's record: "worker_exit: a: trainer saw a peer fail ..."
+    detail: str  # its report's detail
+
+    @property
+    def text(self) -> str:
+        """The restart's record, as the coordinator wrote it: "worker_exit: a: trainer saw a peer fail ..."."""
+        return record(self.reason, self.node_id, self.detail)
+
+
+def record(reason: str, node_id: str, detail: str) -> str:
+    """A restart's record: its reason, the node whose failure it is, and what that node said."""
+    return f"{reason}: {node_id}: {detail}"
 
 
 class BlameBook:

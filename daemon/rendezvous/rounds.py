@@ -32,7 +32,7 @@ from tfelastic.daemon.rendezvous.api import (
     StopWorkers,
     Waiting,
 )
-from tfelastic.daemon.rendezvous.blame import BlameBook
+from tfelastic.daemon.rendezvous.blame import BlameBook, record
 from tfelastic.daemon.rendezvous.goodput import GoodputLedger
 from tfelastic.daemon.rendezvous.membership import Membership, Node
 from tfelastic.daemon.rendezvous.ps_job import TaskBook
@@ -196,7 +196,7 @@ class RoundKeeper:
         blame = self.blame.root_cause(generation, node_id, cause) if node_id in self._ranks else None
         if blame is None:
             return False
-        text = f"{reason.value}: {node_id}: {detail}"
+        text = record(reason.value, node_id, detail)
         if self.reason.startswith(blame.text):  # keep what follows: a backoff, a quarantine
             self.reason = text + self.reason[len(blame.text):]
         self.goodput.blamed_instead(blame.text, text)

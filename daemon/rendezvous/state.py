@@ -287,8 +287,7 @@ class Rendezvous(RoundKeeper):
         sends = self._restart(reason, f"{node_id}: {detail}", peer_failure=peer)
         if first and not self.state.is_terminal:  # not when it ended the job (budget spent, chief done)
             if peer:  # not this node's fault: no strike, and the root cause may still come
-                self.blame.peer_failure_restarted(PeerBlame(generation, node_id, reason.value,
-                                                            f"{reason.value}: {node_id}: {detail}"))
+                self.blame.peer_failure_restarted(PeerBlame(generation, node_id, reason.value, detail))
             else:
                 self._strike(node_id, detail)
         return sends

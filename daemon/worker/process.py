@@ -179,9 +179,8 @@ def stack_dumper(keeper: int, signum: int, reporter: int = 0) -> int | str:
     does not catch the signal is never sent it: it would die of it. Blocking: run in a thread."""
     name = signal.Signals(signum).name
     try:
-        tree = psutil.Process(keeper).children(recursive=True)
-        by_depth = [p for p in tree if p.pid == reporter] + _shallowest_first(keeper, tree)
-        for process in by_depth:
+        tree = _breadth_first(keeper)
+        for process in sorted(tree, key=lambda p: p.pid != reporter):  # stable: the reporter, then by depth
             if catches_signal(process.pid, signum):
                 if process.status() == psutil.STATUS_STOPPED:
                     return f"the trainer (pid {process.pid}) is stopped (SIGSTOP): it cannot dump its stacks"
@@ -192,16 +191,14 @@ def stack_dumper(keeper: int, signum: int, reporter: int = 0) -> int | str:
             "sitecustomize and by import tfelastic.trainer (docs/operations.md)")
 
 
-def _shallowest_first(keeper: int, tree: list[psutil.Process]) -> list[psutil.Process]:
-    parents = {p.pid: p.ppid() for p in tree}
-
-    def depth(pid: int) -> int:
-        steps = 0
-        while pid != keeper and pid in parents and steps < len(parents):
-            pid, steps = parents[pid], steps + 1
-        return steps
-
-    return sorted(tree, key=lambda p: depth(p.pid))
+def _breadth_first(root: int) -> list[psutil.Process]:
+    """``root``'s descendants, its children first, then theirs."""
+    found: list[psutil.Process] = []
+    level = psutil.Process(root).children()
+    while level:
+        found += level
+        level = [child for process in level for child in process.children()]
+    return found
 
 
 def catches_signal(pid: int, signum: int) -> bool:

@@ -24,11 +24,10 @@ import tfelastic.trainer
 STACKS_SIGNAL = signal.SIGUSR2
 STACKS_SIGNAL_ENV = "TFELASTIC_STACKS_SIGNAL"  # its number; trainer/stacks.py and the sitecustomize read it
 
-# tfelastic's own files: a frame there (TrainLoop, a callback) is not the user's code. Where this process imports
-# them from, as imported and with links resolved (a checkout); an installed or linked layout is recognised by its
-# path as well (_TFELASTIC), since a trainer may import them from another place than its agent.
-OWN_CODE = tuple({str(path) for module in (tfelastic.daemon, tfelastic.trainer)
-                  for path in (Path(module.__file__ or "").parent, Path(module.__file__ or "").resolve().parent)})
+# tfelastic's own files: a frame there (TrainLoop, a callback) is not the user's code. A checkout's folders, where
+# this process imports them from with links resolved; an installed or linked layout by its path (_TFELASTIC), since
+# a trainer may import them from another place than its agent.
+OWN_CODE = tuple(str(Path(module.__file__ or "").resolve().parent) for module in (tfelastic.daemon, tfelastic.trainer))
 _TFELASTIC = re.compile(r"/tfelastic/(trainer|daemon)/")
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):$")

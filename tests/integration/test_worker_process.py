@@ -244,6 +244,7 @@ def test_a_trainer_stopped_by_sigstop_is_said_to_be_stopped(tmp_path: Path) -> N
 FORKED = textwrap.dedent("""
     import os, sys, time
     def parent_waits():
+        print("waiting", flush=True)
         os.waitpid(child, 0)
     def child_wedged_in_its_step():
         print("wedged", os.getpid(), flush=True)
@@ -265,6 +266,7 @@ def test_the_process_that_reported_is_asked_for_its_stacks_before_its_parent(tmp
         worker = await WorkerProcess.start(WorkerSpec([sys.executable, str(script)], env, None, "[t]", 5.0))
         line = await asyncio.to_thread(wait_for, lambda: next((t for t in worker.tail if t.startswith("wedged")), None),
                                        30, "the child to wedge")
+        await asyncio.to_thread(wait_for, lambda: "waiting" in worker.tail, 30, "the parent to wait for it")
         reporter = int(line.split()[1])
         lines, missing = await worker.dump_stacks(STACKS_SIGNAL, reporter=reporter)
         assert (hang_site(lines) or "").startswith(f"hung in child_wedged_in_its_step ({script}:"), (lines, missing)

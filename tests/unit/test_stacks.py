@@ -25,30 +25,35 @@ from tfelastic.daemon.worker.stacks import (
 from tfelastic.trainer.stacks import register_stack_dump
 
 # A trainer with a helper thread of its own and one in the standard library, which dumps its stacks to stderr by
-# raising the agent's signal at itself from inside a named function, registered the way tfelastic.trainer does.
+# raising the agent's signal in its main thread from inside a named function, registered as tfelastic.trainer
+# does; each thread is known to be where it should be before the signal.
 HUNG = textwrap.dedent("""
-    import os, queue, signal, sys, threading, time
+    import os, signal, threading, time
     from tfelastic.trainer.stacks import register_stack_dump
     assert register_stack_dump()
-    started = threading.Barrier(3)
+    prefetching, idle = threading.Event(), threading.Condition()
+    idling = False
 
     def prefetch():
-        started.wait()
+        prefetching.set()  # from here on its innermost frame is its own: this loop, or the sleep it calls
         while True:
             time.sleep(60)
 
-    def idle():
-        started.wait()
-        queue.Queue().get()
+    def wait_idle():
+        global idling
+        with idle:
+            idling = True
+            idle.notify()
+            idle.wait()  # waits in the standard library: it releases the lock only in there
 
     threading.Thread(target=prefetch, daemon=True).start()
-    threading.Thread(target=idle, daemon=True).start()
+    threading.Thread(target=wait_idle, daemon=True).start()
 
     def train_step():
-        started.wait()
-        time.sleep(0.2)  # both threads in their waits
-        os.kill(os.getpid(), int(os.environ["TFELASTIC_STACKS_SIGNAL"]))
-        time.sleep(0.2)
+        prefetching.wait()
+        with idle:
+            idle.wait_for(lambda: idling)  # the lock is ours again: wait_idle is inside idle.wait()
+        signal.raise_signal(int(os.environ["TFELASTIC_STACKS_SIGNAL"]))  # handled before it returns
 
     train_step()
 """)
@@ -72,7 +77,7 @@ def test_a_real_dump_names_the_trainers_function_file_and_line_and_its_other_thr
     site = hang_site(lines)
     assert site is not None
     assert site.startswith(f"hung in train_step ({script}:"), site
-    assert f"another thread in prefetch ({script}:" in site, site  # not idle: it waits in the standard library
+    assert f"another thread in prefetch ({script}:" in site, site  # not wait_idle: it waits in the library
 
 
 def test_the_innermost_library_frame_is_named_beside_the_trainers_own() -> None:
