@@ -51,7 +51,7 @@ def test_restart_reforms_the_same_nodes_without_spending_the_budget(make_cluster
     cluster = make_cluster(TRAINER, nodes="2", extra_args=[*FAST, "--max-restarts", "0"], env=SLOW_COUNTER)
     cluster.start_host("a")
     cluster.start("b")
-    cluster.wait_running(1, 2, step=5)
+    before = [n["node_id"] for n in members(cluster.wait_running(1, 2, step=5))]  # b may have joined first
 
     command = [sys.executable, "-m", "tfelastic.daemon", "restart", "--reason", "new learning rate", "--rendezvous",
                str(cluster.endpoint)]
@@ -62,7 +62,7 @@ def test_restart_reforms_the_same_nodes_without_spending_the_budget(make_cluster
     assert said[0].startswith("absorbed into the restart of job default from generation 1"), said
     assert said[1].startswith("restarting job default from generation 1"), said
     doc = cluster.wait_running(2, 2, step=1)
-    assert [n["node_id"] for n in members(doc)] == ["a", "b"]  # same nodes, same ranks
+    assert [n["node_id"] for n in members(doc)] == before and sorted(before) == ["a", "b"]  # same nodes, same ranks
     assert doc["restarts_by_reason"] == {"operator_restart": 1}
     assert cluster.wait_all(60) == [0, 0], cluster.logs()
     assert "operator restarts the job (new learning rate)" in cluster.agents[0].log()
