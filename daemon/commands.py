@@ -42,6 +42,7 @@ from tfelastic.daemon.sdnotify import Notifier, journal_handler, run_notifying, 
 from tfelastic.daemon.serving import CoordinatorSetup
 from tfelastic.daemon.slurm import SlurmStep
 from tfelastic.daemon.version import describe
+from tfelastic.daemon.worker.priority import lead_workers
 
 # After an agent's own wind-down: asyncio's teardown (cancelled tasks, its thread pool) and the interpreter's.
 EXIT_TEARDOWN_SECONDS = 10.0
@@ -94,6 +95,7 @@ def run_agent(config: AgentConfig, slurm: SlurmStep | None = None) -> int:
     setup_logging(config.node.log_level, f"{config.job.name}/{config.node.id}")  # journald: job and node
     logging.getLogger("tfelastic").info("%s: agent of job %s on node %s", describe(), config.job.name, config.node.id)
     config = local_tier_or_off(config)  # it warns: after the logging is set up
+    lead_workers()  # before gRPC starts its threads
     _open_files()
     _warn_if_clear_text(listen, config.rendezvous.tls)
     _warn_if_etcd_is_open(config.rendezvous)

@@ -20,6 +20,7 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 GRACE_ENV = "TFELASTIC_KEEPER_GRACE"
 AGENT_PID_ENV = "TFELASTIC_AGENT_PID"
+PRIORITY_ENV = "TFELASTIC_KEEPER_PRIORITY"  # the trainer's nice value (worker/priority.py: the agent runs ahead)
 
 
 def _prctl(option: int, value: int) -> None:
@@ -89,6 +90,7 @@ def main(argv: list[str]) -> int:
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
     grace = float(os.environ.pop(GRACE_ENV, "10"))
     agent = int(os.environ.pop(AGENT_PID_ENV, "0")) or os.getppid()  # the agent says who it is: we may be late
+    priority = os.environ.pop(PRIORITY_ENV, "")
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGHUP, lambda *_: _orphaned(grace))
     _prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
@@ -102,6 +104,9 @@ def main(argv: list[str]) -> int:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the keeper itself was SIGKILLed: take the trainer along
         if os.getppid() != keeper:  # it died before the death signal was armed
             os._exit(128 + signal.SIGKILL)
+        if priority:  # one thread yet: the nice value is the whole process's, and every thread it starts inherits it
+            with contextlib.suppress(OSError, ValueError):  # raising a nice value needs no privilege
+                os.setpriority(os.PRIO_PROCESS, 0, int(priority))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])  # a stop that reached us already ends us
         try:
             os.execvp(argv[0], argv)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psutil
 from tfelastic.daemon.worker import keeper
+from tfelastic.daemon.worker.priority import workers_priority
 
 log = logging.getLogger("tfelastic.worker")
 
@@ -60,6 +61,7 @@ class WorkerProcess:
         env = dict(spec.env)
         env[keeper.GRACE_ENV] = str(spec.orphan_grace_seconds)
         env[keeper.AGENT_PID_ENV] = str(os.getpid())
+        env[keeper.PRIORITY_ENV] = str(workers_priority())
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-S", KEEPER_PATH, *spec.command,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psutil
 from tfelastic.daemon.worker import standby
+from tfelastic.daemon.worker.priority import workers_priority
 from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
 from tfelastic.trainer.environment import (
     GENERATION_ENV,
@@ -112,9 +113,8 @@ STANDBY_NICE = 10
 
 
 def _may_raise_priority_back() -> bool:
-    """Whether a process of ours may go back to this priority after lowering it (root, or RLIMIT_NICE)."""
-    current = os.getpriority(os.PRIO_PROCESS, 0)
-    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - current
+    """Whether a standby may go back to the workers' priority after lowering it (root, or RLIMIT_NICE)."""
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - workers_priority()
 
 
 def standby_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -4,6 +4,7 @@ agents started by hand a second apart. Real agents, real gRPC, the counter train
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -17,8 +18,10 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tfelastic.daemon.worker.priority import AGENT_LEAD
 
 from tests.cluster import COUNTER, FORM_WITH_ALL, members, wait_for
 from tests.conftest import ClusterFactory
@@ -203,3 +206,22 @@ def test_an_agent_whose_exit_hangs_still_exits_with_the_code_it_decided() -> Non
     assert result.returncode == 0, result.stderr
     assert "decided to exit with code 0 but is still tearing down 0.5s later" in result.stderr, result.stderr
     assert "thread hung-teardown" in result.stderr, result.stderr
+
+
+def test_trainers_that_saturate_every_core_cost_no_node(make_cluster: ClusterFactory) -> None:
+    """Three agents on this machine, each trainer spinning one process per core for a minute while each agent's
+    standby imports TensorFlow beside it: every agent keeps its heartbeats and its trainer's hang watch, so no
+    node is lost, none fences itself and the job never restarts."""
+    cluster = make_cluster(TRAINER, nodes="3", warm_start=True, extra_args=FORM_WITH_ALL,
+                           env={"COUNTER_STEPS": "600", "COUNTER_STEP_SECONDS": "0.1", "COUNTER_BURN_SECONDS": "60"})
+    agents = [cluster.start_host("a"), cluster.start("b"), cluster.start("c")]
+    usual = os.getpriority(os.PRIO_PROCESS, 0)
+    wait_for(lambda: all("CPU priority" in a.log() for a in agents), 30, "the agents' priorities")
+    assert [psutil.Process(a.proc.pid).nice() for a in agents] == [max(-20, usual - AGENT_LEAD)] * 3  # as root
+    codes = cluster.wait_all(300)
+    logs = cluster.logs()
+    assert codes == [0, 0, 0], logs
+    assert {e["nice"] for e in cluster.events() if e["event"] == "start"} == {usual}, logs
+    assert not re.search(r"node \S+ lost|no message from the coordinator|trainer stalled", logs), logs
+    assert {e["generation"] for e in cluster.events() if e["event"] == "start"} == {1}, logs
+    assert sum(e["event"] == "end" for e in cluster.events()) == 3, logs

@@ -258,6 +258,16 @@ def test_install_is_idempotent_and_keeps_configs(systemd_ns: Hermetic) -> None:
     ns.run("systemd-analyze", "verify", "tfelastic@example.service", "tfelastic-coordinator@example.service")
 
 
+def _may_raise_limits() -> bool:
+    """Whether this machine lets systemd raise a hard resource limit (CAP_SYS_RESOURCE: a container may lack it)."""
+    status = Path("/proc/self/status").read_text()
+    effective = int(re.search(r"CapEff:\s*([0-9a-f]+)", status).group(1), 16)  # type: ignore[union-attr]
+    return bool(effective >> CAP_SYS_RESOURCE & 1)
+
+
+CAP_SYS_RESOURCE = 24
+
+
 def test_job_runs_to_success_with_job_node_and_rank_in_the_journal(systemd_ns: Hermetic) -> None:
     ns = systemd_ns
     job = Job(ns, free_port(), COUNTER_STEPS="40")
@@ -269,7 +279,12 @@ def test_job_runs_to_success_with_job_node_and_rank_in_the_journal(systemd_ns: H
     assert "Scheduled restart job" not in log
     assert f"INFO tfelastic[{job.name}/{node}] tfelastic.agent: job succeeded" in log
     assert "[rank 0] hello from the trainer" in log
+    if _may_raise_limits():  # LimitNICE=-5: the unprivileged agent runs ahead of its trainer
+        assert "CPU priority: the agent runs at nice -5, its trainer and standby at 0" in log
+    else:  # systemd cannot raise the hard limit here: the agent says what it needs
+        assert "running ahead of them at -5 was refused (Permission denied; RLIMIT_NICE allows down to 20)" in log
     assert [e["step"] for e in job.events() if e["event"] == "end"] == [40]
+    assert [e["nice"] for e in job.events() if e["event"] == "start"] == [0]
     fields = ns.run("journalctl", "--no-pager", "-o", "json", "-u", unit, "-n", "1", f"JOB={node}").stdout
     assert json.loads(fields)["SYSLOG_IDENTIFIER"] == "tfelastic"  # LogExtraFields=JOB=%i
     assert not unit_processes(node)

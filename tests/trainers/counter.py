@@ -22,6 +22,9 @@ touched memory and a few threads, so that a killed trainer takes a while to let 
 a port still held makes it exit 1 with the bind error, as TensorFlow's server does); COUNTER_IGNORE_TERM=1 (trains on
 through SIGTERM, as a MultiWorkerMirroredStrategy worker does once its coordination service runs: a stop kills it).
 
+COUNTER_BURN_SECONDS (N: every rank starts one busy process per core, in its own process group, that spins for N
+seconds: an input pipeline that saturates every core of the node).
+
 COUNTER_SAVE_EVERY (the chief saves its step file every N steps, default 1) and COUNTER_CHECKPOINT_ON_TERM=1 (on
 SIGTERM the chief saves the step it reached, each rank records a "checkpointed" event and exits 42,
 CHECKPOINTED_AND_STOPPED: a trainer that loses no step on a planned stop; set before the start event is written).
@@ -37,6 +40,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -101,6 +105,13 @@ def hold_port(megabytes: int) -> tuple[socket.socket, list[bytearray]] | None:
     return server, held
 
 
+def burn_every_core(seconds: float) -> list[subprocess.Popen[bytes]]:
+    """One spinning child per core, each ending by itself after ``seconds`` (a killed trainer's group takes them
+    along)."""
+    spin = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
+
+
 def once(backup: str, name: str) -> bool:
     """True the first time it is called for ``name`` in this job."""
     try:
@@ -145,6 +156,7 @@ def main() -> int:
     generation = int(os.environ["TFELASTIC_GENERATION"])
     recorded = [name for name in os.environ.get("COUNTER_RECORD_ENV", "").split(",") if name]
     event("start", tf_config=os.environ["TF_CONFIG"], legacy_keras=os.environ.get("TF_USE_LEGACY_KERAS"),
+          nice=os.getpriority(os.PRIO_PROCESS, 0),
           stale=stale_workers(backup, generation, events), env={name: os.environ.get(name) for name in recorded})
     if bind_failed:
         event("bind_failed", error=bind_failed)
@@ -167,6 +179,8 @@ def main() -> int:
     lose_at = int(os.environ.get("COUNTER_LOSE_BACKUP_AT", "-1"))
     prints = bool(os.environ.get("COUNTER_PRINT"))
     linger = float(os.environ.get("COUNTER_LINGER_AFTER_DONE", "-1"))
+    burning = burn_every_core(float(os.environ.get("COUNTER_BURN_SECONDS", "0"))) \
+        if os.environ.get("COUNTER_BURN_SECONDS") else []
     reporter = ProgressReporter.from_env(min_interval=0)
     reporter.report(step, phase=Phase.SETUP)  # its "restore": a trainer that announces its long work
     tiered = bool(os.environ.get("COUNTER_TIERED"))
@@ -200,6 +214,8 @@ def main() -> int:
     if linger >= 0:  # training complete, then silent work such as an evaluation or an export
         reporter.report(step, done=True)
         time.sleep(linger)
+    for spinner in burning:
+        spinner.wait()
     event("end")
     return 0
 
