@@ -53,9 +53,9 @@ STALL_AUTO = StallTimeout()
 @dataclass(frozen=True)
 class StallLimits:
     fixed: float | None = None  # a fixed limit (--stall-timeout SECONDS; 0 off); None learns it
-    floor: float = 20.0
+    floor: float = 5.0  # half the silence after which TensorFlow's coordination service declares a peer dead
     allowance: float = 300.0
-    factor: float = 10.0
+    factor: float = 8.0  # 1.6x the slowest of steps that vary 5x, should the warm-up see only the fastest
 
 
 class StallDetector:

@@ -265,22 +265,22 @@ def test_training_completed_pauses_the_stall_check_until_the_next_report() -> No
 
 
 def test_a_learned_limit_reports_a_live_hang_after_the_floor_and_names_where_it_came_from() -> None:
-    h = Harness(stall=StallLimits(floor=20.0, allowance=600.0))
+    h = Harness(stall=StallLimits(allowance=600.0))  # the default floor
     h.running()
     h.core.progress(ProgressMessage(1, 4001, step=0, phase=Phase.SETUP))
     assert h.registry.get_sample_value("tfelastic_stall_limit_seconds") == 600.0
     for step in range(1, WARMUP_GAPS + 4):
         h.clock.now += 0.25
         h.core.progress(ProgressMessage(1, 4001, step=step))
-    assert h.registry.get_sample_value("tfelastic_stall_limit_seconds") == 20.0
+    assert h.registry.get_sample_value("tfelastic_stall_limit_seconds") == 5.0
     silent = 0.0
     while not (found := stalled(h.core.tick(), h.core)):
         h.clock.now += 0.25
         silent += 0.25
         h.core.received(api.Heartbeat())
-    assert silent == 20.25
-    assert found[0].detail == ("no progress for 20.2s (learned limit 20.0s: 10 x the longest step gap 0.25s, "
-                               "floor 20s); no Python stacks: no trainer in a unit test")
+    assert silent == 5.25
+    assert found[0].detail == ("no progress for 5.2s (learned limit 5.0s: 8 x the longest step gap 0.25s, "
+                               "floor 5s); no Python stacks: no trainer in a unit test")
 
 
 def test_a_save_reported_by_the_trainer_is_not_a_stall() -> None:
