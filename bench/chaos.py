@@ -1,6 +1,6 @@
 """A chaos soak: one long job under many random faults of every kind, checked for exact correctness at the end.
 
-    python -m bench.chaos [--faults 200] [--seed 1] [--netns] [--stall-timeout 5|learned]
+    python -m bench.chaos [--faults 200] [--seed 1] [--netns] [--stall-timeout learned|SECONDS]
 
 On localhost (or, with --netns, on three hosts in network namespaces on a bridge, with etcd on the bridge's own
 address): a one-member etcd, three agents (``--nodes 2:3``, rendezvous on etcd, so any node may die, the
@@ -32,8 +32,8 @@ code); no process of the job is left; each fault's restarts are the ones its kin
 between faults (a false stall verdict); the coordinator's /metrics counts what status counts. One line per fault
 (kind, node, time to recover, restarts), then a summary; exit code 1 on any violation. Every wait is bounded;
 all traffic stays on loopback and on the namespace hosts it made. Needs root for the tmpfs (without it,
-full_backup is left out) and for --netns. ``--stall-timeout learned`` runs the agents with the default hang
-detection (a limit learned from the step times) in place of a fixed 5 s.
+full_backup is left out) and for --netns. The agents run with the default hang detection (a limit learned from the
+step times, at least 5 s); ``--stall-timeout SECONDS`` fixes it instead.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ STEP_SECONDS = 0.05  # the ledger trainer's
 LEDGER = [sys.executable, str(Path(__file__).resolve().parent.parent / "tests" / "trainers" / "ledger.py")]
 NODES = ("a", "b", "c")
 QUARANTINE_WINDOW = 4.0
-STALL_TIMEOUT = "5"  # seconds: a hang costs 5 s, not the learned limit's floor of 20 ("learned": the default)
+STALL_TIMEOUT = "learned"  # the agents' default hang detection (a number: a fixed --stall-timeout instead)
 FLAGS = ["--stop-grace", "3", "--last-call", "0.5", "--settle", "1",
          "--max-restarts", "100000", "--quarantine-window", str(QUARANTINE_WINDOW), "--quarantine-cooldown", "3",
          "--check-min-free-mb", "1", "--log-level", "info"]
@@ -490,9 +490,9 @@ def main() -> None:
                         "partitions among the faults")
     parser.add_argument("--kinds", default="", help="only these kinds, comma-separated (default: every kind)")
     parser.add_argument("--keep", default="", help="keep the job's files (logs) in this directory")
-    parser.add_argument("--stall-timeout", default=STALL_TIMEOUT, help="the agents' --stall-timeout in seconds, "
-                        "or 'learned' for the default hang detection (a limit learned from the step times, floor "
-                        "20 s): a false stall restart is a violation either way")
+    parser.add_argument("--stall-timeout", default=STALL_TIMEOUT, help="'learned': the agents' default hang "
+                        "detection (a limit learned from the step times, floor 5 s), or a fixed --stall-timeout in "
+                        "seconds: a false stall restart is a violation either way")
     args = parser.parse_args()
     if args.stall_timeout != "learned" and not args.stall_timeout.replace(".", "", 1).isdigit():
         parser.error(f"--stall-timeout {args.stall_timeout!r}: a number of seconds, or 'learned'")

@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--step-seconds", type=float, default=0.0,
                         help="extra time per step, to stand in for a heavier model (tests use it)")
+    parser.add_argument("--slow-every", type=int, default=0,
+                        help="every Nth step takes --slow-step-seconds instead of --step-seconds: step times that "
+                             "vary, as with a periodic callback or an uneven batch (benchmarks use it)")
+    parser.add_argument("--slow-step-seconds", type=float, default=0.0)
     parser.add_argument("--wedge-at-step", type=int, default=0,
                         help="in the first generation, the last rank stops making progress at this step while "
                              "its process stays alive, as a deadlocked input pipeline would: TensorFlow's "
@@ -90,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
                 _event("first_step", step=step)
             reporter.report(step, examples=step * GLOBAL_BATCH, loss=(logs or {}).get("loss"),
                             checkpoint_step=step if step % args.save_every == 0 else None)
-            if args.step_seconds:
-                time.sleep(args.step_seconds)
+            slow = args.slow_every > 0 and step % args.slow_every == 0
+            if pause := args.slow_step_seconds if slow else args.step_seconds:
+                time.sleep(pause)
             if wedged_rank and step >= args.wedge_at_step > 0:
                 _event("wedged", any_rank=True, step=step)
                 while True:

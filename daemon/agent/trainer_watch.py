@@ -17,7 +17,7 @@ from tfelastic.daemon.exit_codes import CHECKPOINTED_AND_STOPPED
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.worker.output import cause_in_words, describe_exit, exception_line, failure_cause
-from tfelastic.daemon.worker.stacks import hang_site
+from tfelastic.daemon.worker.stacks import hang_site, waits_in_a_library
 from tfelastic.daemon.worker.stall import StallDetector, StallLimits
 from tfelastic.trainer.progress import ProgressMessage
 
@@ -37,6 +37,10 @@ class NodeReadings:
 StepMarkReader = Callable[[int], "int | None"]  # generation -> the step its trainer last marked, if any
 # How long a hang's report waits for the trainer's stacks (the shell's own bound is 2 s): then it goes without.
 STACKS_PATIENCE = 5.0
+# A trainer found waiting in a library call (a collective, a lock) may be a victim of a peer hung in its own code,
+# whose agent finds the hang at about the same time (the same limit, reports 0.1 s apart, ticks 0.25 s apart): its
+# report goes this much later, so that the first report, which the restart is recorded as, is the culprit's.
+WAITING_HANG_DELAY = 0.5
 
 
 @dataclass(frozen=True)
@@ -47,12 +51,21 @@ class Hang:
     found_at: float
 
 
+@dataclass(frozen=True)
+class HeldHang:
+    """A hang's report held back: its trainer waits in a library call (:data:`WAITING_HANG_DELAY`)."""
+
+    detail: str
+    due_at: float
+
+
 class TrainerWatch:
     def __init__(self, limits: StallLimits, stop_grace: float, metrics: AgentMetrics,
                  clock: Callable[[], float], step_mark: StepMarkReader | None = None) -> None:
         self._metrics, self._stop_grace, self._clock = metrics, stop_grace, clock
         self._step_mark = step_mark
         self._hang: Hang | None = None
+        self._held: HeldHang | None = None
         self.tracker = ProgressTracker(clock, metrics)
         self.failures = FailureTimes(clock, metrics)
         self.stall = StallDetector(limits, clock)
@@ -66,7 +79,7 @@ class TrainerWatch:
         """A new worker starts: nothing it reports has come in yet."""
         self._generation, self._pid, self.ended = generation, 0, None
         self._resumed_at = None
-        self._hang = None
+        self._hang = self._held = None
         self.stall.reset()
         self.tracker.new_generation()
         self.failures.assigned()
@@ -155,7 +168,8 @@ class TrainerWatch:
         return self._hang is not None and self._clock() - self._hang.found_at >= STACKS_PATIENCE
 
     def hang_report(self, stacks: Sequence[str], missing: str) -> Send | None:
-        """The stall's report, with where the trainer hangs (worker/stacks.py) or why that is not known."""
+        """The stall's report, with where the trainer hangs (worker/stacks.py) or why that is not known; None
+        while it is held (:data:`WAITING_HANG_DELAY`: :meth:`held_hang_due` sends it)."""
         hang, self._hang = self._hang, None
         if hang is None:
             return None
@@ -163,7 +177,23 @@ class TrainerWatch:
         where = site or f"no Python stacks: {missing or 'the trainer printed no stack dump'}"
         log.warning("trainer stalled: %s; %s%s", hang.detail, where,
                     " (its stacks are the lines of its output just above)" if site else "")
-        return self.ending(api.WorkerStatus.STALLED, detail=f"{hang.detail}; {where}", cause=api.FailureCause.HANG)
+        detail = f"{hang.detail}; {where}"
+        if waits_in_a_library(stacks):
+            self._held = HeldHang(detail, self._clock() + WAITING_HANG_DELAY)
+            return None
+        return self._hung(detail)
+
+    def held_hang_due(self) -> Send | None:
+        """The held report, once its delay is over (unless the worker was stopped meanwhile: a new launch drops
+        it)."""
+        held = self._held
+        if held is None or self._clock() < held.due_at:
+            return None
+        self._held = None
+        return self._hung(held.detail)
+
+    def _hung(self, detail: str) -> Send:
+        return self.ending(api.WorkerStatus.STALLED, detail=detail, cause=api.FailureCause.HANG)
 
     def ending(self, status: api.WorkerStatus, *, exit_code: int = 0, detail: str = "",
                cause: api.FailureCause | None = None) -> Send:

@@ -261,6 +261,8 @@ class WorkerCore:
         a = self.assignment
         if self.worker.state is not WorkerState.RUNNING or self.ps_task.serves_only or a is None:
             return []
+        if (held := self.trainer.held_hang_due()) is not None:
+            return [held]
         if self.trainer.hang_overdue():
             return self._hang_reported([], f"they did not come within {STACKS_PATIENCE:g}s")
         if not self.trainer.stall_found():

@@ -104,6 +104,13 @@ def script_of(thread: ThreadStack) -> str | None:
                 None)
 
 
+def waits_in_a_library(lines: Iterable[str], library: Sequence[str] = OWN_CODE) -> bool:
+    """Whether the main thread's innermost frame is a library's (TensorFlow's execute, a lock's wait): a trainer
+    that may be waiting for a peer that hangs. False where it is the trainer's own code, or there is no dump."""
+    main = main_thread(parse_dump(lines))
+    return main is not None and not is_own_code(main.frames[0], library, script_of(main))
+
+
 def hang_site(lines: Iterable[str], library: Sequence[str] = OWN_CODE) -> str | None:
     """One line: the innermost frame of the trainer's own code on its main thread, the library call it waits in,
     and another thread that is in the trainer's own code (an input pipeline's function run by TensorFlow); None

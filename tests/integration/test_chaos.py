@@ -1,6 +1,7 @@
 """The chaos soak (bench/chaos.py) as a test: 20 random faults, every kind at least once (a partition among them),
-on one job running on three hosts in network namespaces. It fails on any violation the soak checks: the final
-step and digest, exit codes, leftover processes, and restarts that are not the ones each fault causes. The
+on one job running on three hosts in network namespaces, with the agents' default hang detection. It fails on any
+violation the soak checks: the final step and digest, exit codes, leftover processes, and restarts that are not the
+ones each fault causes (a false stall verdict among them). The
 200-fault figures are in docs/benchmarks.md."""
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -56,9 +57,15 @@ def test_wedged_worker_is_caught_as_a_stall(make_cluster: ClusterFactory) -> Non
     cluster.start("a")
     cluster.start("b")
     doc = cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=25)
-    victim = members(doc)[1]["worker_pid"]
+    wedged = members(doc)[1]  # the last rank: the one that wedges, in its own callback's sleep
+    victim = wedged["worker_pid"]
     doc = cluster.wait_status(lambda d: d["generation"] >= 2, 60, "the restart after the stall")
     assert "stalled" in doc["restarts_by_reason"], doc
+    # The other rank waits for it in a collective: its agent reports a moment later (WAITING_HANG_DELAY), so that
+    # the restart is recorded as the wedged rank's, where it hung.
+    ended = doc["last_restart"]["ended"]
+    assert re.match(rf"stalled: {wedged['node_id']}: no progress for [\d.]+s \(stall_timeout=8s\); hung in "
+                    r"on_train_batch_end \(\S+/demo_trainer\.py:\d+\)", ended), ended
     assert not alive(victim)
     assert cluster.wait_all(180) == [0, 0], cluster.logs()
     assert_finished_at_target_after_resuming(cluster.events(), 2)

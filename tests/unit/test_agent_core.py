@@ -39,7 +39,7 @@ from tfelastic.daemon.agent.api import (
 )
 from tfelastic.daemon.agent.core import AgentCore
 from tfelastic.daemon.agent.replacements import ReplacementPolicy
-from tfelastic.daemon.agent.trainer_watch import STACKS_PATIENCE
+from tfelastic.daemon.agent.trainer_watch import STACKS_PATIENCE, WAITING_HANG_DELAY
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
@@ -335,6 +335,38 @@ def test_a_hang_asks_for_the_trainers_stacks_first_and_its_report_names_where_it
     assert report.detail == ("no progress for 10.2s (stall_timeout=10s); hung in wedged_step "
                              "(/srv/job/train.py:12)")
     assert h.core.stacks_dumped(1, DUMP) == []  # one report per hang
+
+
+# The main thread waits in TensorFlow: maybe for a peer that hangs in its own code.
+WAITING = ["Current thread 0x00007f0000000001 (most recent call first):",
+           '  File "/venv/lib/python3.11/site-packages/tensorflow/python/eager/execute.py", line 53 in quick_execute',
+           *DUMP[1:]]
+
+
+def test_a_trainer_found_waiting_in_a_library_reports_its_hang_a_moment_later() -> None:
+    h = Harness()
+    hung(h)
+    assert h.core.stacks_dumped(1, WAITING) == []  # held: a peer hung in its own code reports first
+    h.clock.now += WAITING_HANG_DELAY - 0.25
+    assert reports(h.core.tick()) == []
+    h.clock.now += 0.25
+    h.core.received(api.Heartbeat())
+    [report] = reports(h.core.tick())
+    assert report.status is api.WorkerStatus.STALLED and report.cause is api.FailureCause.HANG
+    assert report.detail == ("no progress for 10.2s (stall_timeout=10s); hung in wedged_step (/srv/job/train.py:12), "
+                             "waiting in quick_execute (tensorflow/python/eager/execute.py:53)")
+    assert reports(h.core.tick()) == []  # once
+
+
+def test_a_held_hang_report_is_dropped_when_the_peers_report_stopped_the_generation_first() -> None:
+    h = Harness()
+    hung(h)
+    assert h.core.stacks_dumped(1, WAITING) == []
+    assert stops(h.core.received(api.StopWorkers(1, api.RestartReason.STALLED)))
+    h.clock.now += WAITING_HANG_DELAY
+    h.core.received(api.Heartbeat())
+    assert reports(h.core.tick()) == []
+    assert h.registry.get_sample_value("tfelastic_trainer_failures_total", {"cause": "hang"}) == 0.0  # not its failure
 
 
 def test_stacks_that_never_come_do_not_hold_the_hangs_report_back() -> None:
