@@ -83,13 +83,15 @@ class StallDetector:
     def progress(self, step: int = 0, phase: Phase = Phase.TRAIN, *, training_done: bool = False) -> None:
         """A report; ``training_done`` pauses the check until the next one."""
         now = self._clock()
-        if self._last_step is not None and step > self._last_step:
-            # Steps were made since the last report. Its gap is learned only if that report was a training one:
-            # after setup, a save or an evaluation the gap holds them. The new report may announce a save: the
-            # gap up to it is still training (with saves every few steps, most gaps end that way).
+        if self._last_step is not None and step >= self._last_step:
+            # A silence in training ends: it is learned if the last report was a training one (after setup, a save
+            # or an evaluation the gap holds them). The new report may announce a save: the gap up to it is still
+            # training (with saves every few steps, most gaps end that way). A report of the step already reported
+            # ends one too: a trainer with two reporters (its own and the instrumentation's) may send one on each
+            # side of its slow part, and the limit is for the silence, not for the step.
             if self._phase is Phase.TRAIN and self._last_report is not None:
-                self._gaps.add(now - self._last_report)
-            if phase is not Phase.SETUP:  # a restore's jump to the restored step is not a step made
+                self._gaps.add(now - self._last_report, step_made=step > self._last_step)
+            if step > self._last_step and phase is not Phase.SETUP:  # a restore's jump is not a step made
                 self._steps += 1
         # A worker's first report comes before its first step, which traces and compiles: still setup.
         self._phase = Phase.SETUP if phase is Phase.TRAIN and self._last_step is None else phase
@@ -152,9 +154,9 @@ class _GapMemory:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._minutes: deque[tuple[int, float]] = deque()  # (minute, longest gap in it)
-        self.count = 0  # gaps seen in all
+        self.count = 0  # gaps seen that ended with a step made (the warm-up counts steps, however many reporters)
 
-    def add(self, gap: float) -> None:
+    def add(self, gap: float, *, step_made: bool = True) -> None:
         minute = int(self._clock() // 60)
         if self._minutes and self._minutes[-1][0] == minute:
             self._minutes[-1] = (minute, max(self._minutes[-1][1], gap))
@@ -163,7 +165,7 @@ class _GapMemory:
         oldest = minute - int(GAP_MEMORY_SECONDS // 60)
         while self._minutes and self._minutes[0][0] <= oldest:
             self._minutes.popleft()
-        self.count += 1
+        self.count += step_made
 
     def longest(self) -> float:
         return max((gap for _, gap in self._minutes), default=0.0)

@@ -166,6 +166,21 @@ def test_steps_that_vary_five_fold_are_no_stall_even_if_the_warm_up_saw_only_the
     assert stall.limit() == 40.0
 
 
+def test_a_silence_between_two_reports_of_one_step_is_learned_too() -> None:
+    """A trainer with two reporters (its own callback's, then the instrumentation's) whose slow part comes between
+    them: the silence to learn lies between two reports of the same step, and the warm-up still counts steps."""
+    stall, clock = learning()
+    stall.progress(0, Phase.SETUP)
+    for step in range(1, WARMUP_GAPS + 3):
+        clock.now += 0.03  # the step's computation
+        stall.progress(step)  # its own report
+        if step == WARMUP_GAPS:
+            assert stall.explain().startswith("warm-up")  # nine gaps between steps so far, if eighteen silences
+        clock.now += 0.9  # its slow part, then the instrumentation's report of the same step
+        stall.progress(step)
+    assert stall.limit() == pytest.approx(7.2)  # 8 x 0.9 s: not 8 x 0.03 s, which the floor would have hidden
+
+
 def test_slow_steps_learn_eight_times_their_longest_gap() -> None:
     stall, clock = learning()
     step = train(stall, clock, steps=WARMUP_GAPS + 3, gap=3.0)
