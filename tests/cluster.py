@@ -113,9 +113,10 @@ class Cluster:
         return {name: value for name, value in env.items() if value is not None}  # None: unset it
 
     def start(self, node_id: str, *, extra: Sequence[str] = (), netns: str = "", env: Mapping[str, str] | None = None,
-              placement: bool = True) -> Agent:
+              placement: bool = True, prefix: Sequence[str] = ()) -> Agent:
         """``env``: this agent's own extra variables. ``placement=False`` leaves out --nodes, --rendezvous and
-        --node-id, for agents that take them from their environment (SLURM)."""
+        --node-id, for agents that take them from their environment (SLURM). ``prefix``: a command that runs the
+        agent's (it ends with an exec of its arguments)."""
         flags = ["--nodes", self.nodes, "--rendezvous", self.rendezvous, "--node-id", node_id] if placement else []
         command = [sys.executable, "-m", "tfelastic.daemon", "run", *flags, *self.warm_start_flags(),
                    "--metrics-port", "0", "--metrics-linger", "0",
@@ -124,7 +125,7 @@ class Cluster:
                    *self.extra_args, *extra, "--", *self.trainer]
         if netns:
             command = ["ip", "netns", "exec", netns, *command]
-        return self.launch(node_id, command, env)
+        return self.launch(node_id, [*prefix, *command], env)
 
     def warm_start_flags(self) -> list[str]:
         return [] if self.warm_start else ["--warm-start", "off"]

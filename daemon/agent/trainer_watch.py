@@ -132,15 +132,19 @@ class TrainerWatch:
             return True
         return False
 
-    def exited(self, code: int, output: tuple[str, ...] | list[str], *, serves_only: bool = False) -> Send:
+    def exited(self, code: int, output: tuple[str, ...] | list[str], *, serves_only: bool = False,
+               oom_killed: bool = False) -> Send:
         """The worker ended by itself: the report of its end. ``serves_only``: a parameter-server job's ps or
-        worker task, which serves until the job ends, so that even an exit 0 is a failure."""
+        worker task, which serves until the job ends, so that even an exit 0 is a failure. ``oom_killed``: its
+        memory cgroup counted an OOM kill while it ran (worker/oom.py)."""
         if code == 0 and not serves_only:
             log.info("generation %d: trainer exited 0", self._generation)
             return self.ending(api.WorkerStatus.SUCCEEDED)
         self.failures.worker_failed()
-        cause = failure_cause(code, output)
+        cause = failure_cause(code, output, oom_killed=oom_killed)
         detail = describe_exit(code) if code != 0 else "exited 0, but its task serves until the job ends"
+        if cause is api.FailureCause.OUT_OF_MEMORY and oom_killed:
+            detail += " (the kernel's OOM killer: its memory cgroup counted the kill)"
         if (exception := exception_line(output)) is not None:
             detail = f"{detail}: {exception}"
         detail = cause_in_words(cause) + detail

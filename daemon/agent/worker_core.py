@@ -119,14 +119,16 @@ class WorkerCore:
         self.worker.to(WorkerState.FAILED)  # RUNNING -> FAILED
         return [self.trainer.launch_failed(error)]
 
-    def worker_exited(self, generation: int, code: int, output: Sequence[str] = ()) -> list[Action]:
-        """``output``: the trainer's last lines; the exception it died of goes into the report."""
+    def worker_exited(self, generation: int, code: int, output: Sequence[str] = (), *,
+                      oom_killed: bool = False) -> list[Action]:
+        """``output``: the trainer's last lines; the exception it died of goes into the report. ``oom_killed``: its
+        memory cgroup counted an OOM kill while it ran."""
         if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []  # we stopped it on purpose
         # A parameter server or a worker serves until the job ends: an exit of any code is its task's failure.
         failed = code != 0 or self.ps_task.serves_only
         self.worker.to(WorkerState.FAILED if failed else WorkerState.SUCCEEDED)  # RUNNING -> SUCCEEDED|FAILED
-        ended = self.trainer.exited(code, list(output), serves_only=self.ps_task.serves_only)
+        ended = self.trainer.exited(code, list(output), serves_only=self.ps_task.serves_only, oom_killed=oom_killed)
         return self._replace(ended) if failed and self.ps_task.replaceable else [ended]
 
     def worker_gone(self, pids: tuple[int, ...]) -> list[Action]:

@@ -120,8 +120,8 @@ class WorkerShell:
     def trainer_pid(self, generation: int, pid: int) -> None:
         self._apply(self._core.trainer_pid(generation, pid))
 
-    def worker_exited(self, generation: int, code: int, output: Sequence[str]) -> None:
-        self._apply(self._core.worker_exited(generation, code, output))
+    def worker_exited(self, generation: int, code: int, output: Sequence[str], oom_killed: bool = False) -> None:
+        self._apply(self._core.worker_exited(generation, code, output, oom_killed=oom_killed))
 
     def worker_stopped(self, result: StopResult) -> None:
         self._spawn(asyncio.to_thread(self._node.gpus.forget_xids))

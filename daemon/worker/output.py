@@ -45,11 +45,14 @@ _PEER_FAILURE = re.compile(r"Collective ops is aborted by|UnavailableError|Conne
                            r"Failed to connect to remote host")
 
 
-def failure_cause(code: int, lines: Sequence[str]) -> FailureCause:
-    """Why a trainer that ended by itself failed. Killed by a signal other than SIGABRT: the signal (whatever it
+def failure_cause(code: int, lines: Sequence[str], *, oom_killed: bool = False) -> FailureCause:
+    """Why a trainer that ended by itself failed. Killed by SIGKILL while its memory cgroup counted an OOM kill
+    (``oom_killed``, worker/oom.py): out of memory. Killed by another signal than SIGABRT: the signal (whatever it
     printed before). Else the exception it died of: out of memory or a peer's failure when it says so, else an
     exception. Else its last lines, which a C++ abort leaves without a Python exception: memory, a peer, or
     the signal or exit code."""
+    if code == -signal.SIGKILL and oom_killed:
+        return FailureCause.OUT_OF_MEMORY
     if code < 0 and -code != signal.SIGABRT:
         return FailureCause.SIGNAL
     exception = exception_line(lines)

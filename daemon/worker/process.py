@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psutil
 from tfelastic.daemon.worker import keeper
+from tfelastic.daemon.worker.oom import OomCount
 from tfelastic.daemon.worker.priority import workers_priority
 
 log = logging.getLogger("tfelastic.worker")
@@ -54,6 +55,7 @@ class WorkerProcess:
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)  # its last lines of output
         self._captures: list[list[str]] = []  # output being collected in full (dump_stacks)
         self._seen = {self.pid}
+        self._oom = OomCount.of(self.pid)  # its cgroup's OOM kills so far (a standby reads it again at begin)
         self._output = asyncio.create_task(self._forward_output())
 
     @classmethod
@@ -70,9 +72,14 @@ class WorkerProcess:
         return cls(proc, spec)
 
     def begin(self, log_prefix: str) -> None:
-        """A warm standby became the trainer: its output from now on is the trainer's."""
+        """A warm standby became the trainer: its output from now on is the trainer's, and so are OOM kills."""
         self.log_prefix = log_prefix
         self.tail.clear()
+        self._oom = OomCount.of(self.pid)
+
+    def oom_killed(self) -> bool:
+        """Whether it died of SIGKILL while its memory cgroup counted an OOM kill (worker/oom.py)."""
+        return self._proc.returncode == -signal.SIGKILL and self._oom is not None and self._oom.killed_since()
 
     @property
     def returncode(self) -> int | None:

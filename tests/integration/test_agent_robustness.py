@@ -15,6 +15,7 @@ import textwrap
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -225,3 +226,42 @@ def test_trainers_that_saturate_every_core_cost_no_node(make_cluster: ClusterFac
     assert not re.search(r"node \S+ lost|no message from the coordinator|trainer stalled", logs), logs
     assert {e["generation"] for e in cluster.events() if e["event"] == "start"} == {1}, logs
     assert sum(e["event"] == "end" for e in cluster.events()) == 3, logs
+
+
+def _memory_cgroup(limit_mb: int) -> Iterator[Path]:
+    """A new memory cgroup with a limit (v2, or v1's memory hierarchy), removed afterwards; skips without one."""
+    v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory")
+    if "memory" in (v2 / "cgroup.subtree_control").read_text(errors="replace").split() \
+            if (v2 / "cgroup.subtree_control").exists() else False:
+        base, limit_file = v2, "memory.max"
+    elif (v1 / "memory.limit_in_bytes").exists() and os.access(v1, os.W_OK):
+        base, limit_file = v1, "memory.limit_in_bytes"
+    else:
+        pytest.skip("no writable memory cgroup here")
+    group = base / f"tfelastic-test-{os.getpid()}-{time.monotonic_ns()}"
+    group.mkdir()
+    try:
+        (group / limit_file).write_text(str(limit_mb << 20))
+        yield group
+    finally:
+        wait_for(lambda: not (group / "cgroup.procs").read_text().strip(), 30, "the cgroup to empty")
+        group.rmdir()
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[Path]:
+    yield from _memory_cgroup(400)
+
+
+def test_a_trainer_killed_by_the_kernels_oom_killer_is_recorded_as_out_of_memory(
+        make_cluster: ClusterFactory, memory_cgroup: Path) -> None:
+    """The agent and its trainer in a memory cgroup of 400 MB; the trainer eats memory until the kernel kills it:
+    a SIGKILL with nothing printed, told from any other by the cgroup's count of OOM kills."""
+    cluster = make_cluster(TRAINER, nodes="1", extra_args=[*FAST, "--max-restarts", "0"],
+                           env={"COUNTER_STEPS": "100", "COUNTER_EAT_MEMORY_AT": "5"})
+    enter = ["sh", "-c", f'echo $$ > {memory_cgroup / "cgroup.procs"} && exec "$@"', "sh"]
+    agent = cluster.start("a", prefix=enter)
+    assert agent.wait(120) == 1, agent.log()
+    log = agent.log()
+    assert re.search(r"trainer ran out of memory: was killed by SIGKILL \(the kernel's OOM killer: its memory "
+                     r"cgroup counted the kill\) \(cause: out_of_memory\)", log), log

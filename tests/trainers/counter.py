@@ -22,6 +22,9 @@ touched memory and a few threads, so that a killed trainer takes a while to let 
 a port still held makes it exit 1 with the bind error, as TensorFlow's server does); COUNTER_IGNORE_TERM=1 (trains on
 through SIGTERM, as a MultiWorkerMirroredStrategy worker does once its coordination service runs: a stop kills it).
 
+COUNTER_EAT_MEMORY_AT (a step at which the chief allocates and touches memory, 16 MB at a time, until the kernel's
+OOM killer kills it: run it in a memory cgroup with a limit).
+
 COUNTER_BURN_SECONDS (N: every rank starts one busy process per core, in its own process group, that spins for N
 seconds: an input pipeline that saturates every core of the node).
 
@@ -177,6 +180,7 @@ def main() -> int:
     done_at = int(os.environ.get("COUNTER_DONE_AT", "-1"))
     raise_at = int(os.environ.get("COUNTER_RAISE_AT", "-1"))
     lose_at = int(os.environ.get("COUNTER_LOSE_BACKUP_AT", "-1"))
+    eat_at = int(os.environ.get("COUNTER_EAT_MEMORY_AT", "-1"))
     prints = bool(os.environ.get("COUNTER_PRINT"))
     linger = float(os.environ.get("COUNTER_LINGER_AFTER_DONE", "-1"))
     burning = burn_every_core(float(os.environ.get("COUNTER_BURN_SECONDS", "0"))) \
@@ -203,6 +207,10 @@ def main() -> int:
             time.sleep(3600)
         if prints:
             print(f"counter step {step}")
+        if rank == 0 and step == eat_at:
+            eaten = []
+            while True:  # until the OOM killer's SIGKILL
+                eaten.append(b"x" * (16 << 20))
         if rank == 0 and step == raise_at:
             print(1.0 / (step - raise_at))
         if rank == 0 and step == lose_at and once(backup, "lost"):

@@ -92,3 +92,11 @@ def test_a_cause_crosses_the_wire_and_one_this_version_does_not_know_is_other() 
     newer = report_to_proto(report, 0.0)
     newer.cause = "thermal_throttle"
     assert report_from_proto(newer, 0.0).cause is FailureCause.OTHER
+
+
+@pytest.mark.parametrize(("code", "cause"), [(-9, FailureCause.OUT_OF_MEMORY), (-15, FailureCause.SIGNAL),
+                                             (1, FailureCause.EXIT_CODE)])
+def test_a_sigkill_while_the_memory_cgroup_counted_an_oom_kill_is_out_of_memory(code: int,
+                                                                                 cause: FailureCause) -> None:
+    assert failure_cause(code, [], oom_killed=True) is cause
+    assert failure_cause(-9, []) is FailureCause.SIGNAL  # without the count: any SIGKILL
