@@ -37,7 +37,7 @@ def lead_workers(lead: int = AGENT_LEAD) -> bool:
         _workers_priority = usual
         return False
     _workers_priority = usual
-    log.info("CPU priority: the agent runs at nice %d, its trainer and standby at %d", ahead, usual)
+    log.info("CPU priority: the agent runs at nice %d, the processes it starts at %d", ahead, usual)
     return True
 
 

@@ -80,15 +80,15 @@ def test_stalled_worker_is_caught(make_cluster: ClusterFactory, done_at: int | N
 
 
 def test_with_default_settings_a_live_hang_is_caught_by_the_learned_limit(make_cluster: ClusterFactory) -> None:
-    """No --stall-timeout: the limit is learned from the steps (0.05 s each): the floor, 20 s, not 300 s."""
+    """No --stall-timeout: the limit is learned from the steps (0.05 s each): the floor, 5 s, not 300 s."""
     cluster = make_cluster(TRAINER, extra_args=["--stop-grace", "2", "--last-call", "0.5", "--settle", "1"],
                            env={"COUNTER_STEPS": "80", "COUNTER_HANG_AT": "60"})
     cluster.start("a")
     cluster.start("b")
     assert cluster.wait_all(90) == [0, 0], cluster.logs()
     assert starts(cluster.events(), 2), "no second generation after the hang"
-    assert re.search(r"trainer stalled: no progress for 2\d\.\ds \(learned limit 20\.0s: 10 x the longest step gap "
-                     r"0\.\d\ds, floor 20s\)", cluster.logs()), cluster.logs()
+    assert re.search(r"trainer stalled: no progress for \d\.\ds \(learned limit 5\.0s: 8 x the longest step gap "
+                     r"0\.\d\ds, floor 5s\)", cluster.logs()), cluster.logs()
     assert cluster.logs().count("trainer stalled") == 1, cluster.logs()  # the hang; no false one after it
     assert_no_stale_workers(cluster.events())
 

@@ -51,7 +51,7 @@ def test_the_agent_leads_with_every_thread_and_its_workers_keep_its_starting_pri
     ahead = max(-20, usual - AGENT_LEAD)
     lines = _lead()
     assert lines[-1].split() == ["True", *(str(n) for n in (ahead, ahead, ahead, usual))], lines
-    assert f"CPU priority: the agent runs at nice {ahead}, its trainer and standby at {usual}" in lines
+    assert f"CPU priority: the agent runs at nice {ahead}, the processes it starts at {usual}" in lines
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="becomes another user")

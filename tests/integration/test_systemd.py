@@ -280,7 +280,7 @@ def test_job_runs_to_success_with_job_node_and_rank_in_the_journal(systemd_ns: H
     assert f"INFO tfelastic[{job.name}/{node}] tfelastic.agent: job succeeded" in log
     assert "[rank 0] hello from the trainer" in log
     if _may_raise_limits():  # LimitNICE=-5: the unprivileged agent runs ahead of its trainer
-        assert "CPU priority: the agent runs at nice -5, its trainer and standby at 0" in log
+        assert "CPU priority: the agent runs at nice -5, the processes it starts at 0" in log
     else:  # systemd cannot raise the hard limit here: the agent says what it needs
         assert "running ahead of them at -5 was refused (Permission denied; RLIMIT_NICE allows down to 20)" in log
     assert [e["step"] for e in job.events() if e["event"] == "end"] == [40]

@@ -241,13 +241,15 @@ def test_a_trainer_stopped_by_sigstop_is_said_to_be_stopped(tmp_path: Path) -> N
 
 
 # A trainer whose Python forks a child that trains (and reports): both catch the signal (a fork keeps the handler).
+# Each line is one write: unbuffered (PYTHONUNBUFFERED, as the agent runs a trainer) print writes a text and its
+# newline apart, and two processes' writes on one pipe interleave ("waitingwedged 17799", under load).
 FORKED = textwrap.dedent("""
     import os, sys, time
     def parent_waits():
-        print("waiting", flush=True)
+        os.write(1, b"waiting\\n")
         os.waitpid(child, 0)
     def child_wedged_in_its_step():
-        print("wedged", os.getpid(), flush=True)
+        os.write(1, f"wedged {os.getpid()}\\n".encode())
         while True:
             time.sleep(60)
     child = os.fork()
