@@ -5,9 +5,10 @@
 2 agents with every setting at its default (so the stall limit is learned from the step times) run the demo
 trainer (MultiWorkerMirroredStrategy, BackupAndRestore every 10 steps, about 0.03 s per step here); the last
 rank wedges at step 1200 in the first generation (alive, TensorFlow's heartbeats going on: only hang detection
-catches it). Printed: from the wedge to the agent's stall verdict (the silence it logged, the limit it named and
-where the trainer hung, from its Python stacks), and from the wedge to the first training step of the next
-generation (where its trainer starts at the restored step, and its first step). Target: the next generation
+catches it). Printed, from the restart's record (the report the coordinator took first): the silence at the
+verdict, the limit it named, whose report it was (the wedged rank's, or the other's, which waits for it in a
+collective) and where that trainer hung, from its Python stacks; and from the wedge to the next generation's start
+and to its first training step. Target: the next generation
 within 10 s of the wedge (median).
 
     python -m bench.hang_detection --varying-steps
@@ -32,7 +33,7 @@ from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import free_port
 
 from bench.common import read_events
-from tests.cluster import TF_TRAINER, Cluster, scrape, wait_for
+from tests.cluster import TF_TRAINER, Cluster, members, scrape, wait_for
 
 # The wedge comes about 30 s into training, once the standby for the next generation is ready (it is built 10 s
 # after the first progress report on a node of fewer than 4 cores and imports for about 9 s here): a hang sooner
@@ -40,6 +41,7 @@ from tests.cluster import TF_TRAINER, Cluster, scrape, wait_for
 TRAINER = [*TF_TRAINER, "--epochs", "4", "--steps-per-epoch", "500", "--save-every", "10", "--wedge-at-step", "1200"]
 STALL_ALLOWANCE = 300.0  # the limit before the learned one applies (start-up, saves)
 STALLED = re.compile(r"trainer stalled: no progress for ([\d.]+)s \(([^)]*)\); (.*)$", re.MULTILINE)
+RECORDED = re.compile(r"^stalled: (\S+): no progress for ([\d.]+)s \(([^)]*)\); (.*)$")
 
 
 VARYING = [*TF_TRAINER, "--epochs", "2", "--steps-per-epoch", "60", "--save-every", "10", "--step-seconds", "0.7",
@@ -59,11 +61,18 @@ def once() -> tuple[float, float, float, str, str]:
                          and e.get("generation", 1) == generation]
                 return found[0] if found else None
 
+            wedged_node = members(cluster.wait_running(1, 2, timeout=180))[-1]["node_id"]  # the demo's: the last rank
             wedged: float = wait_for(lambda: event("wedged", 1), 180, "the wedge", interval=0.05)
             started: float = wait_for(lambda: event("start", 2), 180, "generation 2's start", interval=0.05)
             resumed: float = wait_for(lambda: event("first_step", 2), 180, "generation 2's first step", interval=0.05)
-            verdict = wait_for(lambda: STALLED.search(cluster.logs()), 10, "the stall verdict")
-            return float(verdict.group(1)), started - wedged, resumed - wedged, verdict.group(2), verdict.group(3)
+            # The restart's record (the first report the coordinator took), not the first verdict in the logs:
+            # the rank that waited for the wedged one in a collective logs its own verdict too.
+            ended = cluster.wait_status(lambda d: d["generation"] >= 2, 10, "the restart")["last_restart"]["ended"]
+            verdict = RECORDED.search(ended)
+            assert verdict is not None, ended
+            site = f"recorded as {verdict.group(1)}'s (the wedged rank's: {verdict.group(1) == wedged_node}): " \
+                   f"{verdict.group(4)}"
+            return float(verdict.group(2)), started - wedged, resumed - wedged, verdict.group(3), site
         finally:
             cluster.stop()
 
