@@ -15,6 +15,7 @@ examples/README.md)::
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from typing import Any
@@ -49,8 +50,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps to train (default 300)")
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (default 50)")
+    parser.add_argument("--wedge-at-step", type=int, default=0,
+                        help="the chief of the first generation hangs, alive, once it scheduled this many steps "
+                             "(tests use it: only hang detection catches it)")
     add_ps_arguments(parser)
     return parser.parse_args(argv)
+
+
+def chief_wedged_in_its_step() -> None:
+    """A live hang in the user's own code: the process, its threads and its servers' heartbeats go on."""
+    print("wedged", flush=True)
+    while True:
+        time.sleep(3600)
 
 
 def train_dataset(data: common.Data, batch_size: int) -> Any:
@@ -81,12 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         return strategy.distribute_datasets_from_function(lambda context: train_dataset(data, args.batch_size))
 
     iterator = iter(loop.coordinator.create_per_worker_dataset(per_worker_dataset))
+    wedge_after = args.wedge_at_step if env.generation == 1 else 0  # steps this process schedules, then it hangs
+    scheduled_here = itertools.count(1)
     train_step = make_train_step(strategy, model, optimizer, common.per_example_loss, args.batch_size)
 
     def schedule() -> Any:
         scheduled = loop.coordinator.schedule(train_step, args=(iterator,))
         if args.step_seconds:
             time.sleep(args.step_seconds)
+        if next(scheduled_here) == wedge_after:
+            chief_wedged_in_its_step()
         return scheduled
 
     try:

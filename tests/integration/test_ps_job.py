@@ -259,6 +259,28 @@ def test_a_lost_workers_node_leaves_its_task_vacant_and_returns_through_a_planne
     assert [s["final_step"] for s in stopped] == [done["initial_step"]]  # saved on the stop: no step redone
 
 
+def test_with_default_hang_detection_a_chief_hung_in_its_own_code_restarts_the_job_and_is_named(
+        make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    """The chief's progress is the job's: its live hang is caught by the limit learned from its step times (the
+    workers and the ps are not watched: they serve), and the restart is recorded with where it hung."""
+    summary = tmp_path / "summary.jsonl"
+    script = ROOT / "examples" / "ps_custom_loop.py"
+    trainer = [sys.executable, str(script), "--steps", "300", "--save-every", "50", "--step-seconds", "0.05",
+               "--wedge-at-step", "160", "--summary-file", str(summary)]
+    cluster = make_cluster(trainer, nodes="3", extra_args=[*PS_ARGS, "--stall-timeout", "auto"])
+    for node, role in (("head", "chief"), ("cpu1", "ps"), ("gpu1", "worker")):
+        cluster.start(node, extra=["--role", role])
+    doc = cluster.wait_status(lambda d: d["generation"] >= 2, TF_DEADLINE, "the restart after the chief's hang")
+    assert doc["restarts_by_reason"] == {"stalled": 1}, doc
+    ended = doc["last_restart"]["ended"]
+    assert re.match(rf"stalled: head: no progress for [\d.]+s \(learned limit [\d.]+s: 8 x the longest step gap "
+                    rf"[\d.]+s, floor 5s\); hung in chief_wedged_in_its_step \({re.escape(str(script))}:\d+\)",
+                    ended), ended
+    assert cluster.wait_all(300) == [0, 0, 0], cluster.logs()
+    [done] = [s for s in summaries(summary) if not s["preempted"]]
+    assert done["generation"] == 2 and done["initial_step"] == 150 and done["final_step"] == 300, done
+
+
 def test_every_agent_stopped_at_once_lets_the_chief_save_and_the_next_run_resumes_there(
         make_cluster: ClusterFactory, tmp_path: Path) -> None:
     """systemctl stop or scancel on every node at once: the parameter servers and workers serve until the chief's
