@@ -8,8 +8,7 @@ rank wedges at step 1200 in the first generation (alive, TensorFlow's heartbeats
 catches it). Printed, from the restart's record (the report the coordinator took first): the silence at the
 verdict, the limit it named, whose report it was (the wedged rank's, or the other's, which waits for it in a
 collective) and where that trainer hung, from its Python stacks; and from the wedge to the next generation's start
-and to its first training step. Target: the next generation
-within 10 s of the wedge (median).
+and to its first training step. Target: the next generation within 10 s of the wedge (median).
 
     python -m bench.hang_detection --varying-steps
 

@@ -267,6 +267,7 @@ def test_with_default_hang_detection_a_chief_hung_in_its_own_code_restarts_the_j
     script = ROOT / "examples" / "ps_custom_loop.py"
     trainer = [sys.executable, str(script), "--steps", "300", "--save-every", "50", "--step-seconds", "0.05",
                "--wedge-at-step", "160", "--summary-file", str(summary)]
+    # The default limit, learned: the later flag overrides PS_ARGS' fixed 60 s.
     cluster = make_cluster(trainer, nodes="3", extra_args=[*PS_ARGS, "--stall-timeout", "auto"])
     for node, role in (("head", "chief"), ("cpu1", "ps"), ("gpu1", "worker")):
         cluster.start(node, extra=["--role", role])
