@@ -31,6 +31,7 @@ from tfelastic.daemon.agent.api import (
     PrepareStandby,
     ProbeServer,
     RemoveLocalTier,
+    RetryAfter,
     RunNodeCheck,
     Send,
     SessionLost,
@@ -59,7 +60,6 @@ from tfelastic.daemon.worker.warm import StandbyPolicy
 
 log = logging.getLogger("tfelastic.agent")
 
-RETRY_SECONDS = 0.2  # between attempts to reach the coordinator
 GPU_POLL_SECONDS = 5.0
 # A terminal closed under `tfelastic run` (SIGHUP) or Ctrl-\ (SIGQUIT) is a request to stop, like SIGTERM and
 # Ctrl-C: the agent leaves the job cleanly. SIGUSR1 logs what the agent is doing and where it waits (USER_SIGNALS).
@@ -147,11 +147,12 @@ class Agent:
                 self._apply(ended)
             await self._prepare(self.core.between_sessions())
             await self.worker.idle()  # a fenced worker is gone before we try again
+            self._placement.changed.clear()
             for action in self.core.next_attempt():
                 if isinstance(action, ExitAgent):
                     return action.code
-            self._placement.changed.clear()
-            await first_of(self._leaving.wait(), self._placement.changed.wait(), timeout=RETRY_SECONDS)
+                if isinstance(action, RetryAfter):
+                    await first_of(self._leaving.wait(), self._placement.changed.wait(), timeout=action.seconds)
 
     async def _session_once(self, endpoint: Endpoint) -> None:
         rdzv = self.config.rendezvous

@@ -200,6 +200,14 @@ class ExitAgent:
 
 
 @dataclass(frozen=True)
+class RetryAfter:
+    """Between sessions: try the coordinator again after ``seconds`` (sooner if the agent leaves or etcd names
+    another coordinator)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
 class RemoveLocalTier:
     """A preparation of the exit: the job succeeded, nothing will resume from this node's local snapshots."""
 
@@ -220,7 +228,7 @@ class KeepMetricsUp:
 
 Action = (Send | Launch | Stop | HangUp | DropSession | Announce | RunNodeCheck | ListenForProbe | PrepareStandby |
           StopRetrying | ProbeServer | DumpStacks | CoordinatorLost | ScanSnapshots | WaitGpusReleased | WaitPortFree |
-          ObserveEtcd | ExitAgent | RemoveLocalTier | HostUntilJobEnds | KeepMetricsUp)
+          ObserveEtcd | ExitAgent | RetryAfter | RemoveLocalTier | HostUntilJobEnds | KeepMetricsUp)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,10 @@ class CoordinatorContact:
         self.outage = True
         return self._handshakes.failed(problem, self.last_contact)
 
+    def retry_delay(self) -> float:
+        """Seconds to wait before the next attempt to reach the coordinator."""
+        return self._handshakes.retry_delay(self.last_contact)
+
     def gave_up(self) -> bool:
         return self._clock() - self.last_contact > self.join_timeout
 

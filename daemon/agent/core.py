@@ -36,6 +36,7 @@ from tfelastic.daemon.agent.api import (
     ListenForProbe,
     ObserveEtcd,
     RemoveLocalTier,
+    RetryAfter,
     RunNodeCheck,
     Send,
     StopRetrying,
@@ -232,10 +233,10 @@ class AgentCore(WorkerCore):
         return [ObserveEtcd(self._etcd_patience())] if self._failover else []
 
     def next_attempt(self) -> list[Action]:
-        """Once a fenced worker is gone: the agent's exit (:class:`ExitAgent`), or nothing to try the coordinator
-        again."""
+        """Once a fenced worker is gone: the agent's exit (:class:`ExitAgent`), or when to try the coordinator
+        again (:class:`RetryAfter`: backing off while a foreign program or a TLS problem answers)."""
         code = self._verdict()
-        return [ExitAgent(code)] if code is not None else []
+        return [ExitAgent(code)] if code is not None else [RetryAfter(self._contact.retry_delay())]
 
     def _etcd_patience(self) -> float:
         """How long to wait for etcd's answer. The coordinator counts this node lost after node_timeout of

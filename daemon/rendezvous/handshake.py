@@ -13,6 +13,8 @@ log = logging.getLogger("tfelastic.agent")
 _SSL_REASON = re.compile(r"OPENSSL_internal:([A-Z_]+)(?:: ([^:]+))?")
 TLS_GIVE_UP_SECONDS = 30.0
 _TLS_HINT_EVERY = 10.0
+RETRY_SECONDS = 0.2  # between attempts to reach the coordinator
+RETRY_MAX_SECONDS = 5.0  # the longest wait between attempts while only such failures come
 
 
 def handshake_problem(error: str, tls_enabled: bool) -> str | None:
@@ -76,6 +78,10 @@ class HandshakeFailures:
     (exit 78). Until then it logs the diagnosis at once and every 10 s, and keeps retrying: a certificate may be
     mid-rotation, a program may be on its way out.
     Any other kind of failure (the coordinator is down) leaves the decision to join_timeout.
+
+    Between attempts the agent waits RETRY_SECONDS, doubled after each such failure in a row up to
+    RETRY_MAX_SECONDS (a coordinator that is down may be back any moment; a foreign program or a certificate is not
+    fixed by the next try), but never past the moment it would give up.
     """
 
     def __init__(self, tls_enabled: bool, join_timeout: float, clock: Callable[[], float]) -> None:
@@ -85,6 +91,7 @@ class HandshakeFailures:
         self._other_failure_after: float | None = None  # the last contact before a failure not about TLS
         self._logged_at: float | None = None
         self._last: tuple[str, str, float] | None = None  # the last such failure: what, problem, its last contact
+        self._in_a_row = 0  # such failures since the last contact, with nothing of another kind (timeouts aside)
 
     def failed(self, error: str, last_contact: float) -> str | None:
         """Records one lost session; returns the message to exit with, or None to retry."""
@@ -94,7 +101,9 @@ class HandshakeFailures:
         if problem is None:
             if not _timed_out(error):
                 self._other_failure_after = last_contact
+                self._in_a_row = 0
             return None
+        self._in_a_row = self._in_a_row + 1 if self._last is not None and self._last[2] == last_contact else 1
         self._last = (what, problem, last_contact)
         now = self._clock()
         if self._logged_at is None or self._logged_at < last_contact or now - self._logged_at >= _TLS_HINT_EVERY:
@@ -103,6 +112,15 @@ class HandshakeFailures:
         if self._other_failure_after != last_contact and now - last_contact >= self._give_up_after:
             return self._giving_up(what, problem)
         return None
+
+    def retry_delay(self, last_contact: float) -> float:
+        """How long to wait before the next attempt, the last contact being ``last_contact``."""
+        if not self._in_a_row or self._last is None or self._last[2] != last_contact:
+            return RETRY_SECONDS
+        backoff = min(RETRY_MAX_SECONDS, RETRY_SECONDS * (1 << min(self._in_a_row - 1, 32)))
+        if self._other_failure_after == last_contact:  # join_timeout decides this outage, not this bound
+            return backoff
+        return max(RETRY_SECONDS, min(backoff, last_contact + self._give_up_after - self._clock()))
 
     def at_join_timeout(self, last_contact: float) -> str | None:
         """join_timeout ran out between two failures: the message to exit 78 with if nothing but these failures

@@ -26,6 +26,7 @@ from tfelastic.daemon.agent.api import (
     PrepareStandby,
     ProbeServer,
     RemoveLocalTier,
+    RetryAfter,
     RunNodeCheck,
     ScanSnapshots,
     Send,
@@ -482,6 +483,19 @@ def test_gives_up_after_join_timeout_without_the_coordinator() -> None:
     assert verdict(h.core) is None
     h.clock.now += 2.0
     assert verdict(h.core) is ExitCode.FAILED
+
+
+def test_the_next_attempt_backs_off_while_a_grpc_server_of_another_service_answers() -> None:
+    h = Harness(join_timeout=60.0)
+    waits = []
+    for _ in range(4):
+        h.core.session_ended("UNIMPLEMENTED: unknown service tfelastic.v1.Rendezvous")
+        [retry] = h.core.next_attempt()
+        assert isinstance(retry, RetryAfter)
+        waits.append(retry.seconds)
+    assert waits == [0.2, 0.4, 0.8, 1.6]
+    h.core.session_ended("UNAVAILABLE: connection refused")  # it left: a coordinator may come up any moment
+    assert h.core.next_attempt() == [RetryAfter(0.2)]
 
 
 # ------------------------------------------------------------------------------------------ planned leave

@@ -8,6 +8,8 @@ import logging
 
 import pytest
 from tfelastic.daemon.rendezvous.handshake import (
+    RETRY_MAX_SECONDS,
+    RETRY_SECONDS,
     TLS_GIVE_UP_SECONDS,
     HandshakeFailures,
     foreign_listener_problem,
@@ -169,3 +171,34 @@ def test_a_grpc_server_of_another_service_ends_the_agent_and_grpcs_race_does_not
     assert (failures.at_join_timeout(1000.0) or "").startswith(
         "giving up after 8s of failed connections to the rendezvous address: a gRPC server that is not a tfelastic "
         "coordinator listens")
+
+
+def test_the_wait_between_tries_doubles_while_a_foreign_program_answers_and_ends_with_the_bound() -> None:
+    """Said once, then retried with backoff: 0.2 s doubling to 5 s, never past the moment the agent gives up."""
+    clock = FakeClock(1000.0)
+    failures = HandshakeFailures(tls_enabled=False, join_timeout=600, clock=clock)
+    assert failures.retry_delay(1000.0) == RETRY_SECONDS  # nothing failed yet
+    waits = []
+    while (fatal := failures.failed(FOREIGN_GRPC, last_contact=1000.0)) is None:
+        waits.append(failures.retry_delay(1000.0))
+        clock.now += waits[-1]
+    assert waits[:6] == [0.2, 0.4, 0.8, 1.6, 3.2, RETRY_MAX_SECONDS]
+    assert max(waits) == RETRY_MAX_SECONDS and len(waits) <= 12  # 150 tries at a fixed 0.2 s
+    assert clock.now - 1000.0 == pytest.approx(TLS_GIVE_UP_SECONDS)  # the last wait ends where it gives up
+    assert fatal.startswith("giving up after 30s of failed connections")
+
+
+def test_a_coordinator_that_is_down_is_retried_at_the_usual_pace() -> None:
+    """A refused connection may be a coordinator on its way up: no backoff, and a foreign failure's backoff ends
+    with it and with a message from a coordinator."""
+    clock = FakeClock(1000.0)
+    failures = HandshakeFailures(tls_enabled=False, join_timeout=600, clock=clock)
+    for _ in range(5):
+        failures.failed(REFUSED, last_contact=1000.0)
+    assert failures.retry_delay(1000.0) == RETRY_SECONDS
+    for _ in range(3):
+        failures.failed(HTTP_SERVER, last_contact=1000.0)
+    assert failures.retry_delay(1000.0) == 0.8
+    assert failures.retry_delay(1010.0) == RETRY_SECONDS  # a coordinator answered since
+    failures.failed(REFUSED, last_contact=1000.0)
+    assert failures.retry_delay(1000.0) == RETRY_SECONDS
