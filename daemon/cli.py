@@ -48,7 +48,7 @@ from tfelastic.daemon.options import (
 )
 from tfelastic.daemon.secret_file import read_token
 from tfelastic.daemon.slurm import SlurmStep
-from tfelastic.daemon.sources import LISTEN_ENV, environment_values, gather
+from tfelastic.daemon.sources import LISTEN_ENV, env_name, environment_values, gather
 from tfelastic.daemon.version import describe
 
 _UNSET: Any = object()  # the default of every option flag: not given (the configuration's default applies)
@@ -197,21 +197,21 @@ def config_from_run_args(args: argparse.Namespace, slurm: SlurmStep | None = Non
     flags = _given(args, flags_of(AGENT))
     if command:
         flags["command"] = tuple(command)
-    values = gather(flags, options_of(AGENT), environ, args.config)
+    values, sources = gather(flags, options_of(AGENT), environ, args.config)
     if slurm is not None:
         values = slurm.complete(values)  # flags win; SLURM fills the rest; the configuration's defaults after that
     if "rendezvous" not in values:
         raise ConfigError("--rendezvous: required outside a SLURM job step; give HOST:PORT, e.g. head-node:29400 "
                           "(or in --config, or $TFELASTIC_RENDEZVOUS)")
     values.setdefault("command", ())
-    return validate(from_values(values))
+    return validate(from_values(values), sources=sources)
 
 
 def config_from_coordinator_args(args: argparse.Namespace,
                                  environ: Mapping[str, str] = os.environ) -> CoordinatorConfig:
     """``--rendezvous etcd://...`` makes the coordinator a head-node candidate of that job; without it, the job's
     one coordinator on ``--listen`` (by default the job file's rendezvous endpoint)."""
-    given = gather(_given(args, flags_of(COORDINATOR)), options_of(COORDINATOR), environ, args.config)
+    given, sources = gather(_given(args, flags_of(COORDINATOR)), options_of(COORDINATOR), environ, args.config)
     endpoint = given.get("rendezvous")
     listen_text, listen_source = (args.listen, "--listen") if args.listen else (environ.get(LISTEN_ENV), LISTEN_ENV)
     if not listen_text and not isinstance(endpoint, Endpoint):
@@ -221,29 +221,20 @@ def config_from_coordinator_args(args: argparse.Namespace,
     listen = Endpoint.parse(listen_text, listen_source, allow_port_zero=True) if listen_text else endpoint
     assert isinstance(listen, Endpoint)
     if not isinstance(given.setdefault("rendezvous", listen), EtcdTarget) and given["rendezvous"] != listen:
-        source = _rendezvous_source(args, environ)
+        source = sources.get("rendezvous", "--rendezvous")
         raise ConfigError(f"{source} is {given['rendezvous']}, but {listen_source} is {listen}: a standalone "
                           "coordinator serves where the agents look for it; give both the same address (or leave "
                           f"{listen_source} out), or an etcd URL (etcd://HOST:PORT,...) to run a candidate")
-    return validate_coordinator(coordinator_from_values(given, listen))
-
-
-def _rendezvous_source(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
-    """Where the rendezvous setting came from, in the order gather() takes them."""
-    if getattr(args, "rendezvous", _UNSET) is not _UNSET:
-        return "--rendezvous"
-    if environ.get("TFELASTIC_RENDEZVOUS"):
-        return "$TFELASTIC_RENDEZVOUS"
-    return f"{args.config}: rendezvous.endpoint"
+    return validate_coordinator(coordinator_from_values(given, listen), sources)
 
 
 def _operator_config(args: argparse.Namespace,
                      environ: Mapping[str, str] = os.environ) -> tuple[OperatorConfig, str | None]:
-    values = gather(_given(args, flags_of(OPERATOR)), options_of(OPERATOR), environ, args.config)
+    values, sources = gather(_given(args, flags_of(OPERATOR)), options_of(OPERATOR), environ, args.config)
     if "rendezvous" not in values:
         raise ConfigError("--rendezvous: required; give the coordinator's HOST:PORT or the job's etcd://..., or "
                           "--config JOB.toml, or $TFELASTIC_RENDEZVOUS")
-    config = validate_operator(operator_from_values(values))
+    config = validate_operator(operator_from_values(values), sources)
     return config, read_token(config.rendezvous.token_file) if config.rendezvous.token_file else None
 
 
@@ -259,7 +250,8 @@ def config_from_file(path: str, slurm: SlurmStep | None = None,
                      environ: Mapping[str, str] = os.environ) -> AgentConfig:
     """``tfelastic agent --config JOB.toml``: the file, with TFELASTIC_* variables over it."""
     environment = environment_values(environ, options_of(AGENT))
-    return load_toml(path, lambda values: _completed({**values, **environment}, slurm))
+    return load_toml(path, lambda values: _completed({**values, **environment}, slurm),
+                     sources={name: env_name(name) for name in environment})
 
 
 def _completed(values: dict[str, Any], slurm: SlurmStep | None) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import os
 import shlex
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -247,6 +247,17 @@ def label(name: str, where: str = "") -> str:
     return option.flag or option.help
 
 
+def labeller(where: str = "", sources: Mapping[str, str] | None = None) -> Callable[[str], str]:
+    """How a command's messages name each option: as ``sources`` says it came (a variable, a job file's key), else
+    as :func:`label` does."""
+    given = sources or {}
+
+    def opt(name: str) -> str:
+        return given.get(name) or label(name, where)
+
+    return opt
+
+
 # ------------------------------------------------------------------------------------------------ validation
 
 Label = Callable[[str], str]
@@ -263,13 +274,11 @@ def _options_of(command: str) -> list[Option]:
     return [o for o in OPTIONS.values() if command in o.commands and o.name not in ("rendezvous", "command")]
 
 
-def validate(config: AgentConfig, where: str = "") -> AgentConfig:
+def validate(config: AgentConfig, where: str = "", sources: Mapping[str, str] | None = None) -> AgentConfig:
     """Checks values that do not depend on the environment, and every bound the coordinator enforces; raises
-    ConfigError naming the option. ``where`` is "" for flags, or a TOML file's path."""
-
-    def opt(name: str) -> str:
-        return label(name, where)
-
+    ConfigError naming the option. ``where`` is "" for flags, or a TOML file's path; ``sources`` names the
+    settings that came from elsewhere (sources.Gathered)."""
+    opt = labeller(where, sources)
     job, node = config.job, config.node
     if not job.command:
         raise ConfigError(f"{opt('command')}: no trainer command given; add it after '--', "
@@ -292,12 +301,13 @@ def validate(config: AgentConfig, where: str = "") -> AgentConfig:
     return config
 
 
-def validate_coordinator(config: CoordinatorConfig) -> CoordinatorConfig:
-    _check_name(config.job, label("job"))
-    _check_node_id(config.name, label)
-    _check_options(_options_of(COORDINATOR), config.value, label)
-    _check_timing(config.rendezvous, label)
-    _check_serving(config, label)
+def validate_coordinator(config: CoordinatorConfig, sources: Mapping[str, str] | None = None) -> CoordinatorConfig:
+    opt = labeller(sources=sources)
+    _check_name(config.job, opt("job"))
+    _check_node_id(config.name, opt)
+    _check_options(_options_of(COORDINATOR), config.value, opt)
+    _check_timing(config.rendezvous, opt)
+    _check_serving(config, opt)
     return config
 
 
@@ -334,9 +344,10 @@ def _check_ports(config: AgentConfig | CoordinatorConfig, opt: Label) -> None:
             seen[port] = option
 
 
-def validate_operator(config: OperatorConfig) -> OperatorConfig:
-    _check_name(config.job, label("job"))
-    _check_connection(config.rendezvous, label)
+def validate_operator(config: OperatorConfig, sources: Mapping[str, str] | None = None) -> OperatorConfig:
+    opt = labeller(sources=sources)
+    _check_name(config.job, opt("job"))
+    _check_connection(config.rendezvous, opt)
     return config
 
 

@@ -4,7 +4,7 @@ the option table's (:data:`~tfelastic.daemon.options.BY_KEY`), and every problem
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tfelastic.daemon.config import AgentConfig, from_values, validate
@@ -22,7 +22,9 @@ JOB_FILE_BYTES = 4 << 20  # a job file is a few KiB; nothing bigger is one
 Completion = Callable[[dict[str, Any]], dict[str, Any]]  # adds values the file left out (daemon/slurm.py)
 
 
-def load_toml(path: str, complete: Completion | None = None) -> AgentConfig:
+def load_toml(path: str, complete: Completion | None = None, sources: Mapping[str, str] | None = None) -> AgentConfig:
+    """The agent's settings from the job file, ``complete`` adding what comes from elsewhere (named in
+    ``sources``: a refusal names a variable that way, the file's keys by the file)."""
     values = read_values(path)
     if "max_nodes" not in values and "min_nodes" in values:
         values["max_nodes"] = values["min_nodes"]  # like --nodes N: a fixed size unless a range is given
@@ -31,7 +33,7 @@ def load_toml(path: str, complete: Completion | None = None) -> AgentConfig:
     for required in ("command", "rendezvous"):
         if required not in values:
             raise ConfigError(f"{path}: {OPTIONS[required].key} is required")
-    return validate(from_values(values), where=path)
+    return validate(from_values(values), where=path, sources=sources)
 
 
 def read_values(path: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from tfelastic.daemon.config import parse_nodes
 from tfelastic.daemon.config_file import read_values
@@ -77,9 +77,22 @@ def file_values(path: str | None, names: Iterable[str]) -> dict[str, Any]:
     return {name: value for name, value in values.items() if name in wanted}
 
 
+class Gathered(NamedTuple):
+    """A command's settings by option name, and where each came from that was no flag (``TFELASTIC_JOIN_TIMEOUT``,
+    ``job.toml: rendezvous.join_timeout``), so that a refusal names the setting the user wrote."""
+
+    values: dict[str, Any]
+    sources: dict[str, str]
+
+
 def gather(flags: dict[str, Any], names: Iterable[str], environ: Mapping[str, str],
-           config: str | None) -> dict[str, Any]:
+           config: str | None) -> Gathered:
     """The settings among ``names`` from every source, the flags' first."""
     wanted = list(names)
     path = config or environ.get(CONFIG_ENV)
-    return {**file_values(path, wanted), **environment_values(environ, wanted), **flags}
+    in_file, in_environment = file_values(path, wanted), environment_values(environ, wanted)
+    sources = {name: f"{path}: {OPTIONS[name].key}" for name in in_file}
+    sources |= {name: env_name(name) for name in in_environment}
+    for name in flags:
+        sources.pop(name, None)
+    return Gathered({**in_file, **in_environment, **flags}, sources)

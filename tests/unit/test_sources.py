@@ -136,6 +136,38 @@ def test_a_bad_variable_is_a_configuration_error_naming_it(job_file: str, variab
     assert str(excinfo.value).startswith(message), str(excinfo.value)
 
 
+@pytest.mark.parametrize(("where", "named"), [
+    ("flag", "--join-timeout"),
+    ("variable", "TFELASTIC_JOIN_TIMEOUT"),
+    ("file", "{file}: rendezvous.join_timeout"),
+])
+@pytest.mark.parametrize("command", ["run", "agent", "coordinator"])
+def test_a_value_out_of_bounds_is_named_where_it_was_written(tmp_path: Path, command: str, where: str,
+                                                            named: str) -> None:
+    """A refusal after parsing names the setting the user wrote: a variable or the file's key, not a flag that was
+    never given."""
+    if where == "flag" and command == "agent":
+        return  # tfelastic agent has no flags for settings: its job file and the variables
+    path = tmp_path / "job.toml"
+    written = "node_timeout = 5.0\njoin_timeout = -3\n" if where == "file" else "node_timeout = 5.0\n"
+    path.write_text(JOB.replace("node_timeout = 5.0\n", written))
+    environ = {"TFELASTIC_JOIN_TIMEOUT": "-3"} if where == "variable" else {}
+    flags = ["--join-timeout", "-3"] if where == "flag" else []
+    with pytest.raises(ConfigError) as excinfo:
+        if command == "agent":
+            config_from_file(str(path), environ=environ)
+        elif command == "run":
+            config_from_run_args(parse("run", "--config", str(path), *flags), environ=environ)
+        else:
+            config_from_coordinator_args(parse("coordinator", "--config", str(path), *flags), environ=environ)
+    assert str(excinfo.value) == f"{named.format(file=path)}: -3.0 seconds must be 0 or more"
+
+
+def test_a_job_name_from_the_environment_is_named_by_its_variable() -> None:
+    with pytest.raises(ConfigError, match=r"^TFELASTIC_JOB: '\.\.' must be "):
+        _operator_config(parse("status", "--rendezvous", "127.0.0.1:29400"), environ={"TFELASTIC_JOB": ".."})
+
+
 def test_the_trainer_never_inherits_the_agents_settings_from_its_environment() -> None:
     base = {env_name("token_file"): "/etc/tfelastic/token", "TFELASTIC_CONFIG": "/etc/tfelastic/job.toml",
             env_name("metrics_port"): "9500", "PATH": "/usr/bin"}
