@@ -65,6 +65,19 @@ class Leaving:
     serve_until: float | None = None
 
 
+@dataclass
+class AgentEnd:
+    """How this agent's part in the job ends, once that is known: the session's side of the core sets it, the
+    worker's side reads it (a worker stopped now is not relaunched or rejoined)."""
+
+    exit_code: ExitCode | None = None  # the job's verdict or a refusal: the agent exits with it
+    leaving: Leaving | None = None  # a drain or a signal to stop
+
+    @property
+    def winding_down(self) -> bool:
+        """The job is over for this agent, or it is leaving: a session that ends now ends as planned."""
+        return self.exit_code is not None or self.leaving is not None
+
 
 @dataclass(frozen=True)
 class Send:

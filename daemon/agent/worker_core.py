@@ -1,7 +1,10 @@
 """This node's worker, as plain code over an injected clock: its launch on an assignment, its start, exits and
 progress, its stop, a parameter-server task relaunched alone, its standby and its stalls.
-:class:`~tfelastic.daemon.agent.core.AgentCore` puts the coordinator's session on top; every input returns the
-:mod:`actions <tfelastic.daemon.agent.api>` to carry out.
+
+A collaborator of :class:`~tfelastic.daemon.agent.core.AgentCore`, which holds the coordinator's session and is the
+shells' one way in: every input returns the :mod:`actions <tfelastic.daemon.agent.api>` to carry out. What follows a
+stop that no relaunch follows (a Join, a hang-up, nothing) is the session's decision: this core says that the stop
+ended (:meth:`WorkerCore.stop_ended`), and the session's side asks it after each call.
 """
 
 from __future__ import annotations
@@ -11,11 +14,11 @@ from collections.abc import Callable, Sequence
 
 from tfelastic.daemon.agent.api import (
     Action,
+    AgentEnd,
     Announce,
     DumpStacks,
     Identity,
     Launch,
-    Leaving,
     PrepareStandby,
     ProbeServer,
     ScanSnapshots,
@@ -31,7 +34,6 @@ from tfelastic.daemon.agent.progress_tracker import ProgressTracker
 from tfelastic.daemon.agent.replacements import PsTask
 from tfelastic.daemon.agent.standby_schedule import StandbySchedule
 from tfelastic.daemon.agent.trainer_watch import STACKS_PATIENCE, StepMarkReader, TrainerWatch
-from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
 from tfelastic.daemon.worker.states import WorkerState, WorkerStateMachine
@@ -43,20 +45,20 @@ Clock = Callable[[], float]
 
 
 class WorkerCore:
-    """The worker's side of the agent. A stop ends in :meth:`_after_stop`, which the session's side decides."""
+    """The worker's side of the agent. ``end`` is the agent's, read here: a worker stopped while the agent winds
+    down is neither relaunched nor rejoined."""
 
     def __init__(self, identity: Identity, timing: Timing, policy: WorkerPolicy, metrics: AgentMetrics, clock: Clock,
-                 step_mark: StepMarkReader | None = None) -> None:
+                 end: AgentEnd, step_mark: StepMarkReader | None = None) -> None:
         self.identity, self.timing = identity, timing
-        self._metrics, self._clock = metrics, clock
+        self._metrics, self._clock, self._end = metrics, clock, end
         self.worker = WorkerStateMachine(on_change=metrics.set_worker_state)
         self.assignment: api.Assignment | None = None
-        self.exit_code: ExitCode | None = None
-        self.leaving: Leaving | None = None
         self.trainer = TrainerWatch(timing.stall, timing.stop_grace, metrics, clock, step_mark)
         metrics.stall_limit.set_function(self._stall_limit)
         self._standby = StandbySchedule(clock, policy.standby_at_launch)
-        self._rejoin_session: int | None = None  # the session to send a Join on once the stop is done
+        self.rejoin_session: int | None = None  # the session to send a Join on once the stop is done (its side's)
+        self._stop_ended = False  # a stop ended, and no relaunch follows: the session's side decides what does
         self._gpu_holders: tuple[int, ...] = ()  # a stopped worker's processes whose GPU memory is not seen back
         self._stopping: tuple[bool, bool] = (False, False)  # the stop under way: (planned, it was running)
         self.ps_task = PsTask(policy.replacement, clock)  # a parameter-server job's task on this node
@@ -64,11 +66,6 @@ class WorkerCore:
     @property
     def tracker(self) -> ProgressTracker:
         return self.trainer.tracker
-
-    @property
-    def winding_down(self) -> bool:
-        """The job is over for this agent, or it is leaving: a session that ends now ends as planned."""
-        return self.exit_code is not None or self.leaving is not None
 
     @property
     def gpu_holders(self) -> tuple[int, ...]:
@@ -108,13 +105,13 @@ class WorkerCore:
 
     def trainer_pid(self, generation: int, pid: int) -> list[Action]:
         """The trainer itself (the keeper's child) is running: status shows its pid."""
-        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
+        if not self.current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []
         return [self.trainer.trainer_started(pid)]
 
     def launch_failed(self, generation: int, error: str) -> list[Action]:
         """The agent could not start the worker: a failure of this node's worker, reported as such."""
-        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
+        if not self.current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []
         self.worker.to(WorkerState.FAILED)  # RUNNING -> FAILED
         return [self.trainer.launch_failed(error)]
@@ -123,7 +120,7 @@ class WorkerCore:
                       oom_killed: bool = False) -> list[Action]:
         """``output``: the trainer's last lines; the exception it died of goes into the report. ``oom_killed``: its
         memory cgroup counted an OOM kill while it ran."""
-        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
+        if not self.current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []  # we stopped it on purpose
         # A parameter server or a worker serves until the job ends: an exit of any code is its task's failure.
         failed = code != 0 or self.ps_task.serves_only
@@ -137,8 +134,8 @@ class WorkerCore:
         to report, the old worker's GPU memory back and a fixed worker port free; before a worker task's relaunch
         alone, its GPU memory and its own port; nothing when no trainer follows."""
         self._gpu_holders = tuple(sorted({*self._gpu_holders, *pids}))
-        if self._rejoin_session is not None and not self.winding_down:
-            return self._before_join()
+        if self.rejoin_session is not None and not self._end.winding_down:
+            return self.before_join()
         return self._released() if self._relaunches_after_stop() else []
 
     def worker_stopped(self, result: StopResult) -> list[Action]:
@@ -158,10 +155,11 @@ class WorkerCore:
         replaced = self.ps_task.stopped()
         if relaunches and replaced is not None:
             return [*actions, Send(replaced), *self._serving_due()]
-        return actions + self._after_stop()
+        self._stop_ended = True
+        return actions
 
     def progress(self, message: ProgressMessage) -> list[Action]:
-        if not self._current(message.generation):
+        if not self.current(message.generation):
             return []  # a report from an older generation's worker
         if message.done:
             self.tracker.done = True
@@ -177,14 +175,14 @@ class WorkerCore:
     def stacks_dumped(self, generation: int, stacks: Sequence[str], missing: str = "") -> list[Action]:
         """The answer to DumpStacks: the lines the hung trainer printed (its Python stacks), or why there are none;
         the hang's report goes out with where it hangs."""
-        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
+        if not self.current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []  # it ended meanwhile, and its end was reported
         return self._hang_reported(stacks, missing)
 
     def server_probed(self, generation: int, answered: bool) -> list[Action]:
         """The answer to ProbeServer: a worker task whose server stopped answering is replaced like one that
         exited (agent/replacements.py)."""
-        if not self._current(generation) or self.worker.state is not WorkerState.RUNNING:
+        if not self.current(generation) or self.worker.state is not WorkerState.RUNNING:
             return []
         probe = self.ps_task.probe
         first = probe.serving_after is None
@@ -199,8 +197,11 @@ class WorkerCore:
         return self._replace(self.trainer.ending(api.WorkerStatus.STALLED, detail=f"hung: {hung}",
                                                  cause=api.FailureCause.HANG))
 
-    def _assigned(self, assignment: api.Assignment) -> list[Action]:
-        if self.worker.state is not WorkerState.WAITING or self.leaving is not None:
+    # ---------------------------------------------------------------------------- the session's side asks
+
+    def assigned(self, assignment: api.Assignment) -> list[Action]:
+        """The coordinator's Assignment: launch its worker (ignored while a worker runs or the agent leaves)."""
+        if self.worker.state is not WorkerState.WAITING or self._end.leaving is not None:
             log.warning("ignored the assignment to generation %d: worker is %s", assignment.generation,
                         self.worker.state.value)
             return []
@@ -213,25 +214,57 @@ class WorkerCore:
         self._metrics.new_generation(assignment.generation, assignment.rank, assignment.world_size)
         return [Launch(assignment)]
 
+    def due(self) -> list[Action]:
+        """Every tick of an open session: a hang's report, a standby, a relaunch or probe, a leaving task's stop."""
+        return self._check_stall() + self._standby_due() + self._serving_due() + self._served_long_enough()
+
+    def gpus_back(self) -> None:
+        """NVML lists none of the stopped worker's processes any more: nothing to wait for before the next one."""
+        self._gpu_holders = ()
+
+    def cancel_standby(self) -> None:
+        self._standby.cancel()
+
+    def before_join(self) -> list[Action]:
+        """What a Join that may start a generation needs first: the steps it reports, and what the old worker held."""
+        return [ScanSnapshots(), *self._released()]
+
+    def current(self, generation: int) -> bool:
+        """``generation`` is the one this node was last assigned."""
+        return self.assignment is not None and self.assignment.generation == generation
+
+    def stop(self, why: str, *, planned: bool) -> list[Action]:
+        """Stop the worker (one stop at a time); with none alive, the stop has ended at once (:meth:`stop_ended`)."""
+        state = self.worker.state
+        if state is WorkerState.STOPPING:
+            return []  # one stop at a time: the end of the one under way covers this request too
+        if not state.has_live_worker:
+            self._stop_ended = True
+            return []
+        was_running = self.worker.to(WorkerState.STOPPING) is WorkerState.RUNNING  # RUNNING|FAILED|SUCCEEDED ->
+        self._stopping = (planned, was_running)
+        return [Stop(why, planned)]
+
+    def stop_ended(self) -> bool:
+        """Whether a stop ended since the last call, with no relaunch to follow (asked after every input)."""
+        ended, self._stop_ended = self._stop_ended, False
+        return ended
+
+    # ------------------------------------------------------------------------------------------ internals
+
     def _served_long_enough(self) -> list[Action]:
         """A leaving parameter server or worker that no stop order reached within stop_grace stops anyway."""
-        leaving = self.leaving
+        leaving = self._end.leaving
         if leaving is None or leaving.serve_until is None or self.worker.state is not WorkerState.RUNNING or \
                 self._clock() < leaving.serve_until:
             return []
         log.warning("no stop order within stop_grace=%gs of leaving: stopping %s now", self.timing.stop_grace,
                     self.ps_task.task_name())
-        return self._stop("leaving: stop_grace passed", planned=True)
-
-    # ------------------------------------------------------------------------------------------ internals
+        return self.stop("leaving: stop_grace passed", planned=True)
 
     def _relaunches_after_stop(self) -> bool:
         """The stop under way ends in this worker task's relaunch alone (a parameter-server job)."""
-        return self.ps_task.replacing and not self.winding_down and self._rejoin_session is None
-
-    def _before_join(self) -> list[Action]:
-        """What a Join that may start a generation needs first: the steps it reports, and what the old worker held."""
-        return [ScanSnapshots(), *self._released()]
+        return self.ps_task.replacing and not self._end.winding_down and self.rejoin_session is None
 
     def _released(self) -> list[Action]:
         """The old worker's GPU memory given back, then a port the next trainer binds again free of it: a fixed
@@ -242,19 +275,6 @@ class WorkerCore:
         port = a.members[a.rank].worker_port if self._relaunches_after_stop() and a is not None \
             else self.identity.worker_port
         return gpus + ([WaitPortFree(port)] if port else [])
-
-    def _current(self, generation: int) -> bool:
-        return self.assignment is not None and self.assignment.generation == generation
-
-    def _stop(self, why: str, *, planned: bool) -> list[Action]:
-        state = self.worker.state
-        if state is WorkerState.STOPPING:
-            return []  # one stop at a time: the end of the one under way covers this request too
-        if not state.has_live_worker:
-            return self._after_stop()
-        was_running = self.worker.to(WorkerState.STOPPING) is WorkerState.RUNNING  # RUNNING|FAILED|SUCCEEDED ->
-        self._stopping = (planned, was_running)
-        return [Stop(why, planned)]
 
     def _stall_limit(self) -> float:
         return self.trainer.stall.limit_in_force() if self.worker.state is WorkerState.RUNNING else 0.0
@@ -284,14 +304,14 @@ class WorkerCore:
         if report.status is not api.WorkerStatus.REPLACED:
             log.error("%s", report.detail)
             return [Send(report)]
-        return self._stop(f"replacing {self.ps_task.task_name()}", planned=False)
+        return self.stop(f"replacing {self.ps_task.task_name()}", planned=False)
 
     def _serving_due(self) -> list[Action]:
         """A replacement whose backoff is over, or a probe of the worker task's server."""
         a = self.assignment
-        if a is None or self.winding_down:
+        if a is None or self._end.winding_down:
             return []
-        if self.worker.state is WorkerState.STOPPED and self._rejoin_session is None and self.ps_task.due():
+        if self.worker.state is WorkerState.STOPPED and self.rejoin_session is None and self.ps_task.due():
             self.worker.to(WorkerState.RUNNING)  # STOPPED -> RUNNING: the same assignment, at the same address
             self.ps_task.launched()
             self.trainer.launched(a.generation)
@@ -305,10 +325,6 @@ class WorkerCore:
 
     def _standby_due(self) -> list[Action]:
         generation = self._standby.due()
-        if generation is None or self.winding_down or not self._current(generation) or self.assignment is None:
+        if generation is None or self._end.winding_down or not self.current(generation) or self.assignment is None:
             return []
         return [PrepareStandby(self.assignment)]
-
-    def _after_stop(self) -> list[Action]:
-        """What follows a stop that is done: a Join, a hang-up, or nothing (the session's side decides)."""
-        raise NotImplementedError

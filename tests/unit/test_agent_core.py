@@ -79,7 +79,7 @@ class Harness:
 
     def worker_state(self) -> WorkerState:
         """Read through a call, so that mypy does not narrow it between two inputs."""
-        return self.core.worker.state
+        return self.core.worker_core.worker.state
 
     def gpu_holders(self) -> tuple[int, ...]:
         """Read through a call, so that mypy does not narrow it between two inputs."""

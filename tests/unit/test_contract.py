@@ -79,3 +79,29 @@ def test_the_shells_read_no_predicate_of_the_core() -> None:
     offenders = [f"{path.relative_to(ROOT)}:{read}" for path in SHELLS for read in predicate_reads(path.read_text())]
     assert offenders == [], "return an action from the core instead: " + ", ".join(offenders)
 
+
+
+AGENT_CORES = [ROOT / "daemon" / "agent" / "core.py", ROOT / "daemon" / "agent" / "worker_core.py"]
+
+
+def collaborators_private_reads(source: str) -> list[str]:
+    """Every ``self.X._y`` in ``source``: a private member of a collaborator, used from outside it."""
+    return sorted(f"{node.lineno}: {node.value.attr}.{node.attr}" for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                  and isinstance(node.value, ast.Attribute) and isinstance(node.value.value, ast.Name)
+                  and node.value.value.id == "self")
+
+
+def test_the_check_finds_a_collaborators_private_member() -> None:
+    source = "class Core:\n    def f(self):\n        self.worker_core._stopping\n        self._contact.open\n"
+    assert collaborators_private_reads(source) == ["3: worker_core._stopping"]
+
+
+def test_the_agents_core_is_composed_of_collaborators_not_a_class_split_by_inheritance() -> None:
+    """AgentCore holds the worker's side (WorkerCore) and uses it through its public methods only."""
+    from tfelastic.daemon.agent.worker_core import WorkerCore
+
+    assert AgentCore.__bases__ == (object,) and WorkerCore.__bases__ == (object,)
+    offenders = [f"{path.relative_to(ROOT)}:{read}" for path in AGENT_CORES
+                 for read in collaborators_private_reads(path.read_text())]
+    assert offenders == [], "give the collaborator a public method instead: " + ", ".join(offenders)
