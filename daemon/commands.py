@@ -17,6 +17,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 from tfelastic.daemon.aio import first_of, stacks
 from tfelastic.daemon.config import AgentConfig, CoordinatorConfig, OperatorConfig, RendezvousConfig
+from tfelastic.daemon.coordinator_setup import CoordinatorSetup
 from tfelastic.daemon.endpoint import Endpoint, TlsConfig
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.etcd.client import EtcdCredentials
@@ -39,7 +40,6 @@ from tfelastic.daemon.preflight import (
 )
 from tfelastic.daemon.rendezvous.api import JobState
 from tfelastic.daemon.sdnotify import Notifier, journal_handler, run_notifying, watchdog_pinging
-from tfelastic.daemon.serving import CoordinatorSetup
 from tfelastic.daemon.slurm import SlurmStep
 from tfelastic.daemon.version import describe
 from tfelastic.daemon.worker.priority import lead_workers
@@ -155,9 +155,9 @@ def run_coordinator(config: CoordinatorConfig) -> int:
 
 async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, registry: CollectorRegistry,
                        notifier: Notifier, *, lingers: bool) -> int:
+    from tfelastic.daemon.coordinator_setup import start_coordinator
     from tfelastic.daemon.rendezvous.bind import BindError
     from tfelastic.daemon.rendezvous.host import CoordinatorHost
-    from tfelastic.daemon.serving import start_coordinator
 
     host: CoordinatorHost | None = None
 
@@ -182,7 +182,7 @@ async def _serve_alone(config: CoordinatorConfig, setup: CoordinatorSetup, regis
             notifier.stopping(f"job {config.job}: coordinator stopped")
             await host.close()
             return ExitCode.SUCCEEDED
-        failed = host.snapshot().state is JobState.FAILED
+        failed = host.status().state is JobState.FAILED
         notifier.stopping(f"job {config.job} {'failed' if failed else 'succeeded'}")
         if lingers:  # let Prometheus scrape the verdict: the alerts tell a finished job from a dead daemon by it
             await first_of(host.wait_agents_gone(), stop.wait())

@@ -9,14 +9,14 @@ import time
 from typing import Any
 
 from tfelastic.daemon.netutil import host_port
-from tfelastic.daemon.rendezvous.api import ClusterSnapshot, GoodputView, NodeSnapshot, RestartReason
+from tfelastic.daemon.rendezvous.api import ClusterStatus, GoodputView, NodeStatus, RestartReason
 from tfelastic.daemon.rendezvous.bounds import printable
 from tfelastic.daemon.rendezvous.roles import WORKER, Task
 
 SCHEMA_VERSION = 1
 
 
-def status_to_json(snap: ClusterSnapshot, now: float | None = None, wall: float | None = None) -> dict[str, Any]:
+def status_to_json(snap: ClusterStatus, now: float | None = None, wall: float | None = None) -> dict[str, Any]:
     """``now``: a reading of the clock the snapshot's times are on (default: this process's monotonic clock, as
     :func:`~tfelastic.daemon.rendezvous.client.fetch_status` converts them); ``wall``: the wall clock then."""
     now = time.monotonic() if now is None else now
@@ -96,7 +96,7 @@ def marks_json(view: GoodputView | None) -> list[dict[str, Any]]:
     return [{"at": round(m.at, 3), "kind": m.kind, "node": m.node, "detail": m.detail} for m in view.marks]
 
 
-def _node_json(node: NodeSnapshot, now: float, wall: float) -> dict[str, Any]:
+def _node_json(node: NodeStatus, now: float, wall: float) -> dict[str, Any]:
     progress = node.progress
     checkpoint_at = progress.checkpoint_at if progress else None
     return {
@@ -124,7 +124,7 @@ def _node_json(node: NodeSnapshot, now: float, wall: float) -> dict[str, Any]:
     }
 
 
-def _task_json(node: NodeSnapshot) -> dict[str, Any]:
+def _task_json(node: NodeStatus) -> dict[str, Any]:
     """Its task as TF_CONFIG names it: a parameter-server job's role split in two, a mirrored member a worker
     whose index is its rank; None for both outside the generation."""
     task = Task.parse(node.role) if node.role else (Task(WORKER, node.rank) if node.rank >= 0 else None)

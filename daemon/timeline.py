@@ -15,7 +15,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Any
 
-from tfelastic.daemon.rendezvous.api import RestartReason
+from tfelastic.daemon.rendezvous.api import RestartReason, TimelineMark
 from tfelastic.daemon.rendezvous.goodput import CATEGORIES
 
 ORDER = ("startup", "redone", "training", "checkpoint", "other", "detection", "stopping", "waiting")
@@ -67,14 +67,6 @@ class Restart:
 
 
 @dataclass(frozen=True)
-class Mark:
-    at: float
-    kind: str  # quarantined, readmitted, drained
-    node: str
-    detail: str
-
-
-@dataclass(frozen=True)
 class Lane:
     node: str
     role: str  # its task in a parameter-server job (as status shows it now), else ""
@@ -98,7 +90,7 @@ class Timeline:
     spans: tuple[Span, ...]
     segments: tuple[Segment, ...]
     restarts: tuple[Restart, ...]
-    marks: tuple[Mark, ...]
+    marks: tuple[TimelineMark, ...]
     lanes: tuple[Lane, ...]
     nodes_not_drawn: int
     curve: tuple[GoodputPoint, ...]
@@ -121,7 +113,7 @@ def lay_out(doc: dict[str, Any], min_share: float = MIN_SHARE) -> Timeline:
     segments = tuple(s for group in _groups(spans, min_share) for s in _segments(group))
     start = spans[0].start if spans else float(doc.get("at") or 0.0)
     end = spans[-1].end if spans else start
-    marks = tuple(Mark(float(m["at"]), str(m["kind"]), str(m["node"]), str(m["detail"]))
+    marks = tuple(TimelineMark(float(m["at"]), str(m["kind"]), str(m["node"]), str(m["detail"]))
                   for m in doc.get("marks", ()))
     lanes, not_drawn = _lanes(spans, marks, {n["node_id"]: n.get("role") or "" for n in doc.get("nodes", ())})
     window = rolling_window(end - start)
@@ -208,7 +200,7 @@ def _restart(span: Span) -> Restart | None:
     return Restart(at, span.generation, reason, cause, kind)
 
 
-def _lanes(spans: tuple[Span, ...], marks: tuple[Mark, ...],
+def _lanes(spans: tuple[Span, ...], marks: tuple[TimelineMark, ...],
            roles: dict[str, str]) -> tuple[tuple[Lane, ...], int]:
     """A lane per node, in the order they first appear (members, then nodes only marked)."""
     runs: dict[str, list[list[float]]] = {}

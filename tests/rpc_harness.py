@@ -108,8 +108,8 @@ class FormedJob:
     def summary(self) -> dict[str, Any]:
         """What bad input must not change: the job's state, generation, restarts and members."""
 
-        async def read() -> api.ClusterSnapshot:
-            return self.coordinator.snapshot()
+        async def read() -> api.ClusterStatus:
+            return self.coordinator.status()
 
         snap = self.loop.run(read())
         return {"state": snap.state, "generation": snap.generation, "restarts_total": snap.restarts_total,
@@ -118,7 +118,7 @@ class FormedJob:
 
     def nodes(self) -> list[str]:
         async def read() -> list[str]:
-            return [n.node_id for n in self.coordinator.snapshot().nodes]
+            return [n.node_id for n in self.coordinator.status().nodes]
 
         return self.loop.run(read())
 

@@ -275,7 +275,7 @@ class Agent:
     # ----------------------------------------------------------------------------------- around the job
 
     async def _wind_down(self, code: int) -> None:
-        """A drained node that hosts the coordinator keeps serving it; after a failure, and on the coordinator's
+        """A drained node that hosts the coordinator keeps hosting it; after a failure, and on the coordinator's
         node after any verdict, /metrics stays up for ``metrics_linger`` so that Prometheus records the verdict
         (the alerts tell a finished job from a dead daemon by it); then the hosted coordinator stops (an etcd
         leader hands the job over), for at most ``node_timeout`` + :data:`CLOSING_SECONDS`: past that, the exit

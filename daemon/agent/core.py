@@ -324,7 +324,7 @@ class AgentCore:
         return [RemoveLocalTier()] if self.end.exit_code is ExitCode.SUCCEEDED else []
 
     def wind_down(self, *, hosting: bool) -> list[Action]:
-        """The exit begins: a drained node that hosts the coordinator (``hosting``) keeps serving it until the job
+        """The exit begins: a drained node that hosts the coordinator (``hosting``) keeps hosting it until the job
         ends. SIGTERM leaves too, but is no drain: the hosted coordinator goes with the agent."""
         if not (hosting and self.end.leaving is not None and self.end.leaving.drained):
             return []

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import psutil
 from prometheus_client import CollectorRegistry
 from tfelastic.daemon.aio import first_of
+from tfelastic.daemon.coordinator_setup import CoordinatorSetup, start_coordinator
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import is_local_address
 from tfelastic.daemon.rendezvous.bind import BindError
 from tfelastic.daemon.rendezvous.host import CoordinatorHost
-from tfelastic.daemon.serving import CoordinatorSetup, start_coordinator
 
 log = logging.getLogger("tfelastic.agent")
 
@@ -84,11 +84,11 @@ class EmbeddedCoordinator:
                   "coordinator: stop it, or give --rendezvous a port that is free", self._endpoint.port, holder)
 
     async def host_after_drain(self, signalled: asyncio.Event) -> None:
-        """A drained node that hosts the coordinator keeps serving it: the other nodes still need it. It stops
+        """A drained node that hosts the coordinator keeps hosting it: the other nodes still need it. It stops
         when the job ends, or on a signal to stop (agent.LEAVE_SIGNALS)."""
         if self.host is None or signalled.is_set():
             return
-        log.info("drained, but this node hosts the coordinator: serving it until the job ends (SIGTERM stops it)")
+        log.info("drained, but this node hosts the coordinator: hosting it until the job ends (SIGTERM stops it)")
         await first_of(self.host.finished.wait(), signalled.wait())
 
     async def close(self) -> None:

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from tfelastic.daemon.agent.api import FatalSessionError
 from tfelastic.daemon.agent.hosting import EmbeddedCoordinator
 from tfelastic.daemon.config import AgentConfig
+from tfelastic.daemon.coordinator_setup import CoordinatorSetup
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.errors import ConfigError
 from tfelastic.daemon.etcd.client import EtcdAuthError, EtcdCredentials, EtcdError, EtcdUnavailable
@@ -28,7 +29,6 @@ from tfelastic.daemon.etcd.url import EtcdTarget
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.rendezvous.api import JobState
 from tfelastic.daemon.rendezvous.host import CoordinatorHost
-from tfelastic.daemon.serving import CoordinatorSetup
 
 log = logging.getLogger("tfelastic.agent")
 RETRY_SECONDS = 0.5

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 from tfelastic.daemon.aio import first_of
+from tfelastic.daemon.coordinator_setup import CoordinatorSetup, start_coordinator
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.etcd.client import EtcdClient, EtcdCredentials, EtcdError
 from tfelastic.daemon.etcd.election import BadJobState, Election, LeaderInfo, Leadership
@@ -26,7 +27,6 @@ from tfelastic.daemon.netutil import free_port, host_port
 from tfelastic.daemon.rendezvous.bind import BindError
 from tfelastic.daemon.rendezvous.durable import DurableState, Takeover
 from tfelastic.daemon.rendezvous.host import CoordinatorHost
-from tfelastic.daemon.serving import CoordinatorSetup, start_coordinator
 
 log = logging.getLogger("tfelastic.coordinator")
 

@@ -1,7 +1,7 @@
 """The coordinator's view of the job, so that one scrape target answers "is the job healthy?".
 
 Scrapes run in the HTTP server's thread while the state machine lives on the event loop: the collector reads
-the last snapshot the loop published (an atomic reference), never the state machine itself.
+the last status the loop published (an atomic reference), never the state machine itself.
 """
 
 from __future__ import annotations
@@ -12,21 +12,21 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
-from tfelastic.daemon.rendezvous.api import ClusterSnapshot, JobState, NodeState, RestartReason
+from tfelastic.daemon.rendezvous.api import ClusterStatus, JobState, NodeState, RestartReason
 from tfelastic.daemon.rendezvous.quarantine import QUARANTINE_KINDS
 
 Metric = GaugeMetricFamily | CounterMetricFamily | InfoMetricFamily
 
 
 class ClusterCollector(Collector):
-    def __init__(self, snapshot: Callable[[], ClusterSnapshot]) -> None:
-        self._snapshot = snapshot
+    def __init__(self, status: Callable[[], ClusterStatus]) -> None:
+        self._status = status
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._snapshot()
+        snap = self._status()
         yield InfoMetricFamily("tfelastic_cluster", "The job the coordinator serves.",
                                value={"tfelastic_job": snap.job})
         yield GaugeMetricFamily("tfelastic_cluster_generation", "Current (or last) generation.",
@@ -82,7 +82,7 @@ class ClusterCollector(Collector):
 
 
 def register_cluster_collector(registry: CollectorRegistry,
-                               snapshot: Callable[[], ClusterSnapshot]) -> ClusterCollector:
-    collector = ClusterCollector(snapshot)
+                               status: Callable[[], ClusterStatus]) -> ClusterCollector:
+    collector = ClusterCollector(status)
     registry.register(collector)
     return collector

@@ -307,7 +307,7 @@ class Send:
 
 
 @dataclass(frozen=True)
-class NodeSnapshot:
+class NodeStatus:
     node_id: str
     rank: int
     host: str
@@ -373,7 +373,7 @@ class GoodputView:
 
 
 @dataclass(frozen=True)
-class ClusterSnapshot:
+class ClusterStatus:
     job: str
     state: JobState | None  # None: a status that carried none
     reason: str
@@ -384,7 +384,7 @@ class ClusterSnapshot:
     max_restarts: int
     restarts_total: int
     restarts_by_reason: dict[str, int]
-    nodes: Sequence[NodeSnapshot] = field(default_factory=tuple)
+    nodes: Sequence[NodeStatus] = field(default_factory=tuple)
     warnings: tuple[str, ...] = ()  # the most recent things an operator should know (steps lost)
     steps_redone: int = 0  # steps trained again after restarts, below the furthest step reached
     steps_lost: int = 0  # of those, steps below a checkpoint the job had saved

@@ -37,7 +37,7 @@ def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 async def fetch_status(endpoint: Endpoint, token: str | None, tls: TlsConfig | None = None,
-                       timeout: float = 5.0) -> api.ClusterSnapshot:
+                       timeout: float = 5.0) -> api.ClusterStatus:
     """The cluster as the coordinator sees it; its times are readings of this process's monotonic clock."""
     async with open_channel(endpoint, tls) as channel:
         stub = pb_grpc.RendezvousStub(channel)  # type: ignore[no-untyped-call]

@@ -220,7 +220,7 @@ def drain_from_proto(request: pb.DrainRequest) -> api.DrainRequest:
     return api.DrainRequest(request.node_id, request.reason, request.force)
 
 
-def status_to_proto(snap: api.ClusterSnapshot, now: float) -> pb.ClusterStatus:
+def status_to_proto(snap: api.ClusterStatus, now: float) -> pb.ClusterStatus:
     nodes = []
     for n in snap.nodes:
         node = pb.NodeStatus(node_id=n.node_id, rank=n.rank, host=n.host, worker_port=n.worker_port,
@@ -272,18 +272,18 @@ def goodput_from_proto(message: pb.Goodput) -> api.GoodputView:
         tuple(api.TimelineMark(m.at, m.kind, m.node, m.detail) for m in message.marks))
 
 
-def status_from_proto(status: pb.ClusterStatus, now: float) -> api.ClusterSnapshot:
+def status_from_proto(status: pb.ClusterStatus, now: float) -> api.ClusterStatus:
     """A coordinator's reply as status and report show it: its text made printable and bounded, its numbers
     finite and bounded, a node state this version does not know shown as unknown (a newer coordinator), a job
     state it does not know as None. Never raises for what a peer sent."""
     status = _shown_reply(status)
-    nodes = tuple(api.NodeSnapshot(
+    nodes = tuple(api.NodeStatus(
         n.node_id, n.rank, n.host, n.worker_port, _NODE_STATES.get(n.state, api.NodeState.UNKNOWN), n.worker_pid,
         progress_from_proto(n.progress, now) if n.has_progress else None, n.gpus, n.gpu_utilization,
         n.quarantine_reason, now + n.quarantine_seconds_left if n.state == api.NodeState.QUARANTINED.value else None,
         n.quarantine_kind, n.version, n.role, n.replacements,
     ) for n in status.nodes)
-    return api.ClusterSnapshot(
+    return api.ClusterStatus(
         job=status.job, state=JOB_STATE_NAMES.get(status.state), reason=status.reason, generation=status.generation,
         world_size=status.world_size, min_nodes=status.min_nodes, max_nodes=status.max_nodes,
         max_restarts=status.max_restarts, restarts_total=status.restarts_total,

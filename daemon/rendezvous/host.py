@@ -1,6 +1,6 @@
 """A coordinator served by this process. :func:`create_server` starts one on an address; :class:`CoordinatorHost`
 is the one facade for the rest of its life: what it serves, the job's verdict, and winding it down. Processes
-start theirs through :func:`tfelastic.daemon.serving.start_coordinator`, which also exports its metrics.
+start theirs through :func:`tfelastic.daemon.coordinator_setup.start_coordinator`, which also exports its metrics.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ class CoordinatorHost:
     def finished(self) -> asyncio.Event:
         return self._servicer.finished
 
-    def snapshot(self) -> api.ClusterSnapshot:
+    def status(self) -> api.ClusterStatus:
         """The job now. Call it on the coordinator's event loop; other threads read :attr:`published`."""
-        return self._servicer.snapshot()
+        return self._servicer.status()
 
     @property
     def deposed(self) -> asyncio.Event | None:
@@ -58,7 +58,7 @@ class CoordinatorHost:
         return persistence.deposed if persistence is not None else None
 
     @property
-    def published(self) -> api.ClusterSnapshot:
+    def published(self) -> api.ClusterStatus:
         return self._servicer.published
 
     @property

@@ -22,10 +22,10 @@ from tfelastic.daemon.aio import within
 from tfelastic.daemon.netutil import host_port
 from tfelastic.daemon.rendezvous import api, bounds, convert
 from tfelastic.daemon.rendezvous.bounds import printable
+from tfelastic.daemon.rendezvous.cluster_status import while_unrecorded
 from tfelastic.daemon.rendezvous.durable import JobStore
 from tfelastic.daemon.rendezvous.limits import LimitExceededError
 from tfelastic.daemon.rendezvous.persistence import Persistence
-from tfelastic.daemon.rendezvous.snapshot import while_unrecorded
 from tfelastic.daemon.rendezvous.state import Clock, Rendezvous
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 from tfelastic.daemon.rpc import rendezvous_pb2_grpc as pb_grpc
@@ -78,7 +78,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._timers_changed = asyncio.Event()
         self._assignment_template: pb.Assignment | None = None
         # What other threads (the /metrics server) may read: republished by the ticker, never mutated.
-        self.published = rendezvous.snapshot()
+        self.published = rendezvous.status()
         self.finished = asyncio.Event()
         self._probes = asyncio.Semaphore(MAX_PROBES)
         self._deciding = True  # False once the job is handed over: a successor decides from what etcd holds
@@ -155,11 +155,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def GetStatus(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ClusterStatus:
-        return convert.status_to_proto(self.snapshot(), self._clock())
+        return convert.status_to_proto(self.status(), self._clock())
 
-    def snapshot(self) -> api.ClusterSnapshot:
+    def status(self) -> api.ClusterStatus:
         """The job now, with who serves it, and what waits for etcd."""
-        snap = dataclasses.replace(self.rendezvous.snapshot(), coordinator=self.info)
+        snap = dataclasses.replace(self.rendezvous.status(), coordinator=self.info)
         persistence = self.persistence
         if persistence is None:
             return snap
@@ -339,7 +339,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             succeeded = self.rendezvous.state is api.JobState.SUCCEEDED
             log.log(logging.INFO if succeeded else logging.ERROR, "job %s: %s", self.rendezvous.state.value,
                     self.rendezvous.reason)
-            self.published = self.snapshot()
+            self.published = self.status()
             self.finished.set()
         if sends:  # orders mean state changed, and with it maybe a timer; heartbeats only push leases later
             self._timers_changed.set()
@@ -367,7 +367,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 for session in self._sessions.values():
                     session.outbox.put_nowait(_HEARTBEAT)
                 next_heartbeat = now + self._heartbeat_interval
-                self.published = self.snapshot()
+                self.published = self.status()
             self._timers_changed.clear()
             wake = min(next_heartbeat, deadline if deadline is not None else next_heartbeat)
             await within(self._timers_changed.wait(), max(0.001, wake - self._clock() + 0.001))

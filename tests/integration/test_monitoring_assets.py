@@ -594,7 +594,7 @@ def exported_metrics(tmp_path: Path) -> set[str]:
     from tfelastic.daemon.metrics.cluster import register_cluster_collector
     from tfelastic.daemon.metrics.gpu import register_gpu_collector
     from tfelastic.daemon.metrics.host import register_host_collector
-    from tfelastic.daemon.rendezvous.api import ClusterSnapshot
+    from tfelastic.daemon.rendezvous.api import ClusterStatus
 
     from tests.nvml_fake import FakeGpu, FakeNvml
 
@@ -602,7 +602,7 @@ def exported_metrics(tmp_path: Path) -> set[str]:
     register_build_info(registry, "agent")
     AgentMetrics(registry, "mnist", "gpu-01")
     EtcdMetrics(registry)
-    snapshot = ClusterSnapshot(job="mnist", state=JobState.RUNNING, reason="", generation=1, world_size=0,
+    snapshot = ClusterStatus(job="mnist", state=JobState.RUNNING, reason="", generation=1, world_size=0,
                                min_nodes=1, max_nodes=1, max_restarts=3, restarts_total=0, restarts_by_reason={},
                                nodes=(), goodput=GoodputView(dict.fromkeys(CATEGORIES, 1.0)))
     register_cluster_collector(registry, lambda: snapshot)

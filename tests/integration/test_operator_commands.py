@@ -132,7 +132,7 @@ def test_drained_node_keeps_hosting_the_coordinator_until_the_job_ends(make_clus
     assert operator(cluster, "drain", "a").returncode == 0
     doc = cluster.wait_running(2, 1, step=1)
     assert [n["node_id"] for n in members(doc)] == ["b"]
-    wait_for(lambda: "serving it until the job ends" in host.log(), 10, "the drained host to keep serving")
+    wait_for(lambda: "hosting it until the job ends" in host.log(), 10, "the drained host to keep hosting it")
     assert host.proc.poll() is None  # b still needs the coordinator it hosts
     assert cluster.agents[1].wait(60) == 0, cluster.logs()
     assert host.wait(30) == 0, host.log()

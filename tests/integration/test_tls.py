@@ -145,11 +145,11 @@ def run_against(certs: Certificates, case: Case) -> tuple[Outcome, Outcome, Outc
                 joined = asyncio.Event()
                 member = asyncio.create_task(hold_session(endpoint, good, "member", joined))
                 await asyncio.wait_for(joined.wait(), 20)
-            before = nodes(coordinator.snapshot())
+            before = nodes(coordinator.status())
             bad = client_tls(certs, case.client)
             session = await open_session(endpoint, bad, "intruder")
             status = await get_status(endpoint, bad)
-            after = nodes(coordinator.snapshot())
+            after = nodes(coordinator.status())
             control = await get_status(endpoint, good) if good is not None else Outcome(grpc.StatusCode.OK, "")
             if good is not None:
                 member.cancel()
@@ -160,7 +160,7 @@ def run_against(certs: Certificates, case: Case) -> tuple[Outcome, Outcome, Outc
     return asyncio.run(scenario())
 
 
-def nodes(snapshot: api.ClusterSnapshot) -> list[str]:
+def nodes(snapshot: api.ClusterStatus) -> list[str]:
     return [n.node_id for n in snapshot.nodes]
 
 

@@ -21,7 +21,7 @@ def peer_first(clock: FakeClock, now: float = 10.0) -> Rendezvous:
     sends = rv.worker_failed("a", rv.generation, RestartReason.WORKER_EXIT, PEER, FailureCause.PEER_FAILURE)
     assert sends == stops(rv.generation, IDS, RestartReason.WORKER_EXIT)  # no delay waiting for the root cause
     # Counted in the total and the budget now; by reason once the record is final (counters never go down).
-    assert (rv.restarts_total, rv.snapshot().restarts_by_reason) == (1, {})
+    assert (rv.restarts_total, rv.status().restarts_by_reason) == (1, {})
     return rv
 
 
@@ -31,7 +31,7 @@ def test_the_dead_workers_report_after_a_survivors_replaces_it_in_the_restarts_r
     assert rv.worker_failed("c", 1, RestartReason.WORKER_EXIT, KILLED, FailureCause.SIGNAL) == []  # stopping already
     assert rv.reason == f"worker_exit: c: {KILLED}"
     assert rv.goodput.lines[-1].ended == f"worker_exit: c: {KILLED}"
-    assert rv.snapshot().restarts_by_reason == {"worker_exit": 1} and rv.restarts_total == 1
+    assert rv.status().restarts_by_reason == {"worker_exit": 1} and rv.restarts_total == 1
 
 
 def test_a_lost_node_after_a_survivors_report_is_the_restarts_cause_and_its_count_moves() -> None:
@@ -40,7 +40,7 @@ def test_a_lost_node_after_a_survivors_report_is_the_restarts_cause_and_its_coun
     assert rv.disconnect("c") == []
     assert rv.reason == "node_lost: c: its session closed"
     assert rv.goodput.lines[-1].ended == "node_lost: c: its session closed"
-    assert rv.snapshot().restarts_by_reason == {"node_lost": 1} and rv.restarts_total == 1
+    assert rv.status().restarts_by_reason == {"node_lost": 1} and rv.restarts_total == 1
 
 
 def test_a_peers_failure_is_never_a_strike_and_the_root_cause_is() -> None:
@@ -65,7 +65,7 @@ def test_without_a_root_cause_the_survivors_report_stays_and_a_later_generation_
     assert rv.reason == f"worker_exit: a: {PEER}"
     assert rv.durable(0.0).restarts_by_reason == {"worker_exit": 1}  # a successor counts it as first reported
     rejoin_each(rv, IDS)
-    assert rv.snapshot().restarts_by_reason == {"worker_exit": 1}  # final at the next generation
+    assert rv.status().restarts_by_reason == {"worker_exit": 1}  # final at the next generation
     assert rv.worker_failed("c", 1, RestartReason.WORKER_EXIT, KILLED, FailureCause.SIGNAL) == []  # stale
     assert rv.goodput.lines[0].ended == f"worker_exit: a: {PEER}" and not rv.goodput.lines[1].ended
     assert not rv.quarantine.is_held("a")

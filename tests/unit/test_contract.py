@@ -80,28 +80,47 @@ def test_the_shells_read_no_predicate_of_the_core() -> None:
     assert offenders == [], "return an action from the core instead: " + ", ".join(offenders)
 
 
-
-AGENT_CORES = [ROOT / "daemon" / "agent" / "core.py", ROOT / "daemon" / "agent" / "worker_core.py"]
-
-
-def collaborators_private_reads(source: str) -> list[str]:
-    """Every ``self.X._y`` in ``source``: a private member of a collaborator, used from outside it."""
-    return sorted(f"{node.lineno}: {node.value.attr}.{node.attr}" for node in ast.walk(ast.parse(source))
+def others_private_reads(source: str) -> list[str]:
+    """Every ``X._y`` in ``source`` where X is not ``self`` or ``cls``: a private member of another object (a
+    collaborator's, ``self.worker_core._stopping``; another instance's, ``node._lease``), used from outside it. The
+    standard library's few (``os._exit``) are allowed."""
+    return sorted(f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(source))
                   if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                  and isinstance(node.value, ast.Attribute) and isinstance(node.value.value, ast.Name)
-                  and node.value.value.id == "self")
+                  and not (isinstance(node.value, ast.Name) and node.value.id in {"self", "cls", *STDLIB_PRIVATE}))
+
+
+STDLIB_PRIVATE = {"os", "runpy", "sys"}  # os._exit, runpy._run_module_as_main, sys._getframe
 
 
 def test_the_check_finds_a_collaborators_private_member() -> None:
-    source = "class Core:\n    def f(self):\n        self.worker_core._stopping\n        self._contact.open\n"
-    assert collaborators_private_reads(source) == ["3: worker_core._stopping"]
+    source = ("class Core:\n    def f(self, node):\n        self.worker_core._stopping\n        self._contact.open\n"
+              "        node._lease\n        os._exit(0)\n")
+    assert others_private_reads(source) == ["3: self.worker_core._stopping", "5: node._lease"]
 
 
-def test_the_agents_core_is_composed_of_collaborators_not_a_class_split_by_inheritance() -> None:
-    """AgentCore holds the worker's side (WorkerCore) and uses it through its public methods only."""
-    from tfelastic.daemon.agent.worker_core import WorkerCore
+def logic_modules() -> list[Path]:
+    """The modules of docs/design.md's pure layers (kind ``logic``): the cores and what they are made of."""
+    from tests.unit.test_layers import layer_of, modules_of, read_map
 
-    assert AgentCore.__bases__ == (object,) and WorkerCore.__bases__ == (object,)
-    offenders = [f"{path.relative_to(ROOT)}:{read}" for path in AGENT_CORES
-                 for read in collaborators_private_reads(path.read_text())]
+    layers = read_map((ROOT / "docs" / "design.md").read_text())
+    logic = [i for i, (_, kind, _) in enumerate(layers) if kind == "logic"]
+    rows = [modules for _, _, modules in layers]
+    return sorted(path for name, path in modules_of(ROOT).items() if set(layer_of(name, rows)) & set(logic))
+
+
+def test_no_core_uses_another_objects_private_member() -> None:
+    modules = logic_modules()
+    assert ROOT / "daemon" / "rendezvous" / "rounds.py" in modules and ROOT / "daemon" / "agent" / "core.py" in modules
+    offenders = [f"{path.relative_to(ROOT)}:{read}" for path in modules
+                 for read in others_private_reads(path.read_text())]
     assert offenders == [], "give the collaborator a public method instead: " + ", ".join(offenders)
+
+
+def test_the_cores_are_composed_of_collaborators_not_classes_split_by_inheritance() -> None:
+    """The agent's core holds the worker's side, the coordinator's holds its rounds: each a plain class."""
+    from tfelastic.daemon.agent.worker_core import WorkerCore
+    from tfelastic.daemon.rendezvous.rounds import Rounds
+    from tfelastic.daemon.rendezvous.state import Rendezvous
+
+    cores = (AgentCore, WorkerCore, Rendezvous, Rounds)
+    assert {core.__name__: core.__bases__ for core in cores} == {core.__name__: (object,) for core in cores}

@@ -354,7 +354,7 @@ def test_the_coordinator_keeps_the_ledger_of_its_job() -> None:
     rv.worker_succeeded("b", 2)
     assert rv.state is JobState.SUCCEEDED
     at(clock, rv, formed + 100.0)  # nothing counts after the end
-    goodput = rv.snapshot().goodput
+    goodput = rv.status().goodput
     assert goodput is not None
     assert {c: round(s, 6) for c, s in goodput.seconds.items() if s} == {
         "startup": 6.0, "training": 9.5, "checkpoint": 1.0, "detection": 10.0, "stopping": 0.5, "redone": 0.5}
@@ -383,7 +383,7 @@ def test_the_ledger_goes_to_the_durable_state_and_a_successor_continues_it() -> 
     successor = Rendezvous(SETTINGS, successor_clock)
     successor.take_over(recorded, 1_700_000_000.0, grace=2.0)
     assert successor.state is JobState.RUNNING
-    goodput = successor.snapshot().goodput
+    goodput = successor.status().goodput
     assert goodput is not None and round(goodput.seconds["training"], 6) == 9.0
     assert round(goodput.seconds["startup"], 6) == 2.0
 
@@ -406,9 +406,9 @@ def test_the_chiefs_last_steps_reported_after_the_restart_decision_count_as_reac
     rv.progress("b", 1, WorkerProgress(step=109, reported_at=clock.now))  # not the chief: not the ledger's mark
     rejoin_all(rv, "a", "b")
     rv.progress("a", 2, WorkerProgress(step=100, reported_at=clock.now))
-    goodput = rv.snapshot().goodput
+    goodput = rv.status().goodput
     assert goodput is not None and goodput.generations[-1].steps_redone == 8
-    assert rv.snapshot().steps_redone == 9  # status's count: any member's furthest
+    assert rv.status().steps_redone == 9  # status's count: any member's furthest
 
 
 def test_the_chiefs_end_of_training_reaches_the_ledger_through_the_wire() -> None:
@@ -432,7 +432,7 @@ def test_the_chiefs_end_of_training_reaches_the_ledger_through_the_wire() -> Non
     rv.worker_succeeded("a", 1)
     rv.worker_succeeded("b", 1)
     assert rv.state is JobState.SUCCEEDED
-    goodput = rv.snapshot().goodput
+    goodput = rv.status().goodput
     assert goodput is not None
     assert {c: round(s, 6) for c, s in goodput.seconds.items() if s} == {"training": 10.0, "other": 40.0}
 

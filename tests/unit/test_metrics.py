@@ -15,7 +15,7 @@ from tfelastic.daemon.metrics.agent import MAX_COUNTED_JUMP, AgentMetrics
 from tfelastic.daemon.metrics.cluster import register_cluster_collector
 from tfelastic.daemon.metrics.host import register_host_collector
 from tfelastic.daemon.metrics.http import MAX_CONNECTIONS_PER_ADDRESS, serve_metrics
-from tfelastic.daemon.rendezvous.api import ClusterSnapshot, JobState, NodeSnapshot, NodeState
+from tfelastic.daemon.rendezvous.api import ClusterStatus, JobState, NodeState, NodeStatus
 from tfelastic.daemon.worker.states import WorkerState
 from tfelastic.trainer.progress import ProgressMessage
 
@@ -97,13 +97,13 @@ def test_checkpoint_and_worker_state() -> None:
         s.value: (1.0 if s is WorkerState.RUNNING else 0.0) for s in WorkerState}
 
 
-def test_cluster_collector_reads_the_published_snapshot() -> None:
-    snap = ClusterSnapshot(
+def test_cluster_collector_reads_the_published_status() -> None:
+    snap = ClusterStatus(
         job="mnist", state=JobState.RUNNING, reason="", generation=4, world_size=2, min_nodes=2, max_nodes=3,
         max_restarts=3, restarts_total=3, restarts_by_reason={"worker_exit": 2, "scale_up": 1},
-        nodes=(NodeSnapshot("a", 0, "h", 1, NodeState.RUNNING, 10, None),
-               NodeSnapshot("b", 1, "h", 2, NodeState.RUNNING, 11, None),
-               NodeSnapshot("c", -1, "h", 3, NodeState.WAITING, 0, None)))
+        nodes=(NodeStatus("a", 0, "h", 1, NodeState.RUNNING, 10, None),
+               NodeStatus("b", 1, "h", 2, NodeState.RUNNING, 11, None),
+               NodeStatus("c", -1, "h", 3, NodeState.WAITING, 0, None)))
     registry = CollectorRegistry()
     register_cluster_collector(registry, lambda: snap)
     value = registry.get_sample_value
@@ -125,7 +125,7 @@ def test_cluster_collector_exports_the_goodput_ledger_by_category() -> None:
     from tfelastic.daemon.rendezvous.goodput import CATEGORIES
 
     seconds = {c: float(i) for i, c in enumerate(CATEGORIES)}
-    snap = ClusterSnapshot(job="mnist", state=JobState.RUNNING, reason="", generation=1, world_size=1, min_nodes=1,
+    snap = ClusterStatus(job="mnist", state=JobState.RUNNING, reason="", generation=1, world_size=1, min_nodes=1,
                            max_nodes=1, max_restarts=3, restarts_total=0, restarts_by_reason={},
                            goodput=GoodputView(seconds))
     registry = CollectorRegistry()
@@ -135,11 +135,11 @@ def test_cluster_collector_exports_the_goodput_ledger_by_category() -> None:
 
 
 def test_cluster_collector_names_each_quarantined_node_and_counts_quarantines_by_kind() -> None:
-    snap = ClusterSnapshot(
+    snap = ClusterStatus(
         job="mnist", state=JobState.RUNNING, reason="", generation=3, world_size=2, min_nodes=2, max_nodes=3,
         max_restarts=3, restarts_total=2, restarts_by_reason={"worker_exit": 2},
-        nodes=(NodeSnapshot("a", 0, "h", 1, NodeState.RUNNING, 10, None),
-               NodeSnapshot("c", -1, "h", 3, NodeState.QUARANTINED, 0, None, quarantine_reason="x",
+        nodes=(NodeStatus("a", 0, "h", 1, NodeState.RUNNING, 10, None),
+               NodeStatus("c", -1, "h", 3, NodeState.QUARANTINED, 0, None, quarantine_reason="x",
                             quarantined_until=700.0, quarantine_kind="worker_failures")),
         quarantines_by_kind={"worker_failures": 1})
     registry = CollectorRegistry()

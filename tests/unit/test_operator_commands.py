@@ -84,7 +84,7 @@ def test_restart_stops_every_member_and_the_same_nodes_reform_in_the_same_order(
     assert rv.restart_job("new data")[0] == stops(1, ["a", "b", "c"], RestartReason.OPERATOR_RESTART)
     assert rv.reason == "operator_restart: new data"
     assert rejoin_all(rv, "c", "b", "a") == assignments(2, ["a", "b", "c"], restarts=1)
-    assert rv.snapshot().restarts_by_reason == {"operator_restart": 1}
+    assert rv.status().restarts_by_reason == {"operator_restart": 1}
     assert state_of(rv) is JobState.RUNNING  # not counted against max_restarts=0
 
 
@@ -95,7 +95,7 @@ def test_restart_is_refused_unless_the_job_is_running() -> None:
     with pytest.raises(OperatorRefusedError, match=r"is restarting.*only a running job can be restarted"):
         rv.restart_job("second")
     at(clock, rv, clock.now + 1)
-    assert [n.state for n in rv.snapshot().nodes] == [NodeState.STOPPING] * 3
+    assert [n.state for n in rv.status().nodes] == [NodeState.STOPPING] * 3
 
 
 def test_a_second_restart_while_the_first_is_under_way_is_absorbed_into_it() -> None:
@@ -112,7 +112,7 @@ def test_a_second_restart_while_the_first_is_under_way_is_absorbed_into_it() -> 
     assert said == ("absorbed into the restart of job mnist from generation 1 that an operator asked for 15.0s ago "
                     "(first), still under way: no second restart")
     assert rejoin_all(rv, "a", "b") == assignments(2, ["a", "b"], restarts=1)
-    assert rv.snapshot().restarts_by_reason == {"operator_restart": 1}
+    assert rv.status().restarts_by_reason == {"operator_restart": 1}
 
 
 def test_a_second_restart_that_arrives_after_the_first_re_formed_is_absorbed_into_it() -> None:
@@ -127,7 +127,7 @@ def test_a_second_restart_that_arrives_after_the_first_re_formed_is_absorbed_int
     assert sends == []
     assert said == ("absorbed into the restart of job mnist from generation 1 that an operator asked for 0.5s ago "
                     "(first); generation 2 runs now: no second restart (ask again after 10s for another)")
-    assert (rv.generation, rv.snapshot().restarts_by_reason) == (2, {"operator_restart": 1})
+    assert (rv.generation, rv.status().restarts_by_reason) == (2, {"operator_restart": 1})
 
 
 def test_a_restart_after_the_window_is_a_restart_of_its_own() -> None:

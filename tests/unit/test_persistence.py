@@ -19,11 +19,11 @@ from tfelastic.daemon.rendezvous.api import (
     StopWorkers,
     WorkerProgress,
 )
+from tfelastic.daemon.rendezvous.cluster_status import while_unrecorded
 from tfelastic.daemon.rendezvous.durable import Deposed, DurableState, StoreUnavailable, Takeover
 from tfelastic.daemon.rendezvous.host import create_server
 from tfelastic.daemon.rendezvous.persistence import Persistence
 from tfelastic.daemon.rendezvous.server import RendezvousServicer, _Session
-from tfelastic.daemon.rendezvous.snapshot import while_unrecorded
 from tfelastic.daemon.rpc import rendezvous_pb2 as pb
 
 from tests.fakes import FakeClock
@@ -276,7 +276,7 @@ def test_a_write_that_fails_with_a_bug_deposes_the_coordinator_and_its_server_st
 ])
 def test_status_says_what_waits_for_etcd(problem: str, holding: bool, holding_assignments: bool,
                                          state: JobState, reason: str) -> None:
-    snap = dataclasses.replace(running(FakeClock(), ["a", "b"], max_nodes=2).snapshot(), generation=3,
+    snap = dataclasses.replace(running(FakeClock(), ["a", "b"], max_nodes=2).status(), generation=3,
                                reason="scaled")
     shown = while_unrecorded(snap, problem, holding=holding, holding_assignments=holding_assignments)
     assert (shown.state, shown.reason) == (state, reason)
@@ -284,6 +284,6 @@ def test_status_says_what_waits_for_etcd(problem: str, holding: bool, holding_as
 
 
 def test_without_a_reason_status_says_only_what_waits() -> None:
-    snap = dataclasses.replace(running(FakeClock(), ["a", "b"], max_nodes=2).snapshot(), reason="")
+    snap = dataclasses.replace(running(FakeClock(), ["a", "b"], max_nodes=2).status(), reason="")
     shown = while_unrecorded(snap, "etcd unreachable", holding=True, holding_assignments=False)
     assert shown.reason == "waiting for etcd to record the job's state (etcd unreachable)"

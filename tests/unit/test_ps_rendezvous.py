@@ -80,7 +80,7 @@ def test_roles_are_assigned_chief_ps_workers_and_honour_what_nodes_asked() -> No
     for node_id, role in (("gpu1", "worker"), ("cpu1", "ps"), ("gpu2", "worker"), ("head", "any")):
         sends = rv.join(info(node_id, role), SPEC)
     assert sends == assignments(1, ["head", "cpu1", "gpu1", "gpu2"])
-    assert [(n.node_id, n.role) for n in rv.snapshot().nodes] == [
+    assert [(n.node_id, n.role) for n in rv.status().nodes] == [
         ("head", "chief"), ("cpu1", "ps 0"), ("gpu1", "worker 0"), ("gpu2", "worker 1")]
 
 
@@ -88,7 +88,7 @@ def test_a_replaced_worker_is_counted_and_the_job_trains_on() -> None:
     rv = running(FakeClock(), {"a": "any", "b": "any", "c": "any", "d": "any"})
     assert report(rv, "d", WorkerStatus.REPLACED, "exited with code -9") == []
     assert report(rv, "d", WorkerStatus.REPLACED, "exited with code -9") == []
-    snap = rv.snapshot()
+    snap = rv.status()
     assert snap.state is JobState.RUNNING and snap.generation == 1
     assert snap.restarts_total == 0  # no restart of the job
     assert snap.restarts_by_reason == {RestartReason.WORKER_REPLACED.value: 2}
@@ -111,7 +111,7 @@ def test_a_lost_workers_task_is_vacant_and_a_node_that_joins_takes_it_in_a_plann
     clock = FakeClock()
     rv = running(clock, {"a": "any", "b": "any", "c": "any", "d": "any"})
     assert rv.disconnect("d") == []  # no stop order: the chief trains on
-    snap = rv.snapshot()
+    snap = rv.status()
     assert snap.state is JobState.RUNNING
     assert snap.vacant == ("worker 1: node d lost (its session closed)",)
     assert rv.join(info("d"), SPEC) == [Send("d", Waiting(1, 3, 4, "scale-up pending: the job will re-form to take "
@@ -128,7 +128,7 @@ def test_a_lost_workers_task_is_vacant_and_a_node_that_joins_takes_it_in_a_plann
     for n in "bc":
         sends = rv.join(info(n, last_generation=1), SPEC, rejoin=True)
     assert sends == assignments(2, ["a", "b", "c", "d"], restarts=1)  # d is worker 1 again: same task, same index
-    assert rv.snapshot().vacant == ()
+    assert rv.status().vacant == ()
 
 
 def test_a_lost_worker_that_would_leave_too_few_nodes_restarts_the_job() -> None:
@@ -162,7 +162,7 @@ def test_a_drained_worker_leaves_its_task_vacant_without_a_restart() -> None:
     rv = running(FakeClock(), {"a": "any", "b": "any", "c": "any", "d": "any"})
     # Its agent serves until told: the chief trains on without it, so it is told at once, and nobody else is.
     assert rv.leave("c", "drained: maintenance") == [Send("c", StopWorkers(1, RestartReason.NODE_LEFT))]
-    assert rv.snapshot().vacant == ("worker 0: node c left (drained: maintenance)",)
+    assert rv.status().vacant == ("worker 0: node c left (drained: maintenance)",)
 
 
 def test_every_agent_leaving_at_once_stops_the_parameter_servers_and_workers_after_the_chief() -> None:
@@ -241,7 +241,7 @@ def test_the_missing_task_is_no_longer_named_once_the_nodes_it_listed_are_gone()
     rv = without_a_chief(clock)
     assert "(their --role: ps, worker)" in rv.reason
     rv.leave("p1", "agent stopped (SIGTERM)")  # below min_nodes now: the reason listed a role nobody has
-    assert rv.reason == "" and rv.snapshot().reason == ""
+    assert rv.reason == "" and rv.status().reason == ""
 
 
 def test_a_chief_that_joins_before_join_timeout_fills_the_round() -> None:

@@ -81,7 +81,7 @@ def quarantined_c(clock: FakeClock) -> Rendezvous:
 def test_a_node_whose_worker_fails_first_twice_is_set_aside_and_the_others_go_on() -> None:
     clock = FakeClock()
     rv = quarantined_c(clock)
-    snap = rv.snapshot()
+    snap = rv.status()
     assert (snap.state, snap.world_size, snap.quarantines_by_kind) == (JobState.RUNNING, 2, {"worker_failures": 1})
     c = next(n for n in snap.nodes if n.node_id == "c")
     assert (c.state, c.rank, c.quarantine_kind, c.quarantined_until) == (
@@ -168,7 +168,7 @@ def test_a_node_whose_check_fails_again_stays_aside_twice_as_long() -> None:
     assert sends == waiting("c", 0, f"quarantined for {2 * COOLDOWN:.0f}s more: node check failed: backup dir /b is "
                                     "not writable: Read-only file system")
     assert rv.quarantine.held["c"].until == clock.now + 2 * COOLDOWN
-    assert rv.snapshot().quarantines_by_kind == {"worker_failures": 1, "node_check": 1}
+    assert rv.status().quarantines_by_kind == {"worker_failures": 1, "node_check": 1}
     assert [m.kind for m in rv.goodput.marks] == ["quarantined", "quarantined"]  # never readmitted in between
 
 
@@ -217,7 +217,7 @@ def test_a_readmit_survives_a_coordinator_failover() -> None:
     rv = quarantined_c(clock)
     at(clock, rv, 30.0)
     rv.readmit("c")
-    assert rv.snapshot().nodes[-1].quarantined_until == 30.0  # no cooldown left: it waits for its check
+    assert rv.status().nodes[-1].quarantined_until == 30.0  # no cooldown left: it waits for its check
     recorded = DurableState.from_json(rv.durable(wall_offset=1000.0).to_json())
     successor = Rendezvous(SETTINGS, FakeClock(30.0))
     successor.take_over(recorded, wall_offset=1000.0, grace=2.0)
@@ -271,14 +271,14 @@ def test_no_quarantine_is_recorded_when_the_failure_ends_the_job() -> None:
     rejoin_each(rv, IDS)
     fail(rv, clock, 20.0, "c")  # the second failure exhausts the budget: nothing is left to set c aside from
     assert rv.state is JobState.FAILED and "quarantined" not in rv.reason
-    assert rv.quarantine.held == {} and rv.snapshot().quarantines_by_kind == {}
+    assert rv.quarantine.held == {} and rv.status().quarantines_by_kind == {}
 
 
 def test_a_quarantined_node_leaves_at_once() -> None:
     clock = FakeClock()
     rv = quarantined_c(clock)
     assert rv.leave("c", "agent stopped (SIGTERM)") == []
-    assert [n.node_id for n in rv.snapshot().nodes] == ["a", "b"]
+    assert [n.node_id for n in rv.status().nodes] == ["a", "b"]
 
 
 def test_a_quarantine_survives_a_coordinator_failover() -> None:
@@ -357,7 +357,7 @@ def rv_probe(job_spec: JobSpec) -> ProbeWorkerPort | None:
 def test_a_standalone_coordinator_probes_its_first_join_but_not_after_the_verdict() -> None:
     rv = Rendezvous(SETTINGS, FakeClock())  # no spec until the first Join brings one
     assert rv.probe_for(_checked_join("a", spec())) is not None
-    rv.state = JobState.SUCCEEDED
+    rv.rounds.state = JobState.SUCCEEDED
     assert rv.probe_for(_checked_join("a", spec())) is None
 
 
@@ -376,5 +376,5 @@ def test_the_timeline_marks_each_quarantine_readmission_and_drain() -> None:
         (30.0, "readmitted", "c", "an operator readmitted it; it passed its node check"),
         (20.0 + 2 * COOLDOWN, "quarantined", "d", "node check failed: no GPU found"),
         (20.0 + 2 * COOLDOWN, "drained", "a", "maintenance")]
-    assert [m.kind for m in rv.snapshot().goodput.marks] == [  # type: ignore[union-attr]
+    assert [m.kind for m in rv.status().goodput.marks] == [  # type: ignore[union-attr]
         "quarantined", "readmitted", "quarantined", "drained"]

@@ -15,7 +15,7 @@ import pytest
 from tfelastic.daemon.agent.runner import trainer_env
 from tfelastic.daemon.rendezvous.api import (
     Assignment,
-    ClusterSnapshot,
+    ClusterStatus,
     DuplicateNodeError,
     Evict,
     Finished,
@@ -26,8 +26,8 @@ from tfelastic.daemon.rendezvous.api import (
     JobState,
     Member,
     NodeInfo,
-    NodeSnapshot,
     NodeState,
+    NodeStatus,
     ProtocolError,
     RendezvousSettings,
     RestartReason,
@@ -102,7 +102,7 @@ def waiting(node_id: str, joined: int, detail: str = WAIT, lo: int = 2, hi: int 
 def at(clock: FakeClock, rv: Rendezvous, now: float) -> None:
     """Move the clock to ``now`` while every connected node keeps heartbeating."""
     clock.now = now
-    for n in rv.snapshot().nodes:
+    for n in rv.status().nodes:
         rv.heartbeat(n.node_id)
 
 
@@ -147,7 +147,7 @@ def state_of(rv: Rendezvous) -> JobState:
 
 
 def ranks(rv: Rendezvous) -> list[tuple[str, int, NodeState]]:
-    return [(n.node_id, n.rank, n.state) for n in rv.snapshot().nodes]
+    return [(n.node_id, n.rank, n.state) for n in rv.status().nodes]
 
 
 # ----------------------------------------------------------------------------------------- first round
@@ -253,7 +253,7 @@ def test_lost_chief_makes_next_lowest_survivor_rank_zero() -> None:
     assert rv.reason == "node_lost: a: its session closed"
     assert rejoin(rv, "c") == waiting("c", 1)
     assert rejoin(rv, "b") == assignments(2, ["b", "c"], restarts=1)
-    assert rv.snapshot().restarts_by_reason == {"node_lost": 1}
+    assert rv.status().restarts_by_reason == {"node_lost": 1}
 
 
 def test_recovery_closes_as_soon_as_every_survivor_rejoined() -> None:
@@ -271,7 +271,7 @@ def test_recovery_closes_as_soon_as_every_survivor_rejoined() -> None:
     assert rejoin(rv, "c") == assignments(2, ["a", "b", "c"], restarts=1)
     assert state_of(rv) is JobState.RUNNING
     assert (rv.generation, rv.restarts_total) == (2, 1)
-    assert rv.snapshot().restarts_by_reason == {"worker_exit": 1}
+    assert rv.status().restarts_by_reason == {"worker_exit": 1}
 
 
 def _stopped_member_outstanding(clock: FakeClock) -> Rendezvous:
@@ -304,7 +304,7 @@ def test_round_waits_for_stopping_member_then_closes_when_it_disconnects() -> No
     rv = _stopped_member_outstanding(clock)
     assert rv.disconnect("c") == assignments(2, ["a", "b", "d"], restarts=1)
     assert rv.restarts_total == 1  # losing a member that was already told to stop is no new restart
-    assert rv.snapshot().restarts_by_reason == {"worker_exit": 1}
+    assert rv.status().restarts_by_reason == {"worker_exit": 1}
 
 
 def test_rejoin_while_running_is_a_protocol_error() -> None:
@@ -330,7 +330,7 @@ def test_reports_of_an_older_generation_are_ignored() -> None:
     rv.worker_started("a", 1, 4242)
     rv.progress("a", 1, WorkerProgress(step=10))
     assert (rv.state, rv.generation, rv.restarts_total) == (JobState.RUNNING, 2, 1)
-    a = rv.snapshot().nodes[0]
+    a = rv.status().nodes[0]
     assert (a.node_id, a.state, a.worker_pid, a.progress) == ("a", NodeState.RUNNING, 0, None)
 
 
@@ -341,7 +341,7 @@ def test_second_report_of_the_same_fault_adds_nothing() -> None:
     assert rv.worker_failed("b", 1, RestartReason.WORKER_EXIT, "exit 1") == []
     assert rv.worker_failed("c", 1, RestartReason.STALLED, "no progress") == []
     assert rv.restarts_total == 1
-    assert rv.snapshot().restarts_by_reason == {"worker_exit": 1}
+    assert rv.status().restarts_by_reason == {"worker_exit": 1}
 
 
 # ---------------------------------------------------------------------------------------- join refusals
@@ -368,7 +368,7 @@ def test_spec_mismatch_names_the_differing_setting(field_name: str, value: objec
     assert fragment in message
     assert "job 'mnist'" in message
     assert message.count(";") == 0  # exactly one setting differs, exactly one is named
-    assert "b" not in [n.node_id for n in rv.snapshot().nodes]
+    assert "b" not in [n.node_id for n in rv.status().nodes]
     assert rv.spec == SPEC
 
 
@@ -401,7 +401,7 @@ def test_the_same_agent_on_a_new_session_replaces_its_old_one() -> None:
     sends = rv.join(info("a", incarnation="inc-a", last_generation=1, last_rank=0), rv.spec or SPEC)
     assert Send("b", StopWorkers(1, RestartReason.NODE_LOST)) in sends
     assert rv.restarts.by_reason == {RestartReason.NODE_LOST.value: 1}
-    assert {n.node_id: n.state for n in rv.snapshot().nodes}["a"] is NodeState.WAITING
+    assert {n.node_id: n.state for n in rv.status().nodes}["a"] is NodeState.WAITING
 
 
 def test_another_process_with_a_members_id_is_a_duplicate() -> None:
@@ -433,7 +433,7 @@ def test_join_after_the_job_finished_is_refused(state: JobState) -> None:
     assert rv.state is state
     with pytest.raises(JobClosedError, match=f"'mnist' has already {state.value}"):
         join(rv, "c")
-    assert "c" not in [n.node_id for n in rv.snapshot().nodes]
+    assert "c" not in [n.node_id for n in rv.status().nodes]
 
 
 # ----------------------------------------------------------------------------------------------- faults
@@ -449,7 +449,7 @@ def test_worker_failure_stops_every_member_and_counts_a_restart() -> None:
     assert state_of(rv) is JobState.RESTARTING
     assert rv.reason == "worker_exit: b: exit code 3"
     assert rv.restarts_total == 1
-    assert rv.snapshot().restarts_by_reason == {"worker_exit": 1}
+    assert rv.status().restarts_by_reason == {"worker_exit": 1}
     assert rejoin_all(rv, "c", "b", "a") == assignments(2, ["a", "b", "c"], restarts=1)
 
 
@@ -460,7 +460,7 @@ def test_stall_stops_every_member_with_reason_stalled() -> None:
         1, ["a", "b"], RestartReason.STALLED
     )
     assert rv.reason == "stalled: a: no progress for 300s"
-    assert rv.snapshot().restarts_by_reason == {"stalled": 1}
+    assert rv.status().restarts_by_reason == {"stalled": 1}
     assert rejoin_all(rv, "a", "b") == assignments(2, ["a", "b"], restarts=1)
 
 
@@ -477,9 +477,9 @@ def test_node_lost_when_its_lease_expires() -> None:
         Send("b", Evict("no message for 2.5s")),
         *stops(1, ["a", "c"], RestartReason.NODE_LOST),
     ]
-    assert "b" not in [n.node_id for n in rv.snapshot().nodes]
+    assert "b" not in [n.node_id for n in rv.status().nodes]
     assert rv.reason == "node_lost: b: silent for 2.5s"
-    assert rv.snapshot().restarts_by_reason == {"node_lost": 1}
+    assert rv.status().restarts_by_reason == {"node_lost": 1}
     assert rejoin_all(rv, "c", "a") == assignments(2, ["a", "c"], restarts=1)
 
 
@@ -520,7 +520,7 @@ def test_planned_leave_restarts_without_spending_the_budget() -> None:
     assert rejoin(rv, "c") == waiting("c", 2)  # b's workers are not confirmed gone until its session closes
     assert ("b", -1, NodeState.LEAVING) in ranks(rv)
     assert rv.disconnect("b") == assignments(2, ["a", "c"], restarts=1)
-    assert rv.snapshot().restarts_by_reason == {"node_left": 1}
+    assert rv.status().restarts_by_reason == {"node_left": 1}
     # max_restarts=1: had the leave counted, this first failure would end the job.
     assert rv.worker_failed("a", 2, RestartReason.WORKER_EXIT, "exit 1") == stops(
         2, ["a", "c"], RestartReason.WORKER_EXIT
@@ -546,7 +546,7 @@ def test_scale_up_after_settle_keeps_old_ranks() -> None:
     assert rejoin(rv, "b") == waiting("b", 2)
     assert rejoin(rv, "a") == assignments(2, ["a", "b", "c"], restarts=1)
     assert state_of(rv) is JobState.RUNNING  # max_restarts=0, yet a scale-up is no failure
-    snap = rv.snapshot()
+    snap = rv.status()
     assert (snap.world_size, snap.restarts_total, snap.restarts_by_reason) == (3, 1, {"scale_up": 1})
 
 
@@ -593,7 +593,7 @@ def test_budget_allows_max_restarts_then_fails_the_job() -> None:
     sends = rv.worker_failed("a", 3, RestartReason.WORKER_EXIT, "exit 1")
     assert sends == finished(ids, JobState.FAILED, reason)
     assert (rv.state, rv.reason) == (JobState.FAILED, reason)
-    snap = rv.snapshot()
+    snap = rv.status()
     assert (snap.state, snap.world_size, snap.generation) == (JobState.FAILED, 0, 3)
     assert [(n.node_id, n.rank) for n in snap.nodes] == [("a", -1), ("b", -1)]
     at(clock, rv, 40.0)
@@ -629,12 +629,12 @@ def test_steps_redone_after_a_restart_and_steps_lost_below_a_saved_checkpoint(ca
     _fail_and_recover(rv, clock, 10.0, ids)
     rv.progress("a", 2, WorkerProgress(step=100))  # resumed from the checkpoint: 30 steps redone, none lost
     rv.progress("b", 2, WorkerProgress(step=100))
-    snap = rv.snapshot()
+    snap = rv.status()
     assert (snap.steps_redone, snap.steps_lost, snap.warnings) == (30, 0, ())
     rv.progress("a", 2, WorkerProgress(step=150, checkpoint_step=150))
     _fail_and_recover(rv, clock, 20.0, ids)
     rv.progress("a", 3, WorkerProgress(step=0))  # the backup was deleted: it starts over
-    snap = rv.snapshot()
+    snap = rv.status()
     warning = ("generation 3 resumed at step 0, below the checkpoint of step 150 the job had saved: 150 steps lost "
                "(was the backup deleted or damaged?)")
     assert (snap.steps_redone, snap.steps_lost, snap.warnings) == (180, 150, (warning,))
@@ -685,7 +685,7 @@ def test_a_backoff_is_named_in_the_reason_and_to_the_waiting_nodes() -> None:
     _fail_and_rejoin(rv, clock, 5.0, ids)
     at(clock, rv, 5.5)
     rv.worker_failed("a", 2, RestartReason.WORKER_EXIT, "exit 1")
-    assert rv.snapshot().reason == "worker_exit: a: exit 1; backing off 1s before generation 3"
+    assert rv.status().reason == "worker_exit: a: exit 1; backing off 1s before generation 3"
     rejoin(rv, "a")
     assert rejoin(rv, "b") == waiting("b", 2, "backing off after 2 failed generations in a row: the next forms in "
                                              "1.0s", hi=2)
@@ -785,7 +785,7 @@ def test_all_members_succeeded_finishes_the_job_for_every_node() -> None:
     reason = "every trainer of generation 1 exited 0"
     assert rv.worker_succeeded("c", 1) == finished(["a", "b", "c", "d"], JobState.SUCCEEDED, reason)
     assert (rv.state, rv.reason) == (JobState.SUCCEEDED, reason)
-    snap = rv.snapshot()
+    snap = rv.status()
     assert snap.world_size == 3
     assert [(n.node_id, n.rank, n.state) for n in snap.nodes] == [
         ("a", 0, NodeState.SUCCEEDED),
@@ -866,7 +866,7 @@ def test_restarted_coordinator_continues_generation_numbering() -> None:
     at(clock, rv, 1.0)
     # b was the chief of generation 7, so it is the chief again
     assert rv.tick() == assignments(8, ["b", "a"], restarts=4)
-    snap = rv.snapshot()
+    snap = rv.status()
     assert (snap.generation, snap.restarts_total, snap.restarts_by_reason) == (8, 4, {})
     rv.worker_failed("b", 8, RestartReason.WORKER_EXIT, "exit 1")
     assert rejoin_all(rv, "a", "b") == assignments(9, ["b", "a"], restarts=5)
@@ -967,10 +967,10 @@ def test_snapshot_of_a_running_job() -> None:
     progress = WorkerProgress(step=50, examples=3200, loss=0.25, checkpoint_step=40, reported_at=1.0)
     rv.progress("b", 1, progress)
 
-    def node(n: str, rank: int, st: NodeState, pid: int = 0, p: WorkerProgress | None = None) -> NodeSnapshot:
-        return NodeSnapshot(n, rank, f"{n}.cluster", PORT, st, pid, p)
+    def node(n: str, rank: int, st: NodeState, pid: int = 0, p: WorkerProgress | None = None) -> NodeStatus:
+        return NodeStatus(n, rank, f"{n}.cluster", PORT, st, pid, p)
 
-    assert rv.snapshot() == ClusterSnapshot(
+    assert rv.status() == ClusterStatus(
         job="mnist",
         state=JobState.RUNNING,
         reason="",
@@ -998,7 +998,7 @@ def test_snapshot_while_restarting() -> None:
     rv.worker_started("b", 1, 7)
     rv.worker_failed("c", 1, RestartReason.STALLED, "no progress")
     rejoin(rv, "a")
-    snap = rv.snapshot()
+    snap = rv.status()
     assert (snap.state, snap.generation, snap.world_size) == (JobState.RESTARTING, 1, 0)
     assert (snap.restarts_total, snap.restarts_by_reason) == (1, {"stalled": 1})
     assert snap.reason == "stalled: c: no progress"
@@ -1129,7 +1129,7 @@ def test_a_member_that_does_not_attach_is_lost_after_the_grace() -> None:
     successor.heartbeat("a")
     sends = successor.tick()
     assert Send("b", Evict("no message for 2.1s")) in sends and stops(1, ["a"], RestartReason.NODE_LOST)[0] in sends
-    assert successor.snapshot().restarts_by_reason == {"node_lost": 1}
+    assert successor.status().restarts_by_reason == {"node_lost": 1}
 
 
 def test_the_node_of_a_leader_that_lost_its_lease_is_waited_for_only_its_own_grace() -> None:
@@ -1146,7 +1146,7 @@ def test_the_node_of_a_leader_that_lost_its_lease_is_waited_for_only_its_own_gra
     successor.heartbeat("a")
     sends = successor.tick()
     assert stops(1, ["a"], RestartReason.NODE_LOST)[0] in sends
-    assert successor.snapshot().restarts_by_reason == {"node_lost": 1}
+    assert successor.status().restarts_by_reason == {"node_lost": 1}
 
 
 def test_a_member_whose_worker_died_during_the_failover_restarts_the_job() -> None:
@@ -1166,7 +1166,7 @@ def test_a_stale_worker_is_stopped_before_its_node_may_join() -> None:
     sends = successor.join(info("c", last_generation=7), spec(max_nodes=2), attached_generation=7)  # not a member
     assert sends == [Send("c", StopWorkers(7, RestartReason.NODE_LOST))]
     assert successor.join(info("c"), spec(max_nodes=2), rejoin=True) != []  # the confirmation: now it waits to join
-    assert [n.state for n in successor.snapshot().nodes if n.node_id == "c"] == [NodeState.WAITING]
+    assert [n.state for n in successor.status().nodes if n.node_id == "c"] == [NodeState.WAITING]
 
 
 def test_a_new_coordinator_continues_the_budget_and_the_steps() -> None:

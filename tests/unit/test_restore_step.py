@@ -122,7 +122,7 @@ def test_many_members_with_newer_snapshots_are_summed_up(caplog: pytest.LogCaptu
     sends = [s for i in range(15) for s in rv.join(info(f"n{i:02d}", 30, 20), spec)]
     sends += rv.join(info("old", 20), spec)
     clock.now = 1.5
-    for node in rv.snapshot().nodes:
+    for node in rv.status().nodes:
         rv.heartbeat(node.node_id)
     orders = assignments_of(sends + rv.tick())
     assert {o.restore_step for o in orders.values()} == {20}

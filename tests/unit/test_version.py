@@ -44,7 +44,7 @@ def test_a_coordinator_refuses_a_protocol_it_does_not_speak_and_names_both() -> 
     message = str(excinfo.value)
     assert f"node 'b' runs tfelastic 9.0.0 (protocol {PROTOCOL + 1})" in message
     assert f"this coordinator runs {describe()}" in message and "Upgrades" in message
-    assert "b" not in {n.node_id for n in rv.snapshot().nodes}
+    assert "b" not in {n.node_id for n in rv.status().nodes}
 
 
 def test_an_agent_older_than_the_field_speaks_protocol_1() -> None:
@@ -52,4 +52,4 @@ def test_an_agent_older_than_the_field_speaks_protocol_1() -> None:
     rv.join(NodeInfo("a", "a.cluster", 2222), SPEC)  # protocol 0: said by no older agent, which spoke 1
     assert speaks(0) and speaks(PROTOCOL) and not speaks(PROTOCOL + 1)
     rv.join(NodeInfo("c", "c.cluster", 2222, version=VERSION, protocol=PROTOCOL), SPEC)
-    assert {n.node_id: n.version for n in rv.snapshot().nodes} == {"a": "", "c": VERSION}
+    assert {n.node_id: n.version for n in rv.status().nodes} == {"a": "", "c": VERSION}

@@ -1,6 +1,7 @@
-"""Starting a coordinator from its configuration: the one way for the three places that serve one, the agent whose
-node owns the rendezvous address (:mod:`~tfelastic.daemon.agent.hosting`), ``tfelastic coordinator`` on a head
-node (:mod:`~tfelastic.daemon.commands`) and an elected candidate on etcd (:mod:`~tfelastic.daemon.etcd.coordinator`).
+"""Starting a coordinator from its configuration: the one way for the three kinds of process that host one, the
+agent whose node owns the rendezvous address (:mod:`~tfelastic.daemon.agent.hosting`), ``tfelastic coordinator`` on
+a head node (:mod:`~tfelastic.daemon.commands`) and an elected candidate on etcd
+(:mod:`~tfelastic.daemon.etcd.coordinator`).
 Each gets the same server, the same identity in status and etcd, and the job's metrics in its registry.
 """
 
