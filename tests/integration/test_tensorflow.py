@@ -22,7 +22,10 @@ TARGET = EPOCHS * STEPS
 # 20 ms a step: restarts must land mid-training, not race a run that completes during the stop.
 TRAINER = [*TF_TRAINER, "--epochs", str(EPOCHS), "--steps-per-epoch", str(STEPS), "--save-every", str(SAVE_EVERY),
            "--step-seconds", "0.02"]
-ARGS = ["--stall-timeout", "8", "--stop-grace", "1", "--last-call", "0.5", "--settle", "1"]
+# Hang detection as a user gets it (learned, with start-up's allowance) where a test is not about a hang: a fixed
+# limit also bounds start-up and restore, which other TensorFlow jobs on the machine can stretch past it.
+ARGS = ["--stop-grace", "1", "--last-call", "0.5", "--settle", "1"]
+WEDGE_ARGS = [*ARGS, "--stall-timeout", "8"]
 
 
 def by_event(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -39,21 +42,29 @@ def assert_finished_at_target_after_resuming(events: list[dict[str, Any]], gener
     assert [e["final_step"] for e in by_event(events, "end")] == [TARGET]
 
 
-def test_killed_worker_restarts_the_set_from_the_checkpoint(make_cluster: ClusterFactory) -> None:
-    cluster = make_cluster(TRAINER, extra_args=ARGS)
+def test_killed_worker_restarts_the_set_from_the_checkpoint_and_a_third_agent_scales_it_up(
+        make_cluster: ClusterFactory) -> None:
+    """Two restarts of one job, each resuming from BackupAndRestore's checkpoint: a worker's death restarts the set,
+    then a third agent's arrival re-forms it with three workers."""
+    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=ARGS)
     cluster.start("a")
     cluster.start("b")
     doc = cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=25)
     kill(members(doc)[1]["worker_pid"])
-    assert cluster.wait_all(180) == [0, 0], cluster.logs()
-    assert_finished_at_target_after_resuming(cluster.events(), 2)
-    assert by_event(cluster.events(), "start")[1]["initial_step"] >= 20
+    cluster.wait_running(2, 2, timeout=TF_DEADLINE, step=25)
+    assert by_event(cluster.events(), "start")[1]["initial_step"] >= 20  # the chief's events: one per generation
+    cluster.start("c")
+    doc = cluster.wait_running(3, 3, timeout=60)
+    assert doc["restarts_by_reason"] == {"worker_exit": 1, "scale_up": 1}
+    assert cluster.wait_all(240) == [0, 0, 0], cluster.logs()
+    assert_finished_at_target_after_resuming(cluster.events(), 3)
+    assert [e["world_size"] for e in by_event(cluster.events(), "start")] == [2, 2, 3]
 
 
 def test_wedged_worker_is_caught_as_a_stall(make_cluster: ClusterFactory) -> None:
     """A trainer alive but stuck: TensorFlow's heartbeat thread runs on, so only hang detection can catch it.
     (A SIGSTOPped one raced TensorFlow's own 10 s heartbeat timeout, which sometimes won: docs/facts.md, fact 3.)"""
-    cluster = make_cluster([*TRAINER, "--wedge-at-step", "40"], extra_args=ARGS)
+    cluster = make_cluster([*TRAINER, "--wedge-at-step", "40"], extra_args=WEDGE_ARGS)
     cluster.start("a")
     cluster.start("b")
     doc = cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=25)
@@ -87,19 +98,6 @@ def test_killed_agent_takes_its_worker_and_the_others_reform(make_cluster: Clust
     assert [a.wait(180) for a in cluster.agents[:2]] == [0, 0], cluster.logs()
     assert_finished_at_target_after_resuming(cluster.events(), 2)
     assert by_event(cluster.events(), "start")[1]["world_size"] == 2
-
-
-def test_third_agent_scales_the_job_up_from_the_checkpoint(make_cluster: ClusterFactory) -> None:
-    cluster = make_cluster(TRAINER, nodes="2:3", extra_args=ARGS)
-    cluster.start("a")
-    cluster.start("b")
-    cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=25)
-    cluster.start("c")
-    doc = cluster.wait_running(2, 3, timeout=60)
-    assert doc["restarts_by_reason"] == {"scale_up": 1}
-    assert cluster.wait_all(240) == [0, 0, 0], cluster.logs()
-    assert_finished_at_target_after_resuming(cluster.events(), 2)
-    assert by_event(cluster.events(), "start")[1]["world_size"] == 3
 
 
 def test_demo_shows_a_real_recovery(tmp_path: Path) -> None:

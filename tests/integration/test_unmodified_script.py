@@ -23,12 +23,16 @@ SCRIPT = str(ROOT / "tests" / "trainers" / "unmodified_keras.py")
 EPOCHS, STEPS = 8, 10  # BackupAndRestore saves at the end of every epoch, its default
 # The input pipeline takes 50 ms a batch, so that faults land mid-training, not in a run that already ended.
 KNOBS = {"UNMODIFIED_EPOCHS": str(EPOCHS), "UNMODIFIED_STEPS": str(STEPS), "UNMODIFIED_STEP_SECONDS": "0.05"}
-ARGS = ["--stall-timeout", "8", "--stop-grace", "1", "--last-call", "0.5", "--settle", "1"]
+BASE_ARGS = ["--stop-grace", "1", "--last-call", "0.5", "--settle", "1"]
+ARGS = [*BASE_ARGS, "--stall-timeout", "8"]
 
 
 def start(make_cluster: ClusterFactory, tmp_path: Path, *, env: dict[str, str] | None = None,
-          extra: list[str] | None = None) -> Cluster:
-    cluster = make_cluster([sys.executable, SCRIPT, str(tmp_path / "backup")], extra_args=[*ARGS, *(extra or [])],
+          extra: list[str] | None = None, learned_stall_limit: bool = False) -> Cluster:
+    """``learned_stall_limit``: hang detection as a user gets it, for a test that is not about a hang (a fixed
+    limit also bounds start-up and restore, which other TensorFlow jobs on the machine can stretch past it)."""
+    args = BASE_ARGS if learned_stall_limit else ARGS
+    cluster = make_cluster([sys.executable, SCRIPT, str(tmp_path / "backup")], extra_args=[*args, *(extra or [])],
                            env={**KNOBS, **(env or {})})
     cluster.start("a")
     cluster.start("b")
@@ -45,22 +49,14 @@ def first_epoch(cluster: Cluster, generation: int) -> int:
     raise AssertionError(f"rank 0 printed no epoch in generation {generation}")
 
 
-def test_status_shows_each_nodes_step_and_the_job_completes(make_cluster: ClusterFactory, tmp_path: Path) -> None:
-    cluster = start(make_cluster, tmp_path)
-    doc = cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=STEPS)  # each node past the first epoch
-    assert all(n["step"] >= STEPS for n in members(doc)), doc
-    assert cluster.wait_all(120) == [0, 0], cluster.logs()
-    assert f"[rank 0] Epoch {EPOCHS}/{EPOCHS}" in cluster.logs()
-    assert "automatic progress reporting is off" not in cluster.logs()
-
-
 def test_each_restart_names_its_cause_and_the_set_resumes_from_the_checkpoint(make_cluster: ClusterFactory,
                                                                               tmp_path: Path) -> None:
     """A worker out of memory (TensorFlow's own ResourceExhaustedError) at the start of generation 1, then a
     SIGKILL of rank 1's trainer after two epochs of generation 2: each restart's record names the node whose trainer
-    failed, and how, even when the survivor's report of its aborted collective reaches the coordinator first."""
+    failed, and how, even when the survivor's report of its aborted collective reaches the coordinator first. The
+    instrumentation alone reports each node's step to status (generation 2 is waited for past two epochs on both)."""
     marker = tmp_path / "oom-once"
-    cluster = start(make_cluster, tmp_path, env={"UNMODIFIED_OOM_MARKER": str(marker)})
+    cluster = start(make_cluster, tmp_path, env={"UNMODIFIED_OOM_MARKER": str(marker)}, learned_stall_limit=True)
     doc = cluster.wait_status(lambda d: d["last_restart"] is not None, TF_DEADLINE, "the restart after the OOM")
     [oom_node] = [a.node_id for a in cluster.agents if "OOM when allocating tensor" in a.log()]
     assert doc["last_restart"]["ended"].startswith(
@@ -76,6 +72,8 @@ def test_each_restart_names_its_cause_and_the_set_resumes_from_the_checkpoint(ma
                                    "ended": f"worker_exit: {killed['node_id']}: trainer was killed by SIGKILL"}, doc
     assert cluster.wait_all(180) == [0, 0], cluster.logs()
     assert first_epoch(cluster, 3) >= 3, cluster.logs()  # resumed after epoch 2, not from scratch
+    assert f"[rank 0] Epoch {EPOCHS}/{EPOCHS}" in cluster.logs()  # it completed
+    assert "automatic progress reporting is off" not in cluster.logs()
 
 
 def test_hung_input_pipeline_is_caught_as_a_stall(make_cluster: ClusterFactory, tmp_path: Path) -> None:
