@@ -9,6 +9,13 @@
 * floor: the same 2-worker cluster launched by hand (TF_CONFIG, no agents) from the same kind of checkpoint;
   time from launch to its first training step. No supervisor can beat this: it is TensorFlow's own start-up,
   restore and first step.
+
+    python -m bench.e2e_tf --drain [--repeats 3]
+
+* drain: 2 agents (``--nodes 1:2``) run examples/keras_fit.py (``fit_callbacks()``: the graceful stop and the
+  fast tier); SIGTERM to rank 1's agent, as ``systemctl stop`` sends; time until the survivor's first step of the
+  next generation, and how long the survivor's agent took to stop its trainer (from the SIGTERM it sent to the
+  last process gone), by the agent's log.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -27,7 +35,8 @@ from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.daemon.netutil import free_port
 
 from bench.common import read_events
-from tests.cluster import TF_TRAINER, Cluster, members, scrape, wait_for
+from tests.cluster import FORM_WITH_ALL, TF_TRAINER, Cluster, members, scrape, wait_for
+from tests.workers import example
 
 # 30 epochs: still training when both standbys are ready (they are built 10 s into a generation).
 TRAINER = [*TF_TRAINER, "--epochs", "30", "--steps-per-epoch", "100", "--save-every", "10"]
@@ -67,6 +76,33 @@ def elastic_once(warm: bool, fixed_ports: bool = False) -> float:
             cluster.stop()
 
 
+def drain_once() -> tuple[float, float, bool]:
+    """Seconds from the SIGTERM to rank 1's agent to the survivor's first step of the next generation, the
+    seconds the survivor's agent took to stop its trainer, and whether it ended the trainer's teardown."""
+    with tempfile.TemporaryDirectory() as d:
+        reached = Path(d) / "reached"
+        trainer = example("keras_fit", "--epochs", "40", "--steps-per-epoch", "100", "--save-every", "50",
+                          "--step-seconds", "0.02", "--reached-file", str(reached))
+        cluster = Cluster(Path(d), Endpoint("127.0.0.1", free_port()), trainer, nodes="1:2",
+                          extra_args=["--stop-grace", "120", *FORM_WITH_ALL])
+        try:
+            cluster.start_host("a")
+            drained = cluster.start("b")
+            wait_for(lambda: _standby_ready(cluster), 180, "both standby interpreters ready", interval=0.2)
+            cluster.wait_running(1, 2, timeout=120, step=60)
+            sent = time.monotonic()
+            drained.proc.send_signal(signal.SIGTERM)
+            times = Path(f"{reached}.2.times")
+            first = wait_for(lambda: times.exists() and times.read_text().split("\n", 1)[0].split(), 300,
+                             "the survivor's first step of generation 2", interval=0.02)
+            log = cluster.agents[0].log()
+            stopped = re.search(r"worker stopped in ([0-9.]+)s", log)
+            assert stopped is not None, log
+            return float(first[1]) - sent, float(stopped.group(1)), "teardown was cut short" in log
+        finally:
+            cluster.stop()
+
+
 def _launch_by_hand(tmp: Path, generation: int) -> list[subprocess.Popen[bytes]]:
     ports = [free_port(), free_port()]
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
@@ -102,7 +138,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fixed-ports", action="store_true", help="also the warm case with a fixed --worker-port")
+    parser.add_argument("--drain", action="store_true", help="only the drain case")
     args = parser.parse_args()
+    if args.drain:
+        drains = [drain_once() for _ in range(args.repeats)]
+        print("drain, SIGTERM to an agent -> the survivor's first step:", _row([d[0] for d in drains]))
+        print("  of which the survivor's trainer stopping:             ", _row([d[1] for d in drains]))
+        print(f"median {statistics.median(d[0] for d in drains):.2f}s, the stop "
+              f"{statistics.median(d[1] for d in drains):.2f}s; the teardown cut short in "
+              f"{sum(d[2] for d in drains)} of {len(drains)}")
+        return
     results: dict[str, list[float]] = {"warm": [], "cold": [], "floor": [], "fixed": []}
     for _ in range(args.repeats):
         results["warm"].append(elastic_once(warm=True))

@@ -23,6 +23,7 @@ from typing import Any
 
 from tfelastic.trainer._tf import tf
 from tfelastic.trainer.exit_codes import CHECKPOINTED_AND_STOPPED
+from tfelastic.trainer.progress import announce_exit
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,17 @@ class Preempted(SystemExit):
 
     A ``SystemExit``, so an uncaught one ends the process with 42 after ``finally`` blocks ran. ``step`` is the
     step of the checkpoint saved for the stop, None when the stop came outside training.
+
+    Creating one tells the agent that the state is saved and the process exits 42
+    (:func:`~tfelastic.trainer.progress.announce_exit`): during a stop the agent ends the process a second later if
+    it has not ended by then, rather than wait out its grace while the input pipeline is torn down (tf.data's
+    autotuning thread can hold ``fit``'s return for up to a minute).
     """
 
     def __init__(self, step: int | None = None) -> None:
         super().__init__(CHECKPOINTED_AND_STOPPED)
         self.step = step
+        announce_exit(CHECKPOINTED_AND_STOPPED, step)
 
 
 class StopSignal:

@@ -4,7 +4,8 @@ never blocks nor raises (a busy or gone agent loses the report, training goes on
 
 The wire format is a JSON object (:func:`decode`): ``g`` generation, ``pid``, ``step``, and optionally ``examples``,
 ``loss``, ``ckpt`` (the last checkpoint's step), ``st`` (its stall), ``done`` (training completed), ``ph`` (a
-:class:`Phase`), ``rt``/``rs`` (the tier and step restored). Every step also goes
+:class:`Phase`), ``rt``/``rs`` (the tier and step restored), ``x`` (the exit code the trainer ends with, its state
+saved: :func:`announce_exit`). Every step also goes
 into ``TFELASTIC_STEP_FILE``, 16 bytes in a shared mapping (generation and step, little-endian int64s: a store, no
 system call), which the agent reads when the trainer ends, so that steps redone count from the step reached.
 """
@@ -31,6 +32,7 @@ MAX_DATAGRAM = 512
 MAX_STEP = 1 << 53  # steps, checkpoint steps, restored steps, examples, generations
 MAX_PID = (1 << 31) - 1  # pid_t
 MAX_STALL_SECONDS = 86400.0  # a save that held training up for more than a day is not a measurement
+MAX_EXIT_CODE = 255  # what a process's exit status can carry
 
 
 class Phase(str, Enum):
@@ -55,6 +57,7 @@ class ProgressMessage:
     stall: float | None = None  # seconds the save of ``checkpoint_step`` held training up
     restored_tier: str | None = None  # RESTORE_TIERS: sent once, after the restore
     restored_step: int | None = None
+    exit_code: int | None = None  # the trainer exits with this code, everything it must save saved (announce_exit)
 
 
 RESTORE_TIERS = frozenset({"local", "shared", "none"})
@@ -78,6 +81,8 @@ def encode(message: ProgressMessage) -> bytes:
         payload["rt"] = message.restored_tier
         if message.restored_step is not None:
             payload["rs"] = message.restored_step
+    if message.exit_code is not None:
+        payload["x"] = message.exit_code
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
@@ -127,6 +132,7 @@ def decode(data: bytes) -> ProgressMessage:
         stall=float(stall) if stall is not None else None,
         restored_tier=tier,
         restored_step=integer("rs") if tier is not None else None,
+        exit_code=integer("x", high=MAX_EXIT_CODE),
     )
 
 
@@ -201,6 +207,7 @@ class ProgressReporter:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
         self._mark = StepMark.open(step_file, generation) if path else None
+        self._step = 0  # the last step reached, for a report that has none of its own (announce_exit)
 
     @classmethod
     def from_env(cls, min_interval: float = 0.1) -> ProgressReporter:
@@ -213,8 +220,10 @@ class ProgressReporter:
 
     def reached(self, step: int) -> None:
         """The trainer finished ``step`` (a plain int): marked for the agent, with no report."""
-        if self._mark is not None and 0 <= step <= MAX_STEP:
-            self._mark.write(step)
+        if 0 <= step <= MAX_STEP:
+            self._step = step
+            if self._mark is not None:
+                self._mark.write(step)
 
     @property
     def enabled(self) -> bool:
@@ -227,9 +236,9 @@ class ProgressReporter:
     def report(self, step: int, *, examples: int | None = None, loss: float | None = None,
                checkpoint_step: int | None = None, force: bool = False, done: bool = False,
                phase: Phase | str = Phase.TRAIN, stall: float | None = None, restored_tier: str | None = None,
-               restored_step: int | None = None) -> bool:
+               restored_step: int | None = None, exit_code: int | None = None) -> bool:
         """Returns whether a datagram was sent. ``done`` (training completed), a ``phase`` other than ``train``
-        (long work starts: a save, an evaluation), a checkpoint and a restore are sent at once."""
+        (long work starts: a save, an evaluation), a checkpoint, a restore and an exit code are sent at once."""
         if restored_tier is not None and restored_tier not in RESTORE_TIERS:
             raise ValueError(f"restored_tier {restored_tier!r} is not one of {', '.join(sorted(RESTORE_TIERS))}")
         phase = _phase(phase)  # a typo is the caller's bug: it raises, rather than drop every report
@@ -239,7 +248,7 @@ class ProgressReporter:
             self.reached(step)
         now = time.monotonic()
         urgent = (force or done or checkpoint_step is not None or phase is not Phase.TRAIN
-                  or restored_tier is not None)
+                  or restored_tier is not None or exit_code is not None)
         if not urgent and now - self._last_sent < self._min_interval:
             return False
         try:  # numbers may come as numpy scalars or tensors: make them plain
@@ -248,15 +257,31 @@ class ProgressReporter:
                                       None if loss is None else float(loss),
                                       None if checkpoint_step is None else int(checkpoint_step), done,
                                       phase, None if stall is None else float(stall), restored_tier,
-                                      None if restored_step is None else int(restored_step))
+                                      None if restored_step is None else int(restored_step), exit_code)
             self._sock.sendto(encode(message), self._path)  # type: ignore[arg-type]
         except (OSError, TypeError, ValueError):
             return False  # the agent is busy or gone, or a value is unusable; progress is advisory
         self._last_sent = now
         return True
 
+    def announce_exit(self, code: int, step: int | None = None) -> bool:
+        """Tells the agent that this process exits with ``code`` and that everything it had to save is saved
+        (``step``: the step saved, default the last one reached). During a stop the agent then ends the process
+        within a second if it has not ended by itself: what runs after this call (``finally`` blocks, the input
+        pipeline's teardown, the interpreter's exit) gets that second."""
+        if not 0 <= code <= MAX_EXIT_CODE:
+            raise ValueError(f"exit code {code} is not in 0..{MAX_EXIT_CODE}")
+        return self.report(self._step if step is None else step, exit_code=code)
+
 
 _default: ProgressReporter | None = None
+
+
+def _default_reporter() -> ProgressReporter:
+    global _default
+    if _default is None:
+        _default = ProgressReporter.from_env()
+    return _default
 
 
 def report(step: int, *, examples: int | None = None, loss: float | None = None,
@@ -265,8 +290,10 @@ def report(step: int, *, examples: int | None = None, loss: float | None = None,
     """Report progress through a reporter built from the environment the agent set. Before long work that is
     not a training step (a checkpoint save, an evaluation), report its ``phase`` ("save", "eval", "setup"): the
     agent's learned hang detection then allows it its own time."""
-    global _default
-    if _default is None:
-        _default = ProgressReporter.from_env()
-    return _default.report(step, examples=examples, loss=loss, checkpoint_step=checkpoint_step, force=force,
+    return _default_reporter().report(step, examples=examples, loss=loss, checkpoint_step=checkpoint_step, force=force,
                            done=done, phase=phase)
+
+
+def announce_exit(code: int, step: int | None = None) -> bool:
+    """:meth:`ProgressReporter.announce_exit` through a reporter built from the environment the agent set."""
+    return _default_reporter().announce_exit(code, step)

@@ -20,6 +20,7 @@ from tfelastic.daemon.agent.api import (
     CoordinatorLost,
     DropSession,
     DumpStacks,
+    EndStopSoon,
     ExitAgent,
     FatalSessionError,
     HangUp,
@@ -228,6 +229,8 @@ class Agent:
                 self.worker.launch(action.assignment)
             elif isinstance(action, Stop):
                 self.worker.stop(action.reason, planned=action.planned)
+            elif isinstance(action, EndStopSoon):
+                self.worker.end_stop_soon(action.within)
             elif isinstance(action, HangUp):
                 if self._session is not None:
                     self._session.hang_up()

@@ -104,6 +104,15 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class EndStopSoon:
+    """The trainer announced its exit code with its state saved: end the stop under way ``within`` seconds from
+    now (SIGKILL of the tree) if its processes have not ended by then, rather than wait out the stop's grace. What
+    it still does then is teardown (the input pipeline's, the interpreter's), which can take a minute."""
+
+    within: float
+
+
+@dataclass(frozen=True)
 class HangUp:
     """Close the sending side of the session: nothing more to say (the job ended, or the agent left)."""
 
@@ -239,9 +248,10 @@ class KeepMetricsUp:
     verdict: str  # "failed" or "succeeded", for the log
 
 
-Action = (Send | Launch | Stop | HangUp | DropSession | Announce | RunNodeCheck | ListenForProbe | PrepareStandby |
-          StopRetrying | ProbeServer | DumpStacks | CoordinatorLost | ScanSnapshots | WaitGpusReleased | WaitPortFree |
-          ObserveEtcd | ExitAgent | RetryAfter | RemoveLocalTier | HostUntilJobEnds | KeepMetricsUp)
+Action = (Send | Launch | Stop | EndStopSoon | HangUp | DropSession | Announce | RunNodeCheck | ListenForProbe |
+          PrepareStandby | StopRetrying | ProbeServer | DumpStacks | CoordinatorLost | ScanSnapshots |
+          WaitGpusReleased | WaitPortFree | ObserveEtcd | ExitAgent | RetryAfter | RemoveLocalTier | HostUntilJobEnds |
+          KeepMetricsUp)
 
 
 @dataclass(frozen=True)

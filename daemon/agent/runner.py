@@ -87,6 +87,12 @@ class WorkerRunner:
             grace = self._stop_grace if planned else self._failure_stop_grace
             self._stopping = self._spawn(self._stop(why, grace))
 
+    def end_stop_soon(self, within: float) -> None:
+        """The trainer announced its exit code with its state saved: the stop waits ``within`` seconds more at
+        most (WorkerProcess.end_soon)."""
+        if self._worker is not None:
+            self._worker.end_soon(within)
+
     async def idle(self) -> None:
         """Returns once no stop is under way."""
         while self.stopping:

@@ -9,7 +9,9 @@ ended (:meth:`WorkerCore.stop_ended`), and the session's side asks it after each
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import signal
 from collections.abc import Callable, Sequence
 
 from tfelastic.daemon.agent.api import (
@@ -17,6 +19,7 @@ from tfelastic.daemon.agent.api import (
     AgentEnd,
     Announce,
     DumpStacks,
+    EndStopSoon,
     Identity,
     Launch,
     PrepareStandby,
@@ -43,6 +46,10 @@ log = logging.getLogger("tfelastic.agent")
 
 Clock = Callable[[], float]
 
+# How long a trainer that announced its exit code, its state saved, has to end during a stop before its tree is
+# SIGKILLed: what is left is teardown (tf.data's autotuning thread can hold fit's return for up to a minute).
+EXIT_PATIENCE = 1.0
+
 
 class WorkerCore:
     """The worker's side of the agent. ``end`` is the agent's, read here: a worker stopped while the agent winds
@@ -61,6 +68,7 @@ class WorkerCore:
         self._stop_ended = False  # a stop ended, and no relaunch follows: the session's side decides what does
         self._gpu_holders: tuple[int, ...] = ()  # a stopped worker's processes whose GPU memory is not seen back
         self._stopping: tuple[bool, bool] = (False, False)  # the stop under way: (planned, it was running)
+        self._announced_exit: int | None = None  # the exit code the trainer announced during the stop under way
         self.ps_task = PsTask(policy.replacement, clock)  # a parameter-server job's task on this node
 
     @property
@@ -141,6 +149,7 @@ class WorkerCore:
     def worker_stopped(self, result: StopResult) -> list[Action]:
         """Every process of the worker is gone."""
         planned, was_running = self._stopping
+        result = self._as_announced(result)
         # A step in flight when the stop was ordered may have ended since: the coordinator counts from the last one.
         last = self.trainer.progress_report(stopping=True) if was_running else None
         actions: list[Action] = [last] if last is not None else []
@@ -161,6 +170,8 @@ class WorkerCore:
     def progress(self, message: ProgressMessage) -> list[Action]:
         if not self.current(message.generation):
             return []  # a report from an older generation's worker
+        if message.exit_code is not None:
+            return self._exit_announced(message.pid, message.exit_code)
         if message.done:
             self.tracker.done = True
         if self.worker.state is not WorkerState.RUNNING:
@@ -242,7 +253,7 @@ class WorkerCore:
             self._stop_ended = True
             return []
         was_running = self.worker.to(WorkerState.STOPPING) is WorkerState.RUNNING  # RUNNING|FAILED|SUCCEEDED ->
-        self._stopping = (planned, was_running)
+        self._stopping, self._announced_exit = (planned, was_running), None
         return [Stop(why, planned)]
 
     def stop_ended(self) -> bool:
@@ -261,6 +272,25 @@ class WorkerCore:
         log.warning("no stop order within stop_grace=%gs of leaving: stopping %s now", self.timing.stop_grace,
                     self.ps_task.task_name())
         return self.stop("leaving: stop_grace passed", planned=True)
+
+    def _exit_announced(self, pid: int, code: int) -> list[Action]:
+        """The trainer says it exits ``code`` with its state saved: the stop under way ends within EXIT_PATIENCE.
+        Outside a stop nothing is cut short: the trainer exits by itself, or the hang detection sees it."""
+        if self.worker.state is not WorkerState.STOPPING or self._announced_exit is not None:
+            return []
+        self._announced_exit = code
+        log.info("the trainer (pid %d) saved its state and exits %d: its processes are ended %gs from now if they "
+                 "are still there", pid, code, EXIT_PATIENCE)
+        return [EndStopSoon(EXIT_PATIENCE)]
+
+    def _as_announced(self, result: StopResult) -> StopResult:
+        """A trainer SIGKILLed after it announced its exit code ended as it said it would: with that code."""
+        code, self._announced_exit = self._announced_exit, None
+        if code is None or result.returncode != -signal.SIGKILL or result.exited_before_stop:
+            return result
+        log.info("the trainer's teardown was cut short %gs after it announced exit %d; counted as that exit",
+                 EXIT_PATIENCE, code)
+        return dataclasses.replace(result, returncode=code)
 
     def _relaunches_after_stop(self) -> bool:
         """The stop under way ends in this worker task's relaunch alone (a parameter-server job)."""

@@ -76,6 +76,9 @@ class WorkerShell:
     def stop(self, reason: str, *, planned: bool) -> None:
         self.runner.stop(reason, planned=planned)
 
+    def end_stop_soon(self, within: float) -> None:
+        self.runner.end_stop_soon(within)
+
     def launch(self, assignment: api.Assignment) -> None:
         assert self._listener is not None
         reset_step_mark(self._listener.step_file)  # every process of the last trainer is gone

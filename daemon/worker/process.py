@@ -1,8 +1,9 @@
 """One worker: the trainer command run under the keeper, in a session of its own.
 
 ``stop`` is the only way a worker ends on purpose: SIGTERM to the whole process group, a grace period, then
-SIGKILL of every process of the tree, repeated until none is left. It returns only once every process is
-confirmed gone, so the next generation never meets a stale one. A stopped (SIGSTOP) process is deliberately not
+SIGKILL of every process of the tree, repeated until none is left; the grace ends early once the trainer has
+announced its exit code with its state saved (:meth:`WorkerProcess.end_soon`). It returns only once every process
+is confirmed gone, so the next generation never meets a stale one. A stopped (SIGSTOP) process is deliberately not
 continued: it is a hung worker, and letting it run again would let the old collective make progress.
 
 ``pids`` names every process of the worker seen in its life (the keeper, the trainer, what the stop found): a
@@ -23,6 +24,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 from tfelastic.daemon.worker import keeper
@@ -57,6 +59,8 @@ class WorkerProcess:
         self._seen = {self.pid}
         self._oom = OomCount.of(self.pid)  # its cgroup's OOM kills so far (a standby reads it again at begin)
         self._output = asyncio.create_task(self._forward_output())
+        self._end_soon = asyncio.Event()  # end_soon() was called: the grace ends ``_end_within`` seconds later
+        self._end_within = 0.0
 
     @classmethod
     async def start(cls, spec: WorkerSpec, pass_fds: Sequence[int] = ()) -> WorkerProcess:
@@ -124,13 +128,35 @@ class WorkerProcess:
             return
         tree = process_tree(self.pid)
         _signal_group(self.pid, signal.SIGTERM)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._proc.wait()), grace_seconds)
+        if not await self._exited_within(grace_seconds) and self._end_soon.is_set():
+            log.info("worker %d: still there %gs after the trainer announced its exit: ending it", self.pid,
+                     self._end_within)
         tree += process_tree(self.pid)  # anything forked during the grace period
         self._seen.update(p.pid for p in tree)
         self._seen.update(await asyncio.to_thread(_kill_until_gone, self.pid, tree))
         await self._proc.wait()
         self._output.cancel()
+
+    def end_soon(self, within: float) -> None:
+        """The trainer's state is saved and its exit code known: a stop under way, or the next one, waits at most
+        ``within`` seconds more for it to exit before the SIGKILL."""
+        self._end_within = within
+        self._end_soon.set()
+
+    async def _exited_within(self, grace: float) -> bool:
+        """Whether the keeper exits within ``grace`` seconds, or within ``_end_within`` of :meth:`end_soon`."""
+        exited: asyncio.Future[Any] = asyncio.ensure_future(asyncio.shield(self._proc.wait()))
+        cut_short: asyncio.Future[Any] = asyncio.ensure_future(self._end_soon_passed())
+        try:
+            await asyncio.wait({exited, cut_short}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+            return exited.done()
+        finally:
+            for waiting in (exited, cut_short):
+                waiting.cancel()  # the keeper's own wait goes on under the shield
+
+    async def _end_soon_passed(self) -> None:
+        await self._end_soon.wait()
+        await asyncio.sleep(self._end_within)
 
     async def dump_stacks(self, signum: int, *, reporter: int = 0, quiet: float = STACKS_QUIET,
                           limit: float = STACKS_LIMIT) -> tuple[list[str], str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import COUNTER, FORM_WITH_ALL, Cluster, members, wait_for
+from tests.cluster import COUNTER, FORM_WITH_ALL, Cluster, members, scrape, wait_for
 from tests.conftest import ClusterFactory
 from tests.integration.test_security import job_summary, write_token
 
@@ -48,7 +48,11 @@ def test_drain_removes_the_node_without_spending_the_budget(make_cluster: Cluste
 
 
 def test_restart_reforms_the_same_nodes_without_spending_the_budget(make_cluster: ClusterFactory) -> None:
-    cluster = make_cluster(TRAINER, nodes="2", extra_args=[*FAST, "--max-restarts", "0"], env=SLOW_COUNTER)
+    """The trainers save on the restart's SIGTERM, announce their exit, and would then tear down for 600 s: their
+    agents end them a second after the announcement, not at the end of the 300 s stop grace."""
+    cluster = make_cluster(TRAINER, nodes="2", extra_args=[*FAST, "--max-restarts", "0", "--stop-grace", "300"],
+                           env={"COUNTER_STEPS": "300", "COUNTER_STEP_SECONDS": "0.05",
+                                "COUNTER_CHECKPOINT_ON_TERM": "1", "COUNTER_TEARDOWN_SECONDS": "600"})
     cluster.start_host("a")
     cluster.start("b")
     before = [n["node_id"] for n in members(cluster.wait_running(1, 2, step=5))]  # b may have joined first
@@ -61,9 +65,14 @@ def test_restart_reforms_the_same_nodes_without_spending_the_budget(make_cluster
     said = sorted(stdout for stdout, _ in results)
     assert said[0].startswith("absorbed into the restart of job default from generation 1"), said
     assert said[1].startswith("restarting job default from generation 1"), said
-    doc = cluster.wait_running(2, 2, step=1)
+    doc = cluster.wait_running(2, 2, step=1, timeout=60)  # the stop grace would take 300 s
     assert [n["node_id"] for n in members(doc)] == before and sorted(before) == ["a", "b"]  # same nodes, same ranks
     assert doc["restarts_by_reason"] == {"operator_restart": 1}
+    for agent in cluster.agents:  # ended by SIGKILL, counted as the exit 42 it announced: a checkpointed stop
+        samples = scrape(f"http://{agent.metrics_address()}/metrics")[1]
+        assert samples.get(("tfelastic_worker_graceful_stops_total", (("outcome", "checkpointed"),))) == 1.0, \
+            agent.log()
+        assert "teardown was cut short 1s after it announced exit 42" in agent.log()
     assert cluster.wait_all(60) == [0, 0], cluster.logs()
     assert "operator restarts the job (new learning rate)" in cluster.agents[0].log()
 

@@ -302,6 +302,8 @@ def test_every_agent_stopped_at_once_lets_the_chief_save_and_the_next_run_resume
     for task in ("ps 0", "worker 0", "worker 1"):
         agent = next(a for a in cluster.agents if a.node_id == tasks[task]["node_id"])
         assert f"{task} serves until the chief has stopped" in agent.log(), agent.log()
+    chief_agent = next(a for a in cluster.agents if a.node_id == tasks["chief"]["node_id"])
+    assert "saved its state and exits 42" in chief_agent.log(), chief_agent.log()  # its save durable: trainer.md
 
     for node in ("a", "b", "c", "d"):  # the next run of the job
         cluster.start(node)

@@ -208,6 +208,8 @@ def test_sigterm_drain_loses_no_step(make_cluster: ClusterFactory, tmp_path: Pat
     assert stopped["preempted"] is True and stopped["final_step"] % 25 != 0  # saved off the save schedule
     assert wait_for_start(cluster, 2) == stopped["final_step"]
     assert "checkpointed after step" in drained.log() or "checkpointed after step" in cluster.agents[0].log()
+    for agent in (drained, cluster.agents[0]):  # Preempted told each agent that its save was durable (trainer.md)
+        assert "saved its state and exits 42" in agent.log(), agent.log()
     assert cluster.agents[0].wait(300) == 0, cluster.logs()[-4000:]
     assert [s["final_step"] for s in chief_summaries(cluster) if s["generation"] == 2] == [80]
 

@@ -76,6 +76,26 @@ def test_stop_escalates_to_sigkill_after_the_grace_period(tmp_path: Path) -> Non
     assert returncode == -signal.SIGKILL
 
 
+def test_a_trainer_that_announced_its_exit_is_ended_that_soon_not_at_the_end_of_the_grace(tmp_path: Path) -> None:
+    """The agent's EndStopSoon: a trainer whose teardown would outlast the stop's 600 s grace ends 0.2 s after
+    end_soon; the test's 60 s deadline fails the stop that waits for the grace."""
+    async def scenario() -> tuple[list[int], int | None]:
+        worker = await WorkerProcess.start(WorkerSpec(_family(tmp_path, "ignore-term"), dict(os.environ), None,
+                                                      "[t]", 1.0))
+        pids = await asyncio.to_thread(_pids, tmp_path)
+        stopping = asyncio.create_task(worker.stop(600.0))
+        await asyncio.sleep(0)  # the SIGTERM is sent: the stop waits
+        assert not stopping.done()
+        worker.end_soon(0.2)
+        await asyncio.wait_for(stopping, 60)
+        assert group_members(worker.pid) == []
+        return pids, worker.returncode
+
+    pids, returncode = asyncio.run(scenario())
+    assert [p for p in pids if alive(p)] == []
+    assert returncode == -signal.SIGKILL  # the agent counts it as the code announced (agent/worker_core.py)
+
+
 def test_a_stopped_worker_names_every_process_it_had(tmp_path: Path) -> None:
     """What may still hold GPU memory after the stop: the keeper, the trainer, and every descendant, the one
     that escaped into its own session too (the agent waits for NVML to list none of them)."""

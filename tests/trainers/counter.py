@@ -30,7 +30,9 @@ seconds: an input pipeline that saturates every core of the node).
 
 COUNTER_SAVE_EVERY (the chief saves its step file every N steps, default 1) and COUNTER_CHECKPOINT_ON_TERM=1 (on
 SIGTERM the chief saves the step it reached, each rank records a "checkpointed" event and exits 42,
-CHECKPOINTED_AND_STOPPED: a trainer that loses no step on a planned stop; set before the start event is written).
+CHECKPOINTED_AND_STOPPED: a trainer that loses no step on a planned stop; set before the start event is written);
+with it COUNTER_TEARDOWN_SECONDS (N: after that save, announce the exit to the agent as tfelastic.trainer does, then
+stay N seconds before exiting, as a trainer whose input pipeline takes a minute to be torn down).
 
 Unlike MWMS ranks, counters do not wait for each other. Faults hit the chief (rank 0) so that the other rank
 cannot finish the job alone: a chief's exit 0 completes a job (see rendezvous/rounds.py).
@@ -199,6 +201,10 @@ def main() -> int:
             os.replace(state + ".tmp", state)
         if terminated:
             event("checkpointed")
+            teardown = float(os.environ.get("COUNTER_TEARDOWN_SECONDS", "0"))
+            if teardown:
+                reporter.announce_exit(CHECKPOINTED_AND_STOPPED, step)
+                time.sleep(teardown)
             return CHECKPOINTED_AND_STOPPED
         reporter.report(step, examples=step * 32, loss=1.0 / step, checkpoint_step=step if rank == 0 else None,
                         done=step == done_at, stall=0.001 if tiered and rank == 0 else None)

@@ -15,6 +15,7 @@ from tfelastic.daemon.agent.api import (
     CoordinatorLost,
     DropSession,
     DumpStacks,
+    EndStopSoon,
     ExitAgent,
     HangUp,
     HostUntilJobEnds,
@@ -41,6 +42,7 @@ from tfelastic.daemon.agent.api import (
 from tfelastic.daemon.agent.core import AgentCore
 from tfelastic.daemon.agent.replacements import ReplacementPolicy
 from tfelastic.daemon.agent.trainer_watch import STACKS_PATIENCE, WAITING_HANG_DELAY
+from tfelastic.daemon.agent.worker_core import EXIT_PATIENCE
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
@@ -437,6 +439,30 @@ def test_a_planned_stop_is_counted_by_how_the_trainer_ended(code: int, exited_be
         Stop("operator_restart", planned=True)]  # planned: stop_grace, time to checkpoint
     h.core.worker_stopped(StopResult(code, exited_before_stop))
     assert h.metric("tfelastic_worker_graceful_stops_total", outcome=outcome) == 1.0
+
+
+def test_a_trainer_that_announces_its_exit_during_a_stop_is_ended_a_second_later_and_counted_as_that_exit() -> None:
+    h = Harness()
+    h.running()
+    h.core.received(api.StopWorkers(1, api.RestartReason.OPERATOR_RESTART))
+    announced = ProgressMessage(1, 4001, step=120, exit_code=42)
+    assert h.core.progress(announced) == [EndStopSoon(EXIT_PATIENCE)]
+    assert EXIT_PATIENCE == 1.0  # "within 1 s" of its save (docs/trainer.md)
+    assert h.core.progress(announced) == []  # one end per stop
+    assert h.core.progress(ProgressMessage(0, 4001, step=120, exit_code=42)) == []  # an older generation's
+    h.core.worker_stopped(StopResult(-signal.SIGKILL, False))  # its teardown was cut short
+    assert h.metric("tfelastic_worker_graceful_stops_total", outcome="checkpointed") == 1.0
+    assert not h.metric("tfelastic_worker_graceful_stops_total", outcome="killed")
+
+
+def test_an_exit_announced_outside_a_stop_cuts_nothing_short_and_is_forgotten_by_the_next_stop() -> None:
+    h = Harness()
+    h.running()
+    assert h.core.progress(ProgressMessage(1, 4001, step=120, exit_code=42)) == []  # it exits by itself
+    h.core.received(api.StopWorkers(1, api.RestartReason.OPERATOR_RESTART))
+    h.core.worker_stopped(StopResult(-signal.SIGKILL, False))  # no announcement in this stop: killed at its grace
+    assert h.metric("tfelastic_worker_graceful_stops_total", outcome="killed") == 1.0
+    assert not h.metric("tfelastic_worker_graceful_stops_total", outcome="checkpointed")
 
 
 def test_a_stop_after_a_failure_is_not_a_graceful_stop() -> None:

@@ -31,6 +31,8 @@ from tfelastic.trainer.progress import MAX_DATAGRAM, Phase, ProgressMessage, Pro
     ProgressMessage(generation=1, pid=2, step=40, checkpoint_step=40, stall=0.012),
     ProgressMessage(generation=1, pid=2, step=40, restored_tier="local", restored_step=40),
     ProgressMessage(generation=1, pid=2, step=0, restored_tier="none"),
+    ProgressMessage(generation=1, pid=2, step=40, exit_code=42),
+    ProgressMessage(generation=1, pid=2, step=0, exit_code=0),
 ])
 def test_encode_decode_round_trip(message: ProgressMessage) -> None:
     assert decode(encode(message)) == message
@@ -56,6 +58,15 @@ def test_fast_tier_fields_use_short_keys() -> None:
 def test_decode_rejects_malformed_fast_tier_fields(fields: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=r"'(st|rt|rs)'"):
         decode(json.dumps({"g": 1, "pid": 2, "step": 3, **fields}).encode())
+
+
+def test_an_announced_exit_uses_its_short_key_and_refuses_what_no_exit_status_can_carry() -> None:
+    assert json.loads(encode(ProgressMessage(1, 2, 40, exit_code=42))) == {"g": 1, "pid": 2, "step": 40, "x": 42}
+    for code in ("42", 4.2, True):
+        with pytest.raises(ValueError, match="'x' must be an integer"):
+            decode(json.dumps({"g": 1, "pid": 2, "step": 3, "x": code}).encode())
+    with pytest.raises(ValueError, match=r"exit code 256 is not in 0\.\.255"):
+        ProgressReporter(None, 1).announce_exit(256)
 
 
 def test_reporter_refuses_an_unknown_restore_tier_and_sends_a_restore_at_once(tmp_path: Path) -> None:
@@ -231,6 +242,19 @@ def test_reporter_sends_what_was_reported(server: socket.socket, fake_time: Fake
         ProgressMessage(4, pid, 2, examples=64, loss=1.5),
         ProgressMessage(4, pid, 3, checkpoint_step=3),
     ]
+
+
+def test_an_exit_is_announced_at_once_at_the_last_step_reached_unless_a_step_is_given(
+        server: socket.socket, fake_time: FakeTime) -> None:
+    reporter = ProgressReporter(server.getsockname(), generation=4)
+    assert reporter.report(17) is True
+    reporter.reached(18)  # marked, not reported: the throttle holds back what follows within 0.1 s...
+    assert reporter.report(18) is False
+    assert reporter.announce_exit(42) is True  # ... but not an exit
+    assert reporter.announce_exit(42, step=16) is True
+    pid = os.getpid()
+    assert received(server) == [ProgressMessage(4, pid, 17), ProgressMessage(4, pid, 18, exit_code=42),
+                                ProgressMessage(4, pid, 16, exit_code=42)]
 
 
 def test_every_step_given_is_marked_in_the_step_file_also_between_reports(server: socket.socket,
@@ -429,7 +453,7 @@ def test_done_flag_round_trips_and_numpy_like_values_are_made_plain(tmp_path: Pa
 @pytest.mark.parametrize(("field", "value"), [
     ("step", -1), ("step", 2**53 + 1), ("step", 2**62),  # 2^62 once added 4.6e18 to the steps counter
     ("ckpt", -1), ("ckpt", 2**53 + 1), ("examples", -5), ("examples", 2**53 + 1), ("g", 2**53 + 1),
-    ("pid", -1), ("pid", 2**31),
+    ("pid", -1), ("pid", 2**31), ("x", -1), ("x", 256),
 ])
 def test_decode_bounds_every_integer(field: str, value: int) -> None:
     payload: dict[str, object] = {"g": 1, "pid": 2, "step": 3, field: value}
