@@ -196,17 +196,19 @@ def run(join_after: float, run_seconds: float, mode: str) -> None:
                       "worker": workers if direct else [*workers[:2], f"127.0.0.1:{forwarder.port}"]}
         own_view = {**chief_view, "worker": workers}
         stand_in_view = {**chief_view, "worker": [*workers[:2], f"127.0.0.1:{real[3]}"]}
-        procs = {"ps0": start(script, own_view, "ps", 0, run_seconds, tmp / "ps0.log")}
-        for i in range(3 if direct else 2):
-            procs[f"worker{i}"] = start(script, own_view, "worker", i, run_seconds, tmp / f"worker{i}.log")
-        if mode == "stand-in":
-            procs["stand_in"] = start(script, stand_in_view, "worker", 2, run_seconds, tmp / "stand_in.log")
-            wait_for(lambda: "serving" in (tmp / "stand_in.log").read_text(errors="replace"), 120, "the stand-in")
-            forwarder.backend = real[3]
-        began = time.monotonic()
-        procs["chief"] = start(script, chief_view, "chief", 0, run_seconds, tmp / "chief.log")
+        procs: dict[str, subprocess.Popen[bytes]] = {}
         chief_log = tmp / "chief.log"
         try:
+            procs["ps0"] = start(script, own_view, "ps", 0, run_seconds, tmp / "ps0.log")
+            for i in range(3 if direct else 2):
+                procs[f"worker{i}"] = start(script, own_view, "worker", i, run_seconds, tmp / f"worker{i}.log")
+            if mode == "stand-in":
+                procs["stand_in"] = start(script, stand_in_view, "worker", 2, run_seconds, tmp / "stand_in.log")
+                wait_for(lambda: "serving" in (tmp / "stand_in.log").read_text(errors="replace"), 120,
+                         "the stand-in")
+                forwarder.backend = real[3]
+            began = time.monotonic()
+            procs["chief"] = start(script, chief_view, "chief", 0, run_seconds, chief_log)
             joined = began + join_after
             if mode == "stand-in":
                 ready = _wait_event(chief_log, "ready", procs["chief"], 180)
@@ -214,7 +216,9 @@ def run(join_after: float, run_seconds: float, mode: str) -> None:
                     print("the chief did not come up with the stand-in:\n" + chief_log.read_text()[-3000:])
                     return
                 forwarder.backend = None
-                procs.pop("stand_in").kill()
+                stand_in = procs.pop("stand_in")
+                stand_in.kill()
+                stand_in.wait()
                 print(f"chief ready {time.monotonic() - began:.1f}s after its start with the stand-in serving "
                       "worker 2's slot; the stand-in killed now")
             if not direct:
@@ -244,7 +248,7 @@ def run(join_after: float, run_seconds: float, mode: str) -> None:
                 return
             first, end = samples[0]["time"], samples[-1]["time"]
             if direct:
-                print(f"steps/s with 3 direct workers: {rate(samples, first, end):.1f}")
+                print(f"steps/s with 3 direct workers: {_number(rate(samples, first, end))}")
             else:
                 before = rate(samples, first, serving)
                 after = rate(samples, max(first, serving + 10), end)

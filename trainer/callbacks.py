@@ -13,6 +13,7 @@ from typing import Any, Literal
 from tfelastic.trainer._tf import WorkerTrainingState, keras
 from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.fast_backup import FastBackupAndRestore
+from tfelastic.trainer.loop import make_all_reduce
 from tfelastic.trainer.preemption import STOP, preemption_guard
 from tfelastic.trainer.progress import Phase, ProgressReporter
 from tfelastic.trainer.save_schedule import DEFAULT_BUDGET
@@ -218,6 +219,7 @@ class GracefulStopCallback(keras.callbacks.Callback):  # type: ignore[misc]
             raise RuntimeError("GracefulStopCallback needs a tf_keras BackupAndRestore earlier in the same fit's "
                                "callbacks: it saves through it (use fit_callbacks(), which puts them in order)")
         self._guard = preemption_guard(self.model.distribute_strategy)
+        self._all_reduce = make_all_reduce(self.model.distribute_strategy)
         self._training = STOP.training()
         self._training.__enter__()
 
@@ -235,6 +237,9 @@ class GracefulStopCallback(keras.callbacks.Callback):  # type: ignore[misc]
         flush = getattr(self._state, "flush", None)
         if flush is not None:  # the fast tier saves asynchronously: the snapshot must be complete before the exit
             flush()
+        # Every worker leaves the save together: none may tell its agent that the job's state is durable (Preempted
+        # does; the agent ends it a second later) while the chief still writes or copies it to the shared tier.
+        self._all_reduce(0.0)
         step = int(self.model.optimizer.iterations.numpy())
         self._reporter.report(step, checkpoint_step=step, done=training_done)
         return step

@@ -43,7 +43,10 @@ class Preempted(SystemExit):
     def __init__(self, step: int | None = None) -> None:
         super().__init__(CHECKPOINTED_AND_STOPPED)
         self.step = step
-        announce_exit(CHECKPOINTED_AND_STOPPED, step)
+        # Advisory, as every report: nothing here may turn the stop's exit 42 into a traceback (a bad
+        # TFELASTIC_GENERATION, no file descriptor left for the socket).
+        with contextlib.suppress(OSError, ValueError):
+            announce_exit(CHECKPOINTED_AND_STOPPED, step)
 
 
 class StopSignal:

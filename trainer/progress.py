@@ -236,9 +236,9 @@ class ProgressReporter:
     def report(self, step: int, *, examples: int | None = None, loss: float | None = None,
                checkpoint_step: int | None = None, force: bool = False, done: bool = False,
                phase: Phase | str = Phase.TRAIN, stall: float | None = None, restored_tier: str | None = None,
-               restored_step: int | None = None, exit_code: int | None = None) -> bool:
+               restored_step: int | None = None) -> bool:
         """Returns whether a datagram was sent. ``done`` (training completed), a ``phase`` other than ``train``
-        (long work starts: a save, an evaluation), a checkpoint, a restore and an exit code are sent at once."""
+        (long work starts: a save, an evaluation), a checkpoint and a restore are sent at once."""
         if restored_tier is not None and restored_tier not in RESTORE_TIERS:
             raise ValueError(f"restored_tier {restored_tier!r} is not one of {', '.join(sorted(RESTORE_TIERS))}")
         phase = _phase(phase)  # a typo is the caller's bug: it raises, rather than drop every report
@@ -248,7 +248,7 @@ class ProgressReporter:
             self.reached(step)
         now = time.monotonic()
         urgent = (force or done or checkpoint_step is not None or phase is not Phase.TRAIN
-                  or restored_tier is not None or exit_code is not None)
+                  or restored_tier is not None)
         if not urgent and now - self._last_sent < self._min_interval:
             return False
         try:  # numbers may come as numpy scalars or tensors: make them plain
@@ -257,21 +257,30 @@ class ProgressReporter:
                                       None if loss is None else float(loss),
                                       None if checkpoint_step is None else int(checkpoint_step), done,
                                       phase, None if stall is None else float(stall), restored_tier,
-                                      None if restored_step is None else int(restored_step), exit_code)
-            self._sock.sendto(encode(message), self._path)  # type: ignore[arg-type]
-        except (OSError, TypeError, ValueError):
-            return False  # the agent is busy or gone, or a value is unusable; progress is advisory
-        self._last_sent = now
-        return True
+                                      None if restored_step is None else int(restored_step))
+        except (TypeError, ValueError):
+            return False  # a value is unusable; progress is advisory
+        return self._send(message)
 
     def announce_exit(self, code: int, step: int | None = None) -> bool:
         """Tells the agent that this process exits with ``code`` and that everything it had to save is saved
-        (``step``: the step saved, default the last one reached). During a stop the agent then ends the process
-        within a second if it has not ended by itself: what runs after this call (``finally`` blocks, the input
-        pipeline's teardown, the interpreter's exit) gets that second."""
-        if not 0 <= code <= MAX_EXIT_CODE:
-            raise ValueError(f"exit code {code} is not in 0..{MAX_EXIT_CODE}")
-        return self.report(self._step if step is None else step, exit_code=code)
+        (``step``: the step saved, default the last one reached; the step file is left as it is). During a stop
+        the agent then ends the process a second later if it has not ended by itself: what runs after this call
+        (``finally`` blocks, the input pipeline's teardown, the interpreter's exit) gets that second."""
+        if not isinstance(code, int) or isinstance(code, bool) or not 0 <= code <= MAX_EXIT_CODE:
+            raise ValueError(f"exit code {code!r} is not an integer in 0..{MAX_EXIT_CODE}")
+        if self._sock is None:
+            return False
+        return self._send(ProgressMessage(self._generation, os.getpid(), self._step if step is None else int(step),
+                                          exit_code=code))
+
+    def _send(self, message: ProgressMessage) -> bool:
+        try:
+            self._sock.sendto(encode(message), self._path)  # type: ignore[union-attr, arg-type]
+        except OSError:
+            return False  # the agent is busy or gone; progress is advisory
+        self._last_sent = time.monotonic()
+        return True
 
 
 _default: ProgressReporter | None = None
@@ -290,8 +299,8 @@ def report(step: int, *, examples: int | None = None, loss: float | None = None,
     """Report progress through a reporter built from the environment the agent set. Before long work that is
     not a training step (a checkpoint save, an evaluation), report its ``phase`` ("save", "eval", "setup"): the
     agent's learned hang detection then allows it its own time."""
-    return _default_reporter().report(step, examples=examples, loss=loss, checkpoint_step=checkpoint_step, force=force,
-                           done=done, phase=phase)
+    return _default_reporter().report(step, examples=examples, loss=loss, checkpoint_step=checkpoint_step,
+                                      force=force, done=done, phase=phase)
 
 
 def announce_exit(code: int, step: int | None = None) -> bool:

@@ -219,8 +219,7 @@ class WorkerCore:
         self.assignment = assignment
         self.ps_task.assigned(assignment, self.identity.node_id, self.identity.spec)
         self.ps_task.launched()
-        self.trainer.launched(assignment.generation)
-        self._standby.launched(assignment.generation)
+        self._launching(assignment.generation)
         self.worker.to(WorkerState.RUNNING)  # WAITING -> RUNNING: the shell launches it now
         self._metrics.new_generation(assignment.generation, assignment.rank, assignment.world_size)
         return [Launch(assignment)]
@@ -253,8 +252,10 @@ class WorkerCore:
             self._stop_ended = True
             return []
         was_running = self.worker.to(WorkerState.STOPPING) is WorkerState.RUNNING  # RUNNING|FAILED|SUCCEEDED ->
-        self._stopping, self._announced_exit = (planned, was_running), None
-        return [Stop(why, planned)]
+        self._stopping = (planned, was_running)
+        # Announced before the stop: a peer's stop request reached this trainer first (TensorFlow's agreement).
+        actions: list[Action] = [Stop(why, planned)]
+        return actions + ([EndStopSoon(EXIT_PATIENCE)] if self._announced_exit is not None else [])
 
     def stop_ended(self) -> bool:
         """Whether a stop ended since the last call, with no relaunch to follow (asked after every input)."""
@@ -274,23 +275,34 @@ class WorkerCore:
         return self.stop("leaving: stop_grace passed", planned=True)
 
     def _exit_announced(self, pid: int, code: int) -> list[Action]:
-        """The trainer says it exits ``code`` with its state saved: the stop under way ends within EXIT_PATIENCE.
-        Outside a stop nothing is cut short: the trainer exits by itself, or the hang detection sees it."""
-        if self.worker.state is not WorkerState.STOPPING or self._announced_exit is not None:
+        """The trainer says it exits ``code`` with its state saved: a stop ends EXIT_PATIENCE later, the one under
+        way or the next one (the agent stops a trainer that its peers' stop request reached first). Nothing is
+        cut short outside a stop: the trainer exits by itself, or the hang detection sees it. Only the process
+        that reports the trainer's progress speaks for it."""
+        state, latest = self.worker.state, self.tracker.latest
+        if state not in (WorkerState.RUNNING, WorkerState.STOPPING) or self._announced_exit is not None or \
+                (latest is not None and latest.pid != pid):
             return []
         self._announced_exit = code
-        log.info("the trainer (pid %d) saved its state and exits %d: its processes are ended %gs from now if they "
-                 "are still there", pid, code, EXIT_PATIENCE)
-        return [EndStopSoon(EXIT_PATIENCE)]
+        log.info("the trainer (pid %d) saved its state and exits %d: %s %gs from now if its processes are still "
+                 "there", pid, code, "its stop ends" if state is WorkerState.STOPPING else "a stop of it ends",
+                 EXIT_PATIENCE)
+        return [EndStopSoon(EXIT_PATIENCE)] if state is WorkerState.STOPPING else []
 
     def _as_announced(self, result: StopResult) -> StopResult:
         """A trainer SIGKILLed after it announced its exit code ended as it said it would: with that code."""
         code, self._announced_exit = self._announced_exit, None
         if code is None or result.returncode != -signal.SIGKILL or result.exited_before_stop:
             return result
-        log.info("the trainer's teardown was cut short %gs after it announced exit %d; counted as that exit",
-                 EXIT_PATIENCE, code)
+        log.info("the trainer was SIGKILLed after it announced exit %d with its state saved: counted as that exit",
+                 code)
         return dataclasses.replace(result, returncode=code)
+
+    def _launching(self, generation: int) -> None:
+        """A trainer of ``generation`` starts: nothing it says has come in yet."""
+        self.trainer.launched(generation)
+        self._standby.launched(generation)
+        self._announced_exit = None
 
     def _relaunches_after_stop(self) -> bool:
         """The stop under way ends in this worker task's relaunch alone (a parameter-server job)."""
@@ -344,8 +356,7 @@ class WorkerCore:
         if self.worker.state is WorkerState.STOPPED and self.rejoin_session is None and self.ps_task.due():
             self.worker.to(WorkerState.RUNNING)  # STOPPED -> RUNNING: the same assignment, at the same address
             self.ps_task.launched()
-            self.trainer.launched(a.generation)
-            self._standby.launched(a.generation)
+            self._launching(a.generation)
             self._metrics.restarts.labels(reason=api.RestartReason.WORKER_REPLACED.value).inc()
             log.info("generation %d: relaunching %s alone", a.generation, self.ps_task.task_name())
             return [Announce(f"relaunching {self.ps_task.task_name()}"), Launch(a)]

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 from tfelastic.daemon.worker import keeper
@@ -128,7 +128,7 @@ class WorkerProcess:
             return
         tree = process_tree(self.pid)
         _signal_group(self.pid, signal.SIGTERM)
-        if not await self._exited_within(grace_seconds) and self._end_soon.is_set():
+        if await self._exited_within(grace_seconds) == "announced":
             log.info("worker %d: still there %gs after the trainer announced its exit: ending it", self.pid,
                      self._end_within)
         tree += process_tree(self.pid)  # anything forked during the grace period
@@ -143,13 +143,14 @@ class WorkerProcess:
         self._end_within = within
         self._end_soon.set()
 
-    async def _exited_within(self, grace: float) -> bool:
-        """Whether the keeper exits within ``grace`` seconds, or within ``_end_within`` of :meth:`end_soon`."""
+    async def _exited_within(self, grace: float) -> Literal["exited", "announced", "grace"]:
+        """Waits until the keeper exits ("exited"), ``_end_within`` after :meth:`end_soon` ("announced") or
+        ``grace`` seconds ("grace"), whichever comes first."""
         exited: asyncio.Future[Any] = asyncio.ensure_future(asyncio.shield(self._proc.wait()))
         cut_short: asyncio.Future[Any] = asyncio.ensure_future(self._end_soon_passed())
         try:
             await asyncio.wait({exited, cut_short}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
-            return exited.done()
+            return "exited" if exited.done() else "announced" if cut_short.done() else "grace"
         finally:
             for waiting in (exited, cut_short):
                 waiting.cancel()  # the keeper's own wait goes on under the shield

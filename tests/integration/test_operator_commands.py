@@ -72,7 +72,7 @@ def test_restart_reforms_the_same_nodes_without_spending_the_budget(make_cluster
         samples = scrape(f"http://{agent.metrics_address()}/metrics")[1]
         assert samples.get(("tfelastic_worker_graceful_stops_total", (("outcome", "checkpointed"),))) == 1.0, \
             agent.log()
-        assert "teardown was cut short 1s after it announced exit 42" in agent.log()
+        assert "the trainer was SIGKILLed after it announced exit 42 with its state saved" in agent.log()
     assert cluster.wait_all(60) == [0, 0], cluster.logs()
     assert "operator restarts the job (new learning rate)" in cluster.agents[0].log()
 

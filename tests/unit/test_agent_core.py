@@ -455,14 +455,57 @@ def test_a_trainer_that_announces_its_exit_during_a_stop_is_ended_a_second_later
     assert not h.metric("tfelastic_worker_graceful_stops_total", outcome="killed")
 
 
-def test_an_exit_announced_outside_a_stop_cuts_nothing_short_and_is_forgotten_by_the_next_stop() -> None:
+def test_an_exit_announced_before_the_stop_ends_the_stop_that_follows_and_not_one_of_the_next_trainer() -> None:
+    """A peer's stop request reached this trainer first (TensorFlow's agreement): it saved and announced while its
+    agent still ran it."""
     h = Harness()
     h.running()
-    assert h.core.progress(ProgressMessage(1, 4001, step=120, exit_code=42)) == []  # it exits by itself
+    assert h.core.progress(ProgressMessage(1, 4001, step=120, exit_code=42)) == []  # no stop to cut short yet
+    actions = h.core.received(api.StopWorkers(1, api.RestartReason.NODE_LEFT))
+    assert stops(actions) == [Stop("node_left", planned=True)] and EndStopSoon(EXIT_PATIENCE) in actions
+    h.core.worker_gone(())
+    h.core.worker_stopped(StopResult(-signal.SIGKILL, False))
+    assert h.metric("tfelastic_worker_graceful_stops_total", outcome="checkpointed") == 1.0
+    assert Launch(assignment(2)) in h.core.received(assignment(2))  # the next trainer has said nothing
+    h.core.worker_started(2, 4002)
+    actions = h.core.received(api.StopWorkers(2, api.RestartReason.NODE_LEFT))
+    assert stops(actions) == [Stop("node_left", planned=True)] and EndStopSoon(EXIT_PATIENCE) not in actions
+
+
+def test_only_the_process_that_reports_the_trainers_progress_speaks_for_it() -> None:
+    h = Harness()
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=5))
     h.core.received(api.StopWorkers(1, api.RestartReason.OPERATOR_RESTART))
-    h.core.worker_stopped(StopResult(-signal.SIGKILL, False))  # no announcement in this stop: killed at its grace
-    assert h.metric("tfelastic_worker_graceful_stops_total", outcome="killed") == 1.0
+    assert h.core.progress(ProgressMessage(1, 4999, step=5, exit_code=42)) == []  # a child of the trainer
+    assert h.core.progress(ProgressMessage(1, 4001, step=5, exit_code=42)) == [EndStopSoon(EXIT_PATIENCE)]
+
+
+@pytest.mark.parametrize(("result", "outcome"), [
+    (StopResult(1, False), "exited"),  # it failed in its teardown: that is what it did
+    (StopResult(-signal.SIGSEGV, False), "exited"),
+    (StopResult(-signal.SIGKILL, True), "killed"),  # it had ended by itself (the OOM killer, say) before the stop
+])
+def test_an_announced_exit_does_not_hide_another_end(result: StopResult, outcome: str) -> None:
+    h = Harness()
+    h.running()
+    h.core.received(api.StopWorkers(1, api.RestartReason.OPERATOR_RESTART))
+    h.core.progress(ProgressMessage(1, 4001, step=120, exit_code=42))
+    h.core.worker_stopped(result)
     assert not h.metric("tfelastic_worker_graceful_stops_total", outcome="checkpointed")
+    if result.exited_before_stop:
+        return  # an exit before the stop is not counted as the stop's outcome at all
+    assert h.metric("tfelastic_worker_graceful_stops_total", outcome=outcome) == 1.0
+
+
+def test_a_failure_stop_is_cut_short_too_but_is_no_graceful_stop() -> None:
+    h = Harness()
+    h.running()
+    h.core.received(api.StopWorkers(1, api.RestartReason.NODE_LOST))
+    assert h.core.progress(ProgressMessage(1, 4001, step=120, exit_code=42)) == [EndStopSoon(EXIT_PATIENCE)]
+    h.core.worker_stopped(StopResult(-signal.SIGKILL, False))
+    for outcome in ("checkpointed", "killed", "exited"):
+        assert not h.metric("tfelastic_worker_graceful_stops_total", outcome=outcome)
 
 
 def test_a_stop_after_a_failure_is_not_a_graceful_stop() -> None:
