@@ -98,7 +98,7 @@ def drain_once() -> tuple[float, float, bool]:
             log = cluster.agents[0].log()
             stopped = re.search(r"worker stopped in ([0-9.]+)s", log)
             assert stopped is not None, log
-            return float(first[1]) - sent, float(stopped.group(1)), "teardown was cut short" in log
+            return float(first[1]) - sent, float(stopped.group(1)), "SIGKILLed after it announced" in log
         finally:
             cluster.stop()
 
