@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                      examples=lambda epoch: shuffled(train, epoch, args.seed, len(data.x_train)),
                      examples_per_epoch=len(data.x_train), checkpoint_dir=args.backup_dir or env.backup_path(EXAMPLE),
                      save_every=args.save_every, metrics=[train_accuracy], max_to_keep=args.max_to_keep,
+                     survivors_save=args.survivors_save == "on",
                      on_step=(lambda step, loss: time.sleep(args.step_seconds)) if args.step_seconds else None)
     restored = loop.restore()
     print(f"starting at step {loop.step} (epoch {loop.epoch}, {loop.examples_done} examples into it)", flush=True)

@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         callbacks = [keras.callbacks.BackupAndRestore(backup_dir, save_freq=args.save_every, delete_checkpoint=False)]
     else:
         callbacks = fit_callbacks(backup_dir, save_every=args.save_every, global_batch_size=plan.global_batch,
-                                  tensorboard_dir=args.tensorboard_dir, fast_tier=args.fast_tier == "on")
+                                  tensorboard_dir=args.tensorboard_dir, fast_tier=args.fast_tier == "on",
+                                  survivors_save=args.survivors_save == "on")
     fields: dict[str, Any] = {"world_size": env.world_size, "target_step": args.epochs * steps_per_epoch,
                               **plan.as_dict()}
     try:

@@ -187,6 +187,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: TFELASTIC_COLLECTIVE, else auto)")
     parser.add_argument("--summary-file", help="also append the JSON summary line to this file")
     parser.add_argument("--weights-file", help="the chief writes the final weights to this .npz")
+    parser.add_argument("--survivors-save", choices=["on", "off"], default="on",
+                        help="a mirrored job: after a peer's failure, ranks 0 and 1 save the step they hold "
+                        "(default on)")
     parser.add_argument("--step-seconds", type=float, default=0.0,
                         help="sleep this long after each step, to stand in for a heavier model (tests)")
 

@@ -14,6 +14,7 @@ ensure_legacy_keras()
 import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402
 from tensorflow.core.protobuf import trackable_object_graph_pb2  # noqa: E402
+from tensorflow.python.eager import context as eager_context  # noqa: E402
 from tf_keras.src.distribute.worker_training_state import WorkerTrainingState  # noqa: E402
 
 
@@ -30,4 +31,4 @@ def _leave_tf_keras_unconverted() -> None:
 
 _leave_tf_keras_unconverted()
 
-__all__ = ["WorkerTrainingState", "keras", "tf", "trackable_object_graph_pb2"]
+__all__ = ["WorkerTrainingState", "eager_context", "keras", "tf", "trackable_object_graph_pb2"]

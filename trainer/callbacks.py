@@ -248,7 +248,7 @@ class GracefulStopCallback(keras.callbacks.Callback):  # type: ignore[misc]
 def fit_callbacks(backup_dir: str | None = None, *, save_every: int | Literal["epoch"] | None = None,
                   fast_tier: bool = True, overhead_budget: float = DEFAULT_BUDGET,
                   global_batch_size: int | None = None, tensorboard_dir: str | None = None,
-                  graceful_stop: bool = True, delete_checkpoint: bool = False,
+                  graceful_stop: bool = True, delete_checkpoint: bool = False, survivors_save: bool = True,
                   env: TrainerEnvironment | None = None, reporter: ProgressReporter | None = None
                   ) -> list[keras.callbacks.Callback]:
     """SavePhaseCallback + FastBackupAndRestore (or BackupAndRestore) + ProgressCallback + GracefulStopCallback +
@@ -264,6 +264,8 @@ def fit_callbacks(backup_dir: str | None = None, *, save_every: int | Literal["e
     deletes the backup after a successful ``fit`` by default; here the final state is kept, so that a failure
     after ``fit`` (evaluation, export) does not train again; a finished job restarted resumes at its end and
     trains no step (deleting needs ``fast_tier=False``). ``tensorboard_dir``: written by the chief only.
+    ``survivors_save`` (with the fast tier): when a peer's failure breaks a step, ranks 0 and 1 save the step they
+    hold (:mod:`~tfelastic.trainer.survivors`); False: the next generation restores the newest snapshot.
     """
     check_keras()
     if save_every == "epoch" and graceful_stop:
@@ -280,7 +282,8 @@ def fit_callbacks(backup_dir: str | None = None, *, save_every: int | Literal["e
     backup: keras.callbacks.Callback
     if fast:
         backup = FastBackupAndRestore(directory, save_every=save_every if isinstance(save_every, int) else None,
-                                      overhead_budget=overhead_budget, reporter=reporter, env=environment)
+                                      overhead_budget=overhead_budget, reporter=reporter, env=environment,
+                                      survivors_save=survivors_save)
     else:
         backup = keras.callbacks.BackupAndRestore(directory, save_freq=save_every or 100,
                                                   delete_checkpoint=delete_checkpoint)

@@ -23,6 +23,7 @@ from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.loop import agree_across_workers, agreed_interval, make_all_reduce
 from tfelastic.trainer.progress import Phase, ProgressReporter
 from tfelastic.trainer.save_schedule import DEFAULT_BUDGET, SaveSchedule
+from tfelastic.trainer.survivors import SurvivorSave
 from tfelastic.trainer.tier_restore import TierRestore
 from tfelastic.trainer.tiered import TieredCheckpoint
 
@@ -85,7 +86,7 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
 
     def __init__(self, backup_dir: str, *, save_every: int | None = None, overhead_budget: float = DEFAULT_BUDGET,
                  keep_local: int = 2, keep_shared: int = 3, reporter: ProgressReporter | None = None,
-                 env: TrainerEnvironment | None = None) -> None:
+                 env: TrainerEnvironment | None = None, survivors_save: bool = True) -> None:
         super().__init__()
         self.backup_dir = backup_dir
         self.schedule = SaveSchedule(save_every, budget=overhead_budget)
@@ -100,6 +101,12 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         self._all_reduce: Callable[[float], float] | None = None
         self.restored: TierRestore | None = None
         self.stalls: list[float] = []
+        self._survivors_save = survivors_save
+        self._survivors: SurvivorSave | None = None
+        self._started_at = 0  # the optimizer step fit resumed at
+        self._epoch = 0  # the epoch under way
+        self._completed: tuple[int, int] = (0, 0)  # the epoch and batch of the last batch completed (or restored)
+        self._unguarded: Any = None  # model.train_function as fit made it
 
     @property
     def tier(self) -> TieredCheckpoint:
@@ -115,7 +122,8 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         model._training_state = self._state
         self._reporter.report(int(model.optimizer.iterations.numpy()), phase=Phase.SETUP)
         self.restored = self._state.restore()
-        self._step = int(model.optimizer.iterations.numpy())
+        self._step = self._started_at = int(model.optimizer.iterations.numpy())
+        self._completed = (int(self._state._ckpt_saved_epoch.numpy()), int(self._state._ckpt_saved_batch.numpy()))
         strategy = model.distribute_strategy
         if strategy.num_replicas_in_sync > 1:
             self._all_reduce = make_all_reduce(strategy)
@@ -123,17 +131,25 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         steps_per_execution = getattr(model, "_steps_per_execution", None)
         self._steps_per_call = int(steps_per_execution.numpy()) if steps_per_execution is not None else 1
         self.schedule.start(self._step)
+        if self._survivors_save and strategy.num_replicas_in_sync > 1 and \
+                getattr(model, "train_function", None) is not None:
+            self._survivors = SurvivorSave(strategy, model, model.optimizer, self._reporter, self._env.rank)
+            self._unguarded = model.train_function  # fit calls the attribute at each step: it calls this one
+            model.train_function = self._keeping_the_survivors_step(self._unguarded)
         self._reporter.report(self._step, restored_step=self.restored.step, restored_tier=self.restored.tier,
-                              force=True, phase=Phase.SETUP)
+                              force=True, phase=Phase.SETUP,
+                              hears_peer_failure=self._survivors is not None and self._survivors.hears_peer_failure)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         assert self._state is not None
+        self._epoch = epoch
         self._state._ckpt_saved_epoch.assign(epoch)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         # The batch just finished (the last of a steps_per_execution call): a save after it resumes after it.
         assert self._state is not None
         self._state._ckpt_saved_batch.assign(batch)
+        self._completed = (self._epoch, batch)
         self._step += self._steps_per_call
         self.schedule.step_done(time.monotonic(), self.tier.writing, *self.tier.copy_beside_step())
         self._report_sealed()
@@ -141,6 +157,8 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
             self.save()
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self._unguarded is not None:  # a later fit makes no new one: it gets fit's own back
+            self.model.train_function, self._unguarded = self._unguarded, None
         if self._state is not None:
             self._state.flush()  # a snapshot still being written completes before fit returns
             self._report_sealed()
@@ -148,6 +166,26 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         # (GracefulStopCallback, later in the list, keeps its own reference for its final save.)
         if getattr(self.model, "_training_state", None) is self._state:
             del self.model._training_state
+
+    def _keeping_the_survivors_step(self, train_function: Any) -> Callable[[Any], Any]:
+        """``train_function``, whose failure for a peer's saves the step this worker holds (SurvivorSave)."""
+        def guarded(iterator: Any) -> Any:
+            try:
+                return train_function(iterator)
+            except tf.errors.OpError as e:
+                if self._survivors is not None:
+                    self._survivors.after_failure(e, train_function, (iterator,), self._step, self._started_at,
+                                                  self.tier, self._set_completed_position)
+                raise
+        return guarded
+
+    def _set_completed_position(self) -> None:
+        """The checkpointed epoch and batch, to the last batch completed's: an epoch that has begun without a
+        batch completed resumes at its first batch, not after the previous epoch's last."""
+        assert self._state is not None
+        epoch, batch = self._completed
+        self._state._ckpt_saved_epoch.assign(epoch)
+        self._state._ckpt_saved_batch.assign(batch)
 
     def save(self) -> int:
         """A snapshot now (every worker must call it at the same step); returns the step."""

@@ -23,6 +23,7 @@ from tfelastic.trainer.environment import TrainerEnvironment
 from tfelastic.trainer.preemption import STOP, preemption_guard
 from tfelastic.trainer.progress import Phase, ProgressReporter
 from tfelastic.trainer.save_schedule import DEFAULT_BUDGET, SaveSchedule
+from tfelastic.trainer.survivors import SurvivorSave
 from tfelastic.trainer.tfkeras import check_model
 from tfelastic.trainer.tier_restore import TierRestore
 from tfelastic.trainer.tiered import TieredCheckpoint
@@ -35,7 +36,13 @@ LossFn = Callable[[Any, Any], Any]  # (labels, predictions) -> per-example loss,
 def make_train_step(strategy: Any, model: Any, optimizer: Any, loss_fn: LossFn, global_batch: int,
                     metrics: Sequence[Any] = ()) -> Callable[[Any], Any]:
     """A ``tf.function`` that runs one step on the next batch of a distributed iterator and returns the loss of
-    the global batch (the sum over replicas of their share of the mean)."""
+    the global batch (the sum over replicas of their share of the mean).
+
+    The step's one exchange between workers is one all-reduce of the loss and the gradients together, and every
+    update waits for it: a step that a peer's failure interrupts changed no variable, and one that completed
+    changed all of them, so the state a survivor holds is exactly one step's (:mod:`tfelastic.trainer.survivors`).
+    A sparse gradient (an embedding's) is exchanged by gathers of their own, after which a failure can leave the
+    step half applied: the survivors' save sees it and saves nothing."""
 
     def replica_step(features: Any, labels: Any) -> Any:
         with tf.GradientTape() as tape:
@@ -43,15 +50,19 @@ def make_train_step(strategy: Any, model: Any, optimizer: Any, loss_fn: LossFn, 
             loss = tf.nn.compute_average_loss(loss_fn(labels, predictions), global_batch_size=global_batch)
             if model.losses:
                 loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
-        gradients = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(gradients, model.trainable_variables, strict=True))
+        pairs = [(g, v) for g, v in zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables,
+                                        strict=True) if g is not None]
+        summed = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, [loss, *(g for g, _ in pairs)])
+        optimizer.apply_gradients(zip(summed[1:], (v for _, v in pairs), strict=True),
+                                  experimental_aggregate_gradients=False)  # summed above, with the loss
         for metric in metrics:
             metric.update_state(labels, predictions)
-        return loss
+        return summed[0]
 
     def train_step(iterator: Any) -> Any:
         per_replica = strategy.run(replica_step, args=next(iterator))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+        return strategy.experimental_local_results(per_replica)[0]  # every replica holds the global loss
 
     return tf.function(train_step)  # type: ignore[no-any-return]
 
@@ -88,7 +99,8 @@ class TrainLoop:
                  examples: ExamplesFn, examples_per_epoch: int, checkpoint_dir: str, save_every: int | None = None,
                  overhead_budget: float = DEFAULT_BUDGET, metrics: Sequence[Any] = (), max_to_keep: int = 3,
                  reporter: ProgressReporter | None = None, graceful_stop: bool = True,
-                 on_step: Callable[[int, Any], None] | None = None, env: TrainerEnvironment | None = None) -> None:
+                 on_step: Callable[[int, Any], None] | None = None, env: TrainerEnvironment | None = None,
+                 survivors_save: bool = True) -> None:
         check_model(model)
         self.schedule = SaveSchedule(save_every, budget=overhead_budget)  # validates both
         self.strategy, self.model, self.optimizer = strategy, model, optimizer
@@ -116,6 +128,10 @@ class TrainLoop:
         self._reported_seal: int | None = None
         self.stalls: list[float] = []
         self._train_step = make_train_step(strategy, model, optimizer, loss_fn, global_batch, metrics)
+        # After a peer's failure, ranks 0 and 1 save the step they hold (trainer/survivors.py); off: the newest
+        # snapshot is restored.
+        self._survivors = SurvivorSave(strategy, model, optimizer, self._reporter, self._env.rank) \
+            if survivors_save else None
         self._all_reduce = make_all_reduce(strategy)
 
     def restore(self) -> TierRestore:
@@ -130,7 +146,8 @@ class TrainLoop:
         if result.path:
             log.info("restored %s (%s tier): step %d, epoch %d, %d examples into it", result.path, result.tier,
                      self.step, self.epoch, self.examples_done)
-        self._reporter.report(self.step, restored_step=result.step, restored_tier=result.tier, phase=Phase.SETUP)
+        self._reporter.report(self.step, restored_step=result.step, restored_tier=result.tier, phase=Phase.SETUP,
+                              hears_peer_failure=self._survivors is not None and self._survivors.hears_peer_failure)
         return result
 
     @property
@@ -149,8 +166,7 @@ class TrainLoop:
         is in the shared tier, and ends with a barrier, so that it is complete for every worker on return."""
         if self._last_saved != self.step:
             self._reporter.report(self.step, examples=self._examples_seen(), phase=Phase.SAVE)
-            self._epoch.assign(self.epoch)
-            self._examples_done.assign(self.examples_done)
+            self._set_position()
             began = time.monotonic()
             self.checkpoints.wait_sealed()  # the previous snapshot is reported before this one can overtake it
             self._report_sealed()
@@ -198,7 +214,13 @@ class TrainLoop:
                 iterator = iter(distribute_epoch(self.strategy, self._examples, epoch=self.epoch,
                                                  global_batch=self.global_batch, skip=self.examples_done))
                 for _ in range(min(left, steps - self.step)):
-                    loss = self._train_step(iterator)
+                    try:
+                        loss = self._train_step(iterator)
+                    except tf.errors.OpError as e:  # a peer's failure, among others: the step it holds is kept
+                        if self._survivors is not None:
+                            self._survivors.after_failure(e, self._train_step, (iterator,), self.step, initial,
+                                                          self.checkpoints, self._set_position)
+                        raise
                     self.step, self.examples_done = self.step + 1, self.examples_done + self.global_batch
                     self._after_step(loss, guard)
             self.save(final=True)
@@ -227,6 +249,11 @@ class TrainLoop:
 
     def _examples_seen(self) -> int:
         return self.step * self.global_batch
+
+    def _set_position(self) -> None:
+        """The checkpointed epoch and place in it, to the current step's (before a save)."""
+        self._epoch.assign(self.epoch)
+        self._examples_done.assign(self.examples_done)
 
 
 def make_all_reduce(strategy: Any) -> Callable[[float], float]:

@@ -58,9 +58,11 @@ class ProgressMessage:
     restored_tier: str | None = None  # RESTORE_TIERS: sent once, after the restore
     restored_step: int | None = None
     exit_code: int | None = None  # the trainer exits with this code, everything it must save saved (announce_exit)
+    survivor_save: int | None = None  # a peer failed: the trainer saves this step, the state it holds
+    hears_peer_failure: bool = False  # with a restore: it listens for the agent's word that a peer failed
 
 
-RESTORE_TIERS = frozenset({"local", "shared", "none"})
+RESTORE_TIERS = frozenset({"survivors", "local", "shared", "none"})
 
 
 def encode(message: ProgressMessage) -> bytes:
@@ -81,8 +83,12 @@ def encode(message: ProgressMessage) -> bytes:
         payload["rt"] = message.restored_tier
         if message.restored_step is not None:
             payload["rs"] = message.restored_step
+        if message.hears_peer_failure:
+            payload["pf"] = 1
     if message.exit_code is not None:
         payload["x"] = message.exit_code
+    if message.survivor_save is not None:
+        payload["sv"] = message.survivor_save
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
@@ -132,7 +138,9 @@ def decode(data: bytes) -> ProgressMessage:
         stall=float(stall) if stall is not None else None,
         restored_tier=tier,
         restored_step=integer("rs") if tier is not None else None,
+        hears_peer_failure=tier is not None and raw.get("pf") == 1,
         exit_code=integer("x", high=MAX_EXIT_CODE),
+        survivor_save=integer("sv"),
     )
 
 
@@ -236,9 +244,11 @@ class ProgressReporter:
     def report(self, step: int, *, examples: int | None = None, loss: float | None = None,
                checkpoint_step: int | None = None, force: bool = False, done: bool = False,
                phase: Phase | str = Phase.TRAIN, stall: float | None = None, restored_tier: str | None = None,
-               restored_step: int | None = None) -> bool:
+               restored_step: int | None = None, hears_peer_failure: bool = False) -> bool:
         """Returns whether a datagram was sent. ``done`` (training completed), a ``phase`` other than ``train``
-        (long work starts: a save, an evaluation), a checkpoint and a restore are sent at once."""
+        (long work starts: a save, an evaluation), a checkpoint and a restore are sent at once.
+        ``hears_peer_failure``, with a restore: this process listens for the agent's word that a peer failed
+        (:mod:`~tfelastic.trainer.peer_failure`)."""
         if restored_tier is not None and restored_tier not in RESTORE_TIERS:
             raise ValueError(f"restored_tier {restored_tier!r} is not one of {', '.join(sorted(RESTORE_TIERS))}")
         phase = _phase(phase)  # a typo is the caller's bug: it raises, rather than drop every report
@@ -257,7 +267,8 @@ class ProgressReporter:
                                       None if loss is None else float(loss),
                                       None if checkpoint_step is None else int(checkpoint_step), done,
                                       phase, None if stall is None else float(stall), restored_tier,
-                                      None if restored_step is None else int(restored_step))
+                                      None if restored_step is None else int(restored_step),
+                                      hears_peer_failure=hears_peer_failure and restored_tier is not None)
         except (TypeError, ValueError):
             return False  # a value is unusable; progress is advisory
         return self._send(message)
@@ -273,6 +284,15 @@ class ProgressReporter:
             return False
         return self._send(ProgressMessage(self._generation, os.getpid(), self._step if step is None else int(step),
                                           exit_code=code))
+
+    def announce_survivor_save(self, step: int) -> bool:
+        """Tells the agent that a peer failed and that this process now saves ``step``, the state it holds: the
+        agent's stop then waits for the save (bounded) rather than SIGKILL the process after its failure grace."""
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+            raise ValueError(f"step {step!r} is not an integer in 0..{MAX_STEP}")
+        if self._sock is None:
+            return False
+        return self._send(ProgressMessage(self._generation, os.getpid(), step, survivor_save=step))
 
     def _send(self, message: ProgressMessage) -> bool:
         try:

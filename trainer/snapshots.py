@@ -40,6 +40,8 @@ CHECKPOINT_PREFIX = "ckpt"  # TensorFlow's files inside a snapshot: ckpt.index, 
 FLASH_DATA, FLASH_LAYOUT = "flash.bin", "flash.json"  # or a flash snapshot's (tfelastic.trainer.flash)
 _SNAPSHOT = re.compile(r"^step-(\d{12})$")
 _TEMPORARY = ".partial-"
+# In a snapshot the survivors of a peer's failure wrote (the state they held): which worker wrote it, and why.
+SURVIVORS_MARK = "SURVIVORS.json"
 DAMAGED_PREFIX = "damaged-"  # a snapshot that did not restore, kept for an operator; no scan counts it
 MAX_REPORTED = 16  # the newest steps an agent reports per tier: enough to find a common one
 
@@ -139,6 +141,11 @@ def copy_snapshot(snapshot: str, store: str) -> str:
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         raise
+
+
+def is_survivors(snapshot: str) -> bool:
+    """Whether the survivors of a peer's failure wrote ``snapshot`` (TieredCheckpoint.save_for_survivors)."""
+    return os.path.exists(os.path.join(snapshot, SURVIVORS_MARK))
 
 
 def snapshot_step(path: str) -> int | None:

@@ -2,8 +2,10 @@
 restores, from which tier, and what happens to the others.
 
 :meth:`TierRestorer.restore` restores the coordinator's step (``TFELASTIC_RESTORE_STEP``) from the local tier
-when this node has it, else from the shared one. Without a common step (or for a store the agents do not scan)
-every worker restores the newest shared snapshot; without an agent, the newest of either tier that restores.
+when this node has it, else from the shared one; a survivors' snapshot (:mod:`~tfelastic.trainer.survivors`) newer
+than that step in the shared tier comes first (a store the agents do not scan). Without a common step (or for a
+store the agents do not scan) every worker restores the newest shared snapshot; without an agent, the newest of
+either tier that restores.
 
 Invariants: a snapshot whose data does not read back (damaged storage) is set aside as ``damaged-...`` and the
 next copy is tried in the same restore; any other restore error (a model that no longer matches) is raised as it
@@ -23,7 +25,9 @@ from tfelastic.trainer.checkpoint import NoRestorableCheckpointError
 
 log = logging.getLogger(__name__)
 
-LOCAL, SHARED, NONE = "local", "shared", "none"  # where a restore came from
+# Where a restore came from: the survivors of a peer's failure (their snapshot, in the shared tier), this node's
+# memory, the shared tier's periodic copies, nothing.
+SURVIVORS, LOCAL, SHARED, NONE = "survivors", "local", "shared", "none"
 # What a damaged snapshot raises when it is read: a checksum that does not match, a short read.
 _DAMAGED_DATA = (tf.errors.DataLossError, tf.errors.OutOfRangeError, IndexError, flash.FlashDamagedError)
 # The coordinator's step is for the process's first restore: a second fit() in the same process continues from
@@ -77,6 +81,9 @@ class TierRestorer:
         return [(tier, path) for _, _, tier, path in sorted(found, reverse=True)]
 
     def _restore_chosen(self, step: int) -> TierRestore:
+        survivors = self._restore_survivors_newer_than(step)
+        if survivors is not None:
+            return survivors
         candidates = self.candidates(step)
         if not candidates:  # the step is another store's (a job with two), or the scan was stale
             log.warning("the coordinator chose snapshot step %d, which %s does not hold: restoring its newest "
@@ -85,11 +92,26 @@ class TierRestorer:
         result = TierRestore(None, NONE)
         for tier, path in candidates:
             if self._try_restore(path, result):
-                return TierRestore(step, tier, path, result.skipped)
+                return TierRestore(step, _source(tier, path), path, result.skipped)
         why = "; ".join(f"{p}: {r}" for p, r in result.skipped)
         raise NoRestorableCheckpointError(
             f"snapshot step {step}, which the coordinator chose, does not restore here ({why}). A damaged snapshot "
             "is set aside, so the next generation chooses an older step")
+
+    def _restore_survivors_newer_than(self, step: int) -> TierRestore | None:
+        """The survivors' snapshot of a peer's failure in the shared tier, when it is newer than the coordinator's
+        step: a store the agents do not scan (a backup dir of the trainer's own) was not counted in that choice,
+        and every worker sees the same shared tier. None when there is none, or none restores."""
+        result = TierRestore(None, NONE)
+        for newer in snapshots.complete_steps(self.shared_store):
+            path = snapshots.snapshot_dir(self.shared_store, newer)
+            if newer <= step or not snapshots.is_survivors(path):
+                continue
+            log.info("the shared tier %s holds the survivors' step %d, newer than step %d, which the coordinator "
+                     "chose without it: restoring it", self.shared_store, newer, step)
+            if self._try_restore(path, result):
+                return TierRestore(newer, SURVIVORS, path, result.skipped)
+        return None
 
     def _restore_newest(self, shared_only: bool) -> TierRestore:
         result = TierRestore(None, NONE)
@@ -102,7 +124,7 @@ class TierRestorer:
                 continue
             if self._try_restore(path, result):
                 step = snapshots.snapshot_step(path)
-                return TierRestore(step, tier, path, result.skipped)
+                return TierRestore(step, _source(tier, path), path, result.skipped)
         if result.skipped:
             raise NoRestorableCheckpointError(
                 "no snapshot restores: " + "; ".join(f"{p}: {r}" for p, r in result.skipped)
@@ -142,6 +164,11 @@ class TierRestorer:
             if removed:
                 log.info("removed snapshots newer than the step restored (%s) from %s: steps %s",
                          "none" if restored is None else restored, store, ", ".join(map(str, removed)))
+
+
+def _source(tier: str, path: str) -> str:
+    """Where a restore of ``path``, found in ``tier``, came from (the module's constants)."""
+    return SURVIVORS if tier == SHARED and snapshots.is_survivors(path) else tier
 
 
 def _drop_pending_restores(checkpoint: Any, prefix: str) -> None:

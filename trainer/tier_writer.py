@@ -61,6 +61,16 @@ class SnapshotWriter:
         else:
             self._flash.write(building, recycled, keep_mapped=keep_mapped)
 
+    def write_now(self, building: str) -> None:
+        """A snapshot written before returning and without creating any variable: a flash snapshot, else
+        TensorFlow's synchronous write (its asynchronous one makes host copies of the variables, which under a
+        distribution strategy are created with a broadcast among the workers)."""
+        self.last_was_flash = self.flash
+        if self._flash is None:
+            self.checkpoint.write(snapshots.checkpoint_prefix(building))
+        else:
+            self._flash.write(building)
+
     def complete(self, snapshot: str) -> bool:
         """A snapshot is complete at ``snapshot`` (sealed, or a scratch one written); whether it is kept as the
         reference for the choice (the first of TensorFlow's), which then removes it if it is scratch."""

@@ -17,6 +17,7 @@ warning; an error of the background work is raised at the next save or at :meth:
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
@@ -43,6 +44,7 @@ PERSIST_SECONDS = MIN_COPY_SECONDS
 LOCAL_HEADROOM = 1.1
 SCRATCH = "scratch"  # a worker without a tier of its own: it writes each snapshot, and keeps none
 _SPARE = "spare-flash.bin"  # a scratch directory's data file, for the next flash snapshot there
+_CAUSE_CHARS = 500  # of the error a survivor saw, in its snapshot's mark
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,29 @@ class TieredCheckpoint:
             self._write(tier, building, portable)
         self._sealer.submit(_SealJob(step, building, tier))
         return time.monotonic() - began
+
+    def save_for_survivors(self, step: int, *, task: str, cause: str) -> str | None:
+        """After a peer's failure: the state this worker holds, at ``step``, written to the shared tier and sealed
+        there before returning (the process is about to end), marked as the survivors' (``task``: this worker,
+        ``cause``: the error it saw). Returns the snapshot's path; None when the shared tier has that step already.
+        Runs no collective and creates no variable (SnapshotWriter.write_now): a sync-on-read variable, whose read
+        is an all-reduce, makes it fail, and the next generation restores the newest snapshot."""
+        if step in snapshots.complete_steps(self.shared_store):
+            return None
+        os.makedirs(self.shared_store, exist_ok=True)
+        building = self._building(Tier(SHARED, self.shared_store, self._keep_shared), step)
+        try:
+            with open(os.path.join(building, snapshots.SURVIVORS_MARK), "w", encoding="utf-8") as out:
+                json.dump({"step": step, "task": task, "cause": cause[:_CAUSE_CHARS]}, out)
+            self.checkpoint.sync()  # an asynchronous write under way finishes first (it may share files' memory)
+            self._writer.write_now(building)
+            if os.path.isdir(snapshots.snapshot_dir(self.shared_store, step)):  # another survivor sealed it
+                shutil.rmtree(building, ignore_errors=True)
+                return None
+            return snapshots.seal(building, self.shared_store, step)
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
 
     def _write(self, tier: Tier, building: str, portable: bool) -> None:
         """A flash snapshot, synchronously; else TensorFlow's asynchronous write, which TensorFlow finishes in its

@@ -22,6 +22,7 @@ from tfelastic.daemon.agent.api import (
     DumpStacks,
     EndStopSoon,
     ExitAgent,
+    ExtendStop,
     FatalSessionError,
     HangUp,
     HostUntilJobEnds,
@@ -228,7 +229,9 @@ class Agent:
             elif isinstance(action, Launch):
                 self.worker.launch(action.assignment)
             elif isinstance(action, Stop):
-                self.worker.stop(action.reason, planned=action.planned)
+                self.worker.stop(action.reason, planned=action.planned, hold=action.hold, notify=action.notify)
+            elif isinstance(action, ExtendStop):
+                self.worker.extend_stop(action.within)
             elif isinstance(action, EndStopSoon):
                 self.worker.end_stop_soon(action.within)
             elif isinstance(action, HangUp):

@@ -97,10 +97,32 @@ class Launch:
 @dataclass(frozen=True)
 class Stop:
     """Stop the worker (SIGTERM, ``stop_grace`` if planned else ``failure_stop_grace``, SIGKILL of the tree). The
-    shell answers with ``worker_stopped`` once every process is gone."""
+    shell answers with ``worker_stopped`` once every process is gone. ``hold``: seconds to wait first, without a
+    signal, for the trainer to meet its peer's failure itself and save the step it holds (the survivors' save); a
+    SIGTERM would start a graceful stop whose agreement waits for the peer that is gone."""
 
     reason: str
     planned: bool
+    hold: float = 0.0
+    notify: int = 0  # with a hold: the trainer's pid, told at once that a peer failed (trainer/peer_failure.py)
+
+
+@dataclass(frozen=True)
+class RestorableSteps:
+    """The snapshot steps this node can restore, newest first (its local tier and the backup dir), and those of
+    them in the backup dir, which every member reads (ScanSnapshots)."""
+
+    steps: tuple[int, ...] = ()
+    shared: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ExtendStop:
+    """A peer failed and the trainer saves the step it holds (the survivors' save): the stop under way, or the
+    next one, SIGKILLs the tree no sooner than ``within`` seconds from now, rather than after its failure grace.
+    The trainer announces its exit once the save is durable (EndStopSoon)."""
+
+    within: float
 
 
 @dataclass(frozen=True)
@@ -248,8 +270,8 @@ class KeepMetricsUp:
     verdict: str  # "failed" or "succeeded", for the log
 
 
-Action = (Send | Launch | Stop | EndStopSoon | HangUp | DropSession | Announce | RunNodeCheck | ListenForProbe |
-          PrepareStandby | StopRetrying | ProbeServer | DumpStacks | CoordinatorLost | ScanSnapshots |
+Action = (Send | Launch | Stop | ExtendStop | EndStopSoon | HangUp | DropSession | Announce | RunNodeCheck |
+          ListenForProbe | PrepareStandby | StopRetrying | ProbeServer | DumpStacks | CoordinatorLost | ScanSnapshots |
           WaitGpusReleased | WaitPortFree | ObserveEtcd | ExitAgent | RetryAfter | RemoveLocalTier | HostUntilJobEnds |
           KeepMetricsUp)
 

@@ -40,6 +40,7 @@ from tfelastic.daemon.agent.api import (
     ListenForProbe,
     ObserveEtcd,
     RemoveLocalTier,
+    RestorableSteps,
     RetryAfter,
     RunNodeCheck,
     Send,
@@ -108,7 +109,7 @@ class AgentCore:
         return self.worker_core.gpu_holders
 
     @property
-    def restorable(self) -> tuple[int, ...]:
+    def restorable(self) -> RestorableSteps:
         return self.worker_core.restorable
 
     @property
@@ -118,7 +119,7 @@ class AgentCore:
     def describe(self) -> str:
         return self.worker_core.describe()
 
-    def node_read(self, *, gpus: tuple[int, float] | None = None, restorable: tuple[int, ...] | None = None) -> None:
+    def node_read(self, *, gpus: tuple[int, float] | None = None, restorable: RestorableSteps | None = None) -> None:
         self.worker_core.node_read(gpus=gpus, restorable=restorable)
 
     def worker_started(self, generation: int, pid: int, *, warm: bool = False) -> list[Action]:
@@ -451,6 +452,6 @@ class AgentCore:
             return api.Join(node, ident.spec, a.restart_count, attached_generation=a.generation)
         port = ident.worker_port or self._pick_port(ident.host)
         node = api.NodeInfo(ident.node_id, ident.host, port, ident.incarnation, a.generation if a else 0,
-                            a.rank if a else -1, self.restorable, a.world_size if a else 0, VERSION, PROTOCOL,
-                            ident.role)
+                            a.rank if a else -1, self.restorable.steps, a.world_size if a else 0, VERSION, PROTOCOL,
+                            ident.role, self.restorable.shared)
         return api.Join(node, ident.spec, a.restart_count if a else 0, checked=checked)

@@ -20,7 +20,7 @@ from tfelastic.daemon.rendezvous.api import Assignment
 from tfelastic.daemon.rendezvous.roles import CHIEF, PS, WORKER
 from tfelastic.daemon.sources import config_variables
 from tfelastic.daemon.worker.instrument import instrumentation_env
-from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec
+from tfelastic.daemon.worker.process import PEER_FAILED_SIGNAL, PEER_FAILED_SIGNAL_ENV, WorkerProcess, WorkerSpec
 from tfelastic.daemon.worker.stacks import STACKS_SIGNAL, STACKS_SIGNAL_ENV
 from tfelastic.daemon.worker.warm import Standby, StandbyKey
 from tfelastic.trainer.environment import LOCAL_CHECKPOINT_DIR_ENV, RESTORE_STEP_ENV, TrainerEnvironment
@@ -80,12 +80,18 @@ class WorkerRunner:
     def launch(self, generation: int, spec: WorkerSpec) -> None:
         self._launching = self._spawn(self._launch(generation, spec))
 
-    def stop(self, why: str, *, planned: bool) -> None:
-        """Starts a stop, unless one is under way: a stop is never interrupted, so that no worker is left half
-        stopped, and the one under way covers this request."""
+    def stop(self, why: str, *, planned: bool, hold: float = 0.0, notify: int = 0) -> None:
+        """Starts a stop (``hold``: see api.Stop), unless one is under way: a stop is never interrupted, so that no
+        worker is left half stopped, and the one under way covers this request."""
         if not self.stopping:
             grace = self._stop_grace if planned else self._failure_stop_grace
-            self._stopping = self._spawn(self._stop(why, grace))
+            self._stopping = self._spawn(self._stop(why, grace, hold, notify))
+
+    def extend_stop(self, within: float) -> None:
+        """The trainer saves the step it holds for the next generation: the stop waits ``within`` seconds from now
+        at least (WorkerProcess.extend_stop)."""
+        if self._worker is not None:
+            self._worker.extend_stop(within)
 
     def end_stop_soon(self, within: float) -> None:
         """The trainer announced its exit code with its state saved: the stop waits ``within`` seconds more at
@@ -188,13 +194,13 @@ class WorkerRunner:
         self._spawn(self._report_trainer_pid(worker, generation))
         self._spawn(self._await_exit(worker, generation))
 
-    async def _stop(self, why: str, grace: float) -> None:
+    async def _stop(self, why: str, grace: float, hold: float, notify: int) -> None:
         if self._launching is not None:
             await asyncio.shield(self._launching)  # a worker being started is stopped once it has started
         worker, result = self._worker, StopResult(None, True)
         if worker is not None:
             started = time.monotonic()
-            await worker.stop(grace)
+            await worker.stop(grace, hold, notify)
             log.info("worker stopped in %.3fs (%s)", time.monotonic() - started, why)
             result = StopResult(worker.returncode, worker.exited_before_stop, worker.pids)
             self._worker = None
@@ -259,6 +265,7 @@ def trainer_env(base: Mapping[str, str], assignment: Assignment, *, job: str, no
     if step_file:
         env[STEP_FILE_ENV] = step_file
     env[STACKS_SIGNAL_ENV] = str(int(STACKS_SIGNAL))  # a hung trainer's stacks, on this signal (worker/stacks.py)
+    env[PEER_FAILED_SIGNAL_ENV] = str(int(PEER_FAILED_SIGNAL))  # a peer failed: trainer/peer_failure.py
     task_type, task_index = assignment.members[assignment.rank].task
     by_type = {t: tuple(m.address for m in assignment.members if m.task_type == t) for t in (CHIEF, PS, WORKER)}
     env.update(TrainerEnvironment(

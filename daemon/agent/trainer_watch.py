@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tfelastic.daemon.agent.api import Send, StopResult
+from tfelastic.daemon.agent.api import RestorableSteps, Send, StopResult
 from tfelastic.daemon.agent.progress_tracker import FailureTimes, ProgressTracker, before_restore
 from tfelastic.daemon.exit_codes import CHECKPOINTED_AND_STOPPED
 from tfelastic.daemon.metrics.agent import AgentMetrics
@@ -31,7 +31,7 @@ class NodeReadings:
     gpus: int = 0
     gpu_utilization: float = 0.0
     # The snapshot steps this node can restore, newest first, read before each Join that may start a generation.
-    restorable: tuple[int, ...] = ()
+    restorable: RestorableSteps = field(default_factory=RestorableSteps)
 
 
 StepMarkReader = Callable[[int], "int | None"]  # generation -> the step its trainer last marked, if any
@@ -65,6 +65,7 @@ class TrainerWatch:
         self._metrics, self._stop_grace, self._clock = metrics, stop_grace, clock
         self._step_mark = step_mark
         self._hang: Hang | None = None
+        self.found_hung = False  # this launch's trainer was found silent past its limit
         self._held: HeldHang | None = None
         self.tracker = ProgressTracker(clock, metrics)
         self.failures = FailureTimes(clock, metrics)
@@ -80,6 +81,7 @@ class TrainerWatch:
         self._generation, self._pid, self.ended = generation, 0, None
         self._resumed_at = None
         self._hang = self._held = None
+        self.found_hung = False
         self.stall.reset()
         self.tracker.new_generation()
         self.failures.assigned()
@@ -164,6 +166,7 @@ class TrainerWatch:
         if silent is None:
             return False
         self.failures.worker_failed()
+        self.found_hung = True
         self._hang = Hang(f"no progress for {silent:.1f}s ({self.stall.explain()})", self._clock())
         return True
 

@@ -20,10 +20,12 @@ from tfelastic.daemon.agent.api import (
     Announce,
     DumpStacks,
     EndStopSoon,
+    ExtendStop,
     Identity,
     Launch,
     PrepareStandby,
     ProbeServer,
+    RestorableSteps,
     ScanSnapshots,
     Send,
     Stop,
@@ -49,6 +51,21 @@ Clock = Callable[[], float]
 # How long a trainer that announced its exit code, its state saved, has to end during a stop before its tree is
 # SIGKILLed: what is left is teardown (tf.data's autotuning thread can hold fit's return for up to a minute).
 EXIT_PATIENCE = 1.0
+# The same after a failure, whose next generation waits for this stop: the quarter second a failure stop's grace
+# gives any trainer (failure_stop_grace's default), for its last lines of output.
+FAILURE_EXIT_PATIENCE = 0.25
+# How long a stop waits, at least, for a trainer that announced the survivors' save (a peer failed; it saves the
+# step it holds for the next generation): a flash snapshot of ~400 MB takes under a second to local storage, a few
+# to a shared file system. A save that takes longer is cut, and the next generation restores an older snapshot.
+SURVIVOR_SAVE_PATIENCE = 10.0
+# A failure stop of a mirrored job's trainer on the fast tier holds its SIGTERM about this many of its steps, for the
+# trainer to reach the collective its peer's failure breaks (its step's compute comes first), save the step it
+# holds and end; bounded by SURVIVOR_WINDOW_MAX, SURVIVOR_WINDOW_UNKNOWN before its rate is known. Not for a
+# trainer found hung: it cannot reach it. (A SIGTERM first would start a graceful stop, whose agreement waits for
+# the peer that is gone.)
+SURVIVOR_WINDOW_STEPS = 2.0
+SURVIVOR_WINDOW_MAX = 5.0
+SURVIVOR_WINDOW_UNKNOWN = 1.0
 
 
 class WorkerCore:
@@ -69,6 +86,9 @@ class WorkerCore:
         self._gpu_holders: tuple[int, ...] = ()  # a stopped worker's processes whose GPU memory is not seen back
         self._stopping: tuple[bool, bool] = (False, False)  # the stop under way: (planned, it was running)
         self._announced_exit: int | None = None  # the exit code the trainer announced during the stop under way
+        self._survivor_save: int | None = None  # the step this launch's trainer saves for the survivors, announced
+        self._on_fast_tier = False  # this launch's trainer restored on the fast tier (it can save as a survivor)
+        self._hears_peer_failure = 0  # the pid of this launch's trainer, when it listens for PEER_FAILED_SIGNAL
         self.ps_task = PsTask(policy.replacement, clock)  # a parameter-server job's task on this node
 
     @property
@@ -82,7 +102,7 @@ class WorkerCore:
         return self._gpu_holders
 
     @property
-    def restorable(self) -> tuple[int, ...]:
+    def restorable(self) -> RestorableSteps:
         """The snapshot steps the next Join reports."""
         return self.trainer.node.restorable
 
@@ -92,7 +112,7 @@ class WorkerCore:
         return (f"worker {self.worker.state.value}, generation {a.generation if a else '-'}"
                 f"{f' as rank {a.rank}' if a else ''}")
 
-    def node_read(self, *, gpus: tuple[int, float] | None = None, restorable: tuple[int, ...] | None = None) -> None:
+    def node_read(self, *, gpus: tuple[int, float] | None = None, restorable: RestorableSteps | None = None) -> None:
         """What the shell read of the node: its GPU count and mean utilization, the snapshot steps it can
         restore (newest first)."""
         node = self.trainer.node
@@ -172,6 +192,11 @@ class WorkerCore:
             return []  # a report from an older generation's worker
         if message.exit_code is not None:
             return self._exit_announced(message.pid, message.exit_code)
+        if message.survivor_save is not None:
+            return self._survivor_save_announced(message.pid, message.survivor_save)
+        if message.restored_tier is not None:
+            self._on_fast_tier = True
+            self._hears_peer_failure = message.pid if message.hears_peer_failure else 0
         if message.done:
             self.tracker.done = True
         if self.worker.state is not WorkerState.RUNNING:
@@ -254,8 +279,12 @@ class WorkerCore:
         was_running = self.worker.to(WorkerState.STOPPING) is WorkerState.RUNNING  # RUNNING|FAILED|SUCCEEDED ->
         self._stopping = (planned, was_running)
         # Announced before the stop: a peer's stop request reached this trainer first (TensorFlow's agreement).
-        actions: list[Action] = [Stop(why, planned)]
-        return actions + ([EndStopSoon(EXIT_PATIENCE)] if self._announced_exit is not None else [])
+        # A survivors' save announced before the stop: the peer's failure reached the trainer first (its collective
+        # failed at once) and the save is under way.
+        kept = [ExtendStop(SURVIVOR_SAVE_PATIENCE)] if self._survivor_save is not None else []
+        end_soon = [EndStopSoon(self._exit_patience())] if self._announced_exit is not None else []
+        hold = 0.0 if planned else self._survivor_window()
+        return [Stop(why, planned, hold, self._hears_peer_failure if hold else 0), *kept, *end_soon]
 
     def stop_ended(self) -> bool:
         """Whether a stop ended since the last call, with no relaunch to follow (asked after every input)."""
@@ -275,19 +304,51 @@ class WorkerCore:
         return self.stop("leaving: stop_grace passed", planned=True)
 
     def _exit_announced(self, pid: int, code: int) -> list[Action]:
-        """The trainer says it exits ``code`` with its state saved: a stop ends EXIT_PATIENCE later, the one under
-        way or the next one (the agent stops a trainer that its peers' stop request reached first). Nothing is
-        cut short outside a stop: the trainer exits by itself, or the hang detection sees it. Only the process
-        that reports the trainer's progress speaks for it."""
+        """The trainer says it exits ``code`` with its state saved: a stop ends EXIT_PATIENCE later
+        (FAILURE_EXIT_PATIENCE after a failure), the one under way or the next one (the agent stops a trainer that
+        its peers' stop request reached first, or whose survivors' save ended). Nothing is cut short outside a
+        stop: the trainer exits by itself, or the hang detection sees it. Only the process that reports the
+        trainer's progress speaks for it."""
         state, latest = self.worker.state, self.tracker.latest
         if state not in (WorkerState.RUNNING, WorkerState.STOPPING) or self._announced_exit is not None or \
                 (latest is not None and latest.pid != pid):
             return []
         self._announced_exit = code
-        log.info("the trainer (pid %d) saved its state and exits %d: %s %gs from now if its processes are still "
-                 "there", pid, code, "its stop ends" if state is WorkerState.STOPPING else "a stop of it ends",
-                 EXIT_PATIENCE)
-        return [EndStopSoon(EXIT_PATIENCE)] if state is WorkerState.STOPPING else []
+        if state is not WorkerState.STOPPING:
+            log.info("the trainer (pid %d) saved its state and exits %d: a stop of it ends soon after it begins",
+                     pid, code)
+            return []
+        log.info("the trainer (pid %d) saved its state and exits %d: its stop ends %gs from now if its processes "
+                 "are still there", pid, code, self._exit_patience())
+        return [EndStopSoon(self._exit_patience())]
+
+    def _exit_patience(self) -> float:
+        """How long the stop under way waits for a trainer that announced its exit (see EXIT_PATIENCE)."""
+        planned, _ = self._stopping
+        return EXIT_PATIENCE if planned else FAILURE_EXIT_PATIENCE
+
+    def _survivor_window(self) -> float:
+        """How long a failure stop holds its SIGTERM for the survivors' save (see SURVIVOR_WINDOW_STEPS)."""
+        a = self.assignment
+        if not self._on_fast_tier or self.trainer.found_hung or self.ps_task.task is not None or a is None or \
+                a.world_size < 2 or self.worker.state is not WorkerState.STOPPING or not self._stopping[1]:
+            return 0.0
+        rate = self.tracker.steps_per_second()
+        return min(SURVIVOR_WINDOW_MAX, SURVIVOR_WINDOW_STEPS / rate) if rate > 0 else SURVIVOR_WINDOW_UNKNOWN
+
+    def _survivor_save_announced(self, pid: int, step: int) -> list[Action]:
+        """A peer failed and the trainer saves ``step``, the state it holds, for the next generation: the stop
+        under way, or the next one, waits SURVIVOR_SAVE_PATIENCE for it at least (the trainer announces its exit
+        once the save is durable). Only the process that reports the trainer's progress speaks for it."""
+        state, latest = self.worker.state, self.tracker.latest
+        if state not in (WorkerState.RUNNING, WorkerState.STOPPING) or self._survivor_save is not None or \
+                (latest is not None and latest.pid != pid):
+            return []
+        self._survivor_save = step
+        log.info("a peer of the trainer (pid %d) failed; it saves step %d, the state it holds, for the next "
+                 "generation: %s waits up to %gs for it", pid, step,
+                 "the stop" if state is WorkerState.STOPPING else "the stop that follows", SURVIVOR_SAVE_PATIENCE)
+        return [ExtendStop(SURVIVOR_SAVE_PATIENCE)] if state is WorkerState.STOPPING else []
 
     def _as_announced(self, result: StopResult) -> StopResult:
         """A trainer SIGKILLed after it announced its exit code ended as it said it would: with that code."""
@@ -302,7 +363,8 @@ class WorkerCore:
         """A trainer of ``generation`` starts: nothing it says has come in yet."""
         self.trainer.launched(generation)
         self._standby.launched(generation)
-        self._announced_exit = None
+        self._announced_exit = self._survivor_save = None
+        self._on_fast_tier, self._hears_peer_failure = False, 0
 
     def _relaunches_after_stop(self) -> bool:
         """The stop under way ends in this worker task's relaunch alone (a parameter-server job)."""

@@ -73,8 +73,11 @@ class WorkerShell:
         """Until no stop is under way (a fenced worker is gone)."""
         await self.runner.idle()
 
-    def stop(self, reason: str, *, planned: bool) -> None:
-        self.runner.stop(reason, planned=planned)
+    def stop(self, reason: str, *, planned: bool, hold: float = 0.0, notify: int = 0) -> None:
+        self.runner.stop(reason, planned=planned, hold=hold, notify=notify)
+
+    def extend_stop(self, within: float) -> None:
+        self.runner.extend_stop(within)
 
     def end_stop_soon(self, within: float) -> None:
         self.runner.end_stop_soon(within)

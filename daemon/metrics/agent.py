@@ -79,8 +79,9 @@ class AgentMetrics:
                                     "How long each snapshot of the fast checkpoint tier held training up.",
                                     buckets=_STALL_BUCKETS, registry=registry)
         self.restores = Counter("tfelastic_checkpoint_restores", "Trainer restores, by the tier the state came "
-                                "from: 'local' (this node's memory), 'shared' (the backup directory) or 'none' (no "
-                                "snapshot: from the start).", ["tier"], registry=registry)
+                                "from: 'survivors' (the step the survivors of a peer's failure held, saved to the "
+                                "backup directory), 'local' (this node's memory), 'shared' (the backup directory) or "
+                                "'none' (no snapshot: from the start).", ["tier"], registry=registry)
         self.steps_redone = Histogram("tfelastic_restore_steps_redone", "Steps a restored trainer trains again: the "
                                       "last step this node's previous worker reported minus the step restored.",
                                       buckets=_STEPS_BUCKETS, registry=registry)

@@ -138,6 +138,8 @@ class NodeInfo:
     version: str = ""  # the agent's tfelastic version ("": older than the field)
     protocol: int = 0  # the protocol it speaks (0: older than the field, which is protocol 1)
     role: str = "any"  # what it is willing to be in a parameter-server job: any, chief, ps or worker
+    # Those of restorable_steps in the backup dir, which every member reads (a survivors' snapshot among them).
+    shared_steps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,10 @@ def validate_join(join: pb.Join) -> None:
         problems.append(f"restorable_steps has {len(join.restorable_steps)} steps, more than {MAX_RESTORABLE_STEPS}")
     elif not all(0 <= step <= MAX_STEP for step in join.restorable_steps):
         problems.append(f"restorable_steps holds a step out of range 0..{MAX_STEP}")
+    if len(join.shared_steps) > MAX_RESTORABLE_STEPS:
+        problems.append(f"shared_steps has {len(join.shared_steps)} steps, more than {MAX_RESTORABLE_STEPS}")
+    elif not all(0 <= step <= MAX_STEP for step in join.shared_steps):
+        problems.append(f"shared_steps holds a step out of range 0..{MAX_STEP}")
     if join.role and join.role not in {r.value for r in roles.Role}:
         shown = printable(join.role, SHOWN_VALUE_CHARS)
         problems.append(f"role {shown!r} is not one of {', '.join(r.value for r in roles.Role)}")

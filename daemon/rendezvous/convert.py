@@ -66,7 +66,8 @@ def agent_message_to_proto(message: api.AgentMessage, now: float) -> pb.AgentMes
         last_generation=node.last_generation, restart_count=message.restart_count, incarnation=node.incarnation,
         last_rank=node.last_rank, attached_generation=message.attached_generation, checked=message.checked,
         check_failure=message.check_failure, restorable_steps=node.restorable_steps,
-        last_world_size=node.last_world_size, version=node.version, protocol=node.protocol, role=node.role))
+        last_world_size=node.last_world_size, version=node.version, protocol=node.protocol, role=node.role,
+        shared_steps=node.shared_steps))
 
 
 def agent_message_from_proto(message: pb.AgentMessage, now: float) -> api.AgentMessage:
@@ -86,7 +87,7 @@ def agent_message_from_proto(message: pb.AgentMessage, now: float) -> api.AgentM
 def join_from_proto(join: pb.Join) -> api.Join:
     node = api.NodeInfo(join.node_id, join.host, join.worker_port, join.incarnation, join.last_generation,
                         join.last_rank, tuple(join.restorable_steps), join.last_world_size, join.version,
-                        join.protocol, join.role or api.NodeInfo.role)
+                        join.protocol, join.role or api.NodeInfo.role, tuple(join.shared_steps))
     return api.Join(node, spec_from_proto(join.spec), join.restart_count, join.attached_generation, join.checked,
                     join.check_failure)
 

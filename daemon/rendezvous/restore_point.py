@@ -11,14 +11,18 @@ log = logging.getLogger("tfelastic.coordinator")
 NEWER_SNAPSHOTS_LOGGED = 10  # members named one by one when their newer snapshots are not restored
 
 
-def common_restore_step(reported: Iterable[Iterable[int]]) -> int | None:
+def common_restore_step(reported: Iterable[Iterable[int]], shared: Iterable[int] = ()) -> int | None:
     """The snapshot step a generation restores: the newest step that every member reported it can restore (the
-    ``restorable_steps`` of its latest Join: its local tier or the shared backup dir). None when one member
-    reported none, when they have no step in common, or when there are no members; the trainers then restore
-    their own newest shared checkpoint. A member's steps newer than the one chosen are redone."""
+    ``restorable_steps`` of its latest Join: its local tier or the shared backup dir), a step in the backup dir
+    that any member reported (``shared``) counting as every member's: the backup dir is shared storage, and a
+    member that joined before a survivor of a peer's failure wrote its step there did not see it. None when one
+    member reported none, when they have no step in common, or when there are no members; the trainers then
+    restore their own newest shared checkpoint. A member's steps newer than the one chosen are redone."""
+    everyone = set(shared)
     common: set[int] | None = None
     for steps in reported:
-        common = set(steps) if common is None else common.intersection(steps)
+        mine = everyone.union(steps)
+        common = mine if common is None else common.intersection(mine)
         if not common:
             return None
     return max(common) if common else None

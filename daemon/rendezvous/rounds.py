@@ -375,7 +375,8 @@ class Rounds:
             Member(n, rank, self.nodes[n].info.host, self.nodes[n].info.worker_port)
             for rank, n in enumerate(chosen)
         )
-        self.restore_step = common_restore_step(self.nodes[n].info.restorable_steps for n in chosen)
+        self.restore_step = common_restore_step((self.nodes[n].info.restorable_steps for n in chosen),
+                                                [s for n in chosen for s in self.nodes[n].info.shared_steps])
         log_restore_step(self.generation, self.restore_step,
                          {n: max(self.nodes[n].info.restorable_steps, default=-1) for n in chosen})
         sends: list[Send] = []

@@ -65,7 +65,7 @@ class JobSpec(_message.Message):
     def __init__(self, job: _Optional[str] = ..., command_digest: _Optional[bytes] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., stall_timeout_seconds: _Optional[float] = ..., backup_dir: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., node_timeout_seconds: _Optional[float] = ..., strategy: _Optional[str] = ..., ps: _Optional[int] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("node_id", "spec", "host", "worker_port", "last_generation", "restart_count", "incarnation", "last_rank", "attached_generation", "checked", "check_failure", "restorable_steps", "last_world_size", "version", "protocol", "role")
+    __slots__ = ("node_id", "spec", "host", "worker_port", "last_generation", "restart_count", "incarnation", "last_rank", "attached_generation", "checked", "check_failure", "restorable_steps", "last_world_size", "version", "protocol", "role", "shared_steps")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class Join(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_STEPS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     spec: JobSpec
     host: str
@@ -98,7 +99,8 @@ class Join(_message.Message):
     version: str
     protocol: int
     role: str
-    def __init__(self, node_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., last_generation: _Optional[int] = ..., restart_count: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_rank: _Optional[int] = ..., attached_generation: _Optional[int] = ..., checked: bool = ..., check_failure: _Optional[str] = ..., restorable_steps: _Optional[_Iterable[int]] = ..., last_world_size: _Optional[int] = ..., version: _Optional[str] = ..., protocol: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
+    shared_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., host: _Optional[str] = ..., worker_port: _Optional[int] = ..., last_generation: _Optional[int] = ..., restart_count: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_rank: _Optional[int] = ..., attached_generation: _Optional[int] = ..., checked: bool = ..., check_failure: _Optional[str] = ..., restorable_steps: _Optional[_Iterable[int]] = ..., last_world_size: _Optional[int] = ..., version: _Optional[str] = ..., protocol: _Optional[int] = ..., role: _Optional[str] = ..., shared_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ()

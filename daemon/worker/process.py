@@ -37,6 +37,11 @@ KEEPER_PATH = str(Path(keeper.__file__).resolve())
 TAIL_LINES = 40  # the last lines of output kept, to say why a trainer failed (worker/output.py)
 STACKS_QUIET = 0.15  # a stack dump is whole once the trainer has printed nothing for this long...
 STACKS_LIMIT = 2.0  # ... or this long after it was asked: a hang's report waits no longer for it
+# A peer of this worker's trainer failed: the trainer aborts its pending collectives and saves the step it holds
+# (trainer/peer_failure.py, which reads the number from PEER_FAILED_SIGNAL_ENV). Sent only to a trainer that said
+# it listens: SIGUSR1's default action ends a process.
+PEER_FAILED_SIGNAL = signal.SIGUSR1
+PEER_FAILED_SIGNAL_ENV = "TFELASTIC_PEER_FAILED_SIGNAL"
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class WorkerProcess:
         self._output = asyncio.create_task(self._forward_output())
         self._end_soon = asyncio.Event()  # end_soon() was called: the grace ends ``_end_within`` seconds later
         self._end_within = 0.0
+        self._kept_until = 0.0  # extend_stop(): the grace lasts until then at least (time.monotonic())
 
     @classmethod
     async def start(cls, spec: WorkerSpec, pass_fds: Sequence[int] = ()) -> WorkerProcess:
@@ -119,16 +125,24 @@ class WorkerProcess:
         except ChildProcessError:
             return True
 
-    async def stop(self, grace_seconds: float) -> None:
-        """SIGTERM the group, wait for the grace period, SIGKILL what is left; return once all are gone."""
+    async def stop(self, grace_seconds: float, hold_seconds: float = 0.0, notify: int = 0) -> None:
+        """SIGTERM the group, wait for the grace period, SIGKILL what is left; return once all are gone.
+        ``hold_seconds``: wait that long first, without a SIGTERM, for the trainer to end by itself (the survivors'
+        save: api.Stop), having told process ``notify`` (PEER_FAILED_SIGNAL) that a peer failed."""
         self.exited_before_stop = self.has_exited()
         if self.exited_before_stop:  # its pid may be reused by now: only the group's leftovers are ours
             self._seen.update(await asyncio.to_thread(_kill_until_gone, self.pid, []))
             await self._proc.wait()
             return
         tree = process_tree(self.pid)
-        _signal_group(self.pid, signal.SIGTERM)
-        if await self._exited_within(grace_seconds) == "announced":
+        if hold_seconds > 0 and notify > 0 and notify in self._seen | {p.pid for p in tree}:
+            with contextlib.suppress(ProcessLookupError):  # only a process of this worker
+                os.kill(notify, PEER_FAILED_SIGNAL)
+        held = await self._exited_within(hold_seconds) if hold_seconds > 0 else "grace"
+        if held == "grace":  # it did not end by itself (or there was no hold)
+            _signal_group(self.pid, signal.SIGTERM)
+            held = await self._exited_within(grace_seconds)
+        if held == "announced":
             log.info("worker %d: still there %gs after the trainer announced its exit: ending it", self.pid,
                      self._end_within)
         tree += process_tree(self.pid)  # anything forked during the grace period
@@ -143,14 +157,25 @@ class WorkerProcess:
         self._end_within = within
         self._end_soon.set()
 
+    def extend_stop(self, within: float) -> None:
+        """The trainer saves the state it holds for the next generation (a peer failed): a stop under way, or the
+        next one, waits ``within`` seconds from now at least before the SIGKILL (end_soon still ends it sooner)."""
+        self._kept_until = max(self._kept_until, time.monotonic() + within)
+
     async def _exited_within(self, grace: float) -> Literal["exited", "announced", "grace"]:
         """Waits until the keeper exits ("exited"), ``_end_within`` after :meth:`end_soon` ("announced") or
-        ``grace`` seconds ("grace"), whichever comes first."""
+        ``grace`` seconds, or until the time :meth:`extend_stop` named if that is later ("grace"), whichever comes
+        first."""
         exited: asyncio.Future[Any] = asyncio.ensure_future(asyncio.shield(self._proc.wait()))
         cut_short: asyncio.Future[Any] = asyncio.ensure_future(self._end_soon_passed())
+        deadline = time.monotonic() + grace
         try:
-            await asyncio.wait({exited, cut_short}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
-            return "exited" if exited.done() else "announced" if cut_short.done() else "grace"
+            while True:
+                # An extension only moves the deadline later: a wait that times out before it looks again.
+                left = max(deadline, self._kept_until) - time.monotonic()
+                await asyncio.wait({exited, cut_short}, timeout=max(left, 0.0), return_when=asyncio.FIRST_COMPLETED)
+                if exited.done() or cut_short.done() or max(deadline, self._kept_until) <= time.monotonic():
+                    return "exited" if exited.done() else "announced" if cut_short.done() else "grace"
         finally:
             for waiting in (exited, cut_short):
                 waiting.cancel()  # the keeper's own wait goes on under the shield

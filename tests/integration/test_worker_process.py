@@ -8,12 +8,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
 import pytest
 from tfelastic.daemon.worker import keeper as keeper_module
-from tfelastic.daemon.worker.process import WorkerProcess, WorkerSpec, group_members
+from tfelastic.daemon.worker.process import PEER_FAILED_SIGNAL, WorkerProcess, WorkerSpec, group_members
 from tfelastic.daemon.worker.stacks import STACKS_SIGNAL, STACKS_SIGNAL_ENV, hang_site
 from tfelastic.trainer.instrument import SITE_DIR
 
@@ -93,6 +94,69 @@ def test_a_trainer_that_announced_its_exit_is_ended_that_soon_not_at_the_end_of_
     pids, returncode = asyncio.run(scenario())
     assert [p for p in pids if alive(p)] == []
     assert returncode == -signal.SIGKILL  # the agent counts it as the code announced (agent/worker_core.py)
+
+
+def test_a_held_stop_sends_no_sigterm_until_its_hold_is_over(tmp_path: Path) -> None:
+    """api.Stop's hold: the trainer gets time to meet its peer's failure itself; one that has not ended by the end
+    of it is stopped as always (this one dies of the SIGTERM)."""
+    async def scenario() -> tuple[bool, int | None]:
+        worker = await WorkerProcess.start(WorkerSpec(_family(tmp_path), dict(os.environ), None, "[t]", 5.0))
+        await asyncio.to_thread(_pids, tmp_path)
+        stopping = asyncio.create_task(worker.stop(5.0, hold_seconds=1.0))
+        await asyncio.sleep(0.5)
+        untouched = not stopping.done() and not worker.has_exited()  # a SIGTERM would have ended it at once
+        await asyncio.wait_for(stopping, 60)
+        return untouched, worker.returncode
+
+    untouched, returncode = asyncio.run(scenario())
+    assert untouched and returncode == -signal.SIGTERM
+
+
+def test_a_held_stop_tells_the_trainer_that_a_peer_failed_and_no_process_outside_the_worker(tmp_path: Path) -> None:
+    """api.Stop's notify: PEER_FAILED_SIGNAL to the trainer at the hold's start (this one has no handler: it dies
+    of it at once, long before the hold's end); a pid that is not the worker's is never signalled."""
+    outsider = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        async def scenario(notify_outsider: bool) -> tuple[float, int | None]:
+            worker = await WorkerProcess.start(WorkerSpec(_family(tmp_path), dict(os.environ), None, "[t]", 5.0))
+            await asyncio.to_thread(_pids, tmp_path)
+            target = outsider.pid if notify_outsider else worker.trainer_pid()
+            began = time.monotonic()
+            await asyncio.wait_for(worker.stop(5.0, hold_seconds=30.0 if not notify_outsider else 0.5,
+                                               notify=target), 60)
+            return time.monotonic() - began, worker.returncode
+
+        seconds, returncode = asyncio.run(scenario(False))
+        assert returncode == -PEER_FAILED_SIGNAL and seconds < 30.0
+        (tmp_path / "pids").unlink()
+        _, returncode = asyncio.run(scenario(True))
+        assert returncode == -signal.SIGTERM and outsider.poll() is None  # the hold ran out; the outsider lives
+    finally:
+        outsider.kill()
+        outsider.wait()
+
+
+def test_a_survivors_save_keeps_a_failure_stop_waiting_past_its_grace_until_the_trainer_announces_its_exit(
+        tmp_path: Path) -> None:
+    """The agent's ExtendStop then EndStopSoon: a 0.1 s failure grace, kept for 1.5 s from its start at least (the
+    survivors' save), ended by end_soon once the save is durable."""
+    async def scenario() -> tuple[float, float, int | None]:
+        worker = await WorkerProcess.start(WorkerSpec(_family(tmp_path, "ignore-term"), dict(os.environ), None,
+                                                      "[t]", 1.0))
+        await asyncio.to_thread(_pids, tmp_path)
+        began = time.monotonic()
+        worker.extend_stop(1.5)  # announced before the stop: the usual order
+        stopping = asyncio.create_task(worker.stop(0.1))
+        await asyncio.sleep(0.5)
+        assert not stopping.done()  # past its grace, kept
+        kept = time.monotonic() - began
+        worker.end_soon(0.2)
+        await asyncio.wait_for(stopping, 60)
+        return kept, time.monotonic() - began, worker.returncode
+
+    kept, ended, returncode = asyncio.run(scenario())
+    assert kept >= 0.5 and returncode == -signal.SIGKILL
+    assert ended >= 0.7  # end_soon's 0.2 s after the 0.5 s: not the extension's end, not the grace's
 
 
 def test_a_stopped_worker_names_every_process_it_had(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from tfelastic.daemon.agent.api import (
     DumpStacks,
     EndStopSoon,
     ExitAgent,
+    ExtendStop,
     HangUp,
     HostUntilJobEnds,
     Identity,
@@ -42,7 +43,14 @@ from tfelastic.daemon.agent.api import (
 from tfelastic.daemon.agent.core import AgentCore
 from tfelastic.daemon.agent.replacements import ReplacementPolicy
 from tfelastic.daemon.agent.trainer_watch import STACKS_PATIENCE, WAITING_HANG_DELAY
-from tfelastic.daemon.agent.worker_core import EXIT_PATIENCE
+from tfelastic.daemon.agent.worker_core import (
+    EXIT_PATIENCE,
+    FAILURE_EXIT_PATIENCE,
+    SURVIVOR_SAVE_PATIENCE,
+    SURVIVOR_WINDOW_MAX,
+    SURVIVOR_WINDOW_STEPS,
+    SURVIVOR_WINDOW_UNKNOWN,
+)
 from tfelastic.daemon.exit_codes import ExitCode
 from tfelastic.daemon.metrics.agent import AgentMetrics
 from tfelastic.daemon.rendezvous import api
@@ -502,10 +510,129 @@ def test_a_failure_stop_is_cut_short_too_but_is_no_graceful_stop() -> None:
     h = Harness()
     h.running()
     h.core.received(api.StopWorkers(1, api.RestartReason.NODE_LOST))
-    assert h.core.progress(ProgressMessage(1, 4001, step=120, exit_code=42)) == [EndStopSoon(EXIT_PATIENCE)]
+    # The next generation waits for this stop: a quarter of a second, as a failure stop's grace gives any trainer.
+    assert h.core.progress(ProgressMessage(1, 4001, step=120, exit_code=42)) == [EndStopSoon(FAILURE_EXIT_PATIENCE)]
+    assert FAILURE_EXIT_PATIENCE < EXIT_PATIENCE
     h.core.worker_stopped(StopResult(-signal.SIGKILL, False))
     for outcome in ("checkpointed", "killed", "exited"):
         assert not h.metric("tfelastic_worker_graceful_stops_total", outcome=outcome)
+
+
+# ----------------------------------------------------------------- the survivors' save (a peer failed)
+
+
+def test_a_survivors_save_announced_during_a_failure_stop_keeps_the_stop_waiting_then_its_exit_ends_it() -> None:
+    h = Harness()
+    h.running()
+    assert stops(h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))) == [
+        Stop("worker_exit", planned=False)]  # failure_stop_grace: a quarter of a second
+    assert h.core.progress(ProgressMessage(1, 4001, step=37, survivor_save=37)) == [
+        ExtendStop(SURVIVOR_SAVE_PATIENCE)]
+    assert h.core.progress(ProgressMessage(1, 4001, step=37, survivor_save=37)) == []  # one per trainer
+    assert h.core.progress(ProgressMessage(1, 4001, step=37, exit_code=1)) == [EndStopSoon(FAILURE_EXIT_PATIENCE)]
+
+
+def test_a_survivors_save_announced_before_the_stop_keeps_the_stop_that_follows_waiting() -> None:
+    """The usual order: the trainer's collective fails the moment its peer dies, before the coordinator's stop
+    order reaches this agent."""
+    h = Harness()
+    h.running()
+    assert h.core.progress(ProgressMessage(1, 4001, step=37, survivor_save=37)) == []  # no stop to keep yet
+    actions = h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    assert stops(actions) == [Stop("worker_exit", planned=False)]
+    assert ExtendStop(SURVIVOR_SAVE_PATIENCE) in actions
+    h.core.worker_gone(())
+    h.core.worker_stopped(StopResult(1, False))
+    h.core.received(assignment(2))
+    h.core.worker_started(2, 4002)  # the next trainer has said nothing
+    assert ExtendStop(SURVIVOR_SAVE_PATIENCE) not in h.core.received(api.StopWorkers(2, api.RestartReason.WORKER_EXIT))
+
+
+def on_the_fast_tier(h: Harness, steps_per_second: float = 0.0) -> None:
+    """The trainer restores on the fast tier (its report says from where), then trains at a steady rate."""
+    h.core.progress(ProgressMessage(1, 4001, step=10, restored_tier="local", restored_step=10))
+    if steps_per_second:
+        for i in range(1, 8):
+            h.clock.now += 1.0 / steps_per_second
+            h.core.progress(ProgressMessage(1, 4001, step=10 + i))
+
+
+def survivor_waits(actions: list[Action]) -> list[float]:
+    """How long each stop among ``actions`` holds its SIGTERM for the trainer's survivors' save."""
+    return [a.hold for a in actions if isinstance(a, Stop) and a.hold]
+
+
+def test_a_failure_stop_of_a_fast_tier_trainer_holds_its_sigterm_two_of_its_steps_for_a_survivors_save() -> None:
+    """Its step's compute comes before the collective that the peer's failure breaks: the save can only start
+    once the trainer reaches it, and a SIGTERM first would start a graceful stop that waits for the lost peer."""
+    h = Harness()
+    h.running()
+    on_the_fast_tier(h, steps_per_second=2.0)
+    actions = h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    assert survivor_waits(actions) == [pytest.approx(SURVIVOR_WINDOW_STEPS / 2.0)]
+    assert SURVIVOR_WINDOW_STEPS == 2.0
+
+
+@pytest.mark.parametrize("steps_per_second", [0.0, 0.1])
+def test_the_wait_for_a_survivors_save_is_bounded(steps_per_second: float) -> None:
+    h = Harness()
+    h.running()
+    on_the_fast_tier(h, steps_per_second)
+    actions = h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    assert survivor_waits(actions) == [SURVIVOR_WINDOW_UNKNOWN if not steps_per_second else SURVIVOR_WINDOW_MAX]
+
+
+def test_no_wait_for_a_survivors_save_in_a_planned_stop_off_the_fast_tier_or_alone() -> None:
+    planned = Harness()
+    planned.running()
+    on_the_fast_tier(planned)
+    assert survivor_waits(planned.core.received(api.StopWorkers(1, api.RestartReason.OPERATOR_RESTART))) == []
+    unknown = Harness()  # a trainer that says nothing of a restore: not the library's loops
+    unknown.running()
+    unknown.core.progress(ProgressMessage(1, 4001, step=10))
+    assert survivor_waits(unknown.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))) == []
+    alone = Harness()
+    alone.core.session_opened()
+    alone.core.received(assignment(1, 0, world=1))
+    alone.core.worker_started(1, 4001)
+    on_the_fast_tier(alone)
+    assert survivor_waits(alone.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))) == []
+
+
+def test_a_held_stop_tells_a_trainer_that_listens_that_a_peer_failed() -> None:
+    """A collective that waits without a call in flight to the dead peer would learn of it only from TensorFlow's
+    heartbeat timeout: the trainer that said it listens is told at once (trainer/peer_failure.py)."""
+    listens = Harness()
+    listens.running()
+    listens.core.progress(ProgressMessage(1, 4001, step=10, restored_tier="local", restored_step=10,
+                                          hears_peer_failure=True))
+    [stop] = stops(listens.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT)))
+    assert (stop.hold, stop.notify) == (SURVIVOR_WINDOW_UNKNOWN, 4001)
+    deaf = Harness()
+    deaf.running()
+    on_the_fast_tier(deaf)  # restored, but does not listen: no signal, whose default action would end it
+    [stop] = stops(deaf.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT)))
+    assert (stop.hold, stop.notify) == (SURVIVOR_WINDOW_UNKNOWN, 0)
+
+
+def test_no_wait_for_a_survivors_save_from_a_trainer_found_hung() -> None:
+    h = Harness()
+    h.running()
+    on_the_fast_tier(h, steps_per_second=2.0)
+    h.clock.now += STALL + 0.25
+    h.core.received(api.Heartbeat())
+    assert any(isinstance(a, DumpStacks) for a in h.core.tick())  # found silent past its limit
+    assert survivor_waits(h.core.received(api.StopWorkers(1, api.RestartReason.STALLED))) == []
+
+
+def test_only_the_trainers_own_process_announces_a_survivors_save() -> None:
+    h = Harness()
+    h.running()
+    h.core.progress(ProgressMessage(1, 4001, step=5))
+    h.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))
+    assert h.core.progress(ProgressMessage(1, 4999, step=5, survivor_save=5)) == []  # a child of the trainer
+    assert h.core.progress(ProgressMessage(0, 4001, step=5, survivor_save=5)) == []  # an older generation's
+    assert h.core.progress(ProgressMessage(1, 4001, step=5, survivor_save=5)) == [ExtendStop(SURVIVOR_SAVE_PATIENCE)]
 
 
 def test_a_stop_after_a_failure_is_not_a_graceful_stop() -> None:

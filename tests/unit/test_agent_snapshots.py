@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from tfelastic.daemon.agent import snapshot_scan
 from tfelastic.daemon.agent.agent import Agent
+from tfelastic.daemon.agent.api import RestorableSteps
 from tfelastic.daemon.config import from_values
 from tfelastic.daemon.endpoint import Endpoint
 from tfelastic.trainer import snapshots
@@ -27,7 +28,11 @@ def make_agent(tmp_path: Path, local: str | None = None) -> Agent:
 
 def restorable(agent: Agent) -> tuple[int, ...]:
     """Read through a call, so that mypy does not narrow it between two inputs."""
-    return agent.core.restorable
+    return agent.core.restorable.steps
+
+
+def in_backup_dir(agent: Agent) -> tuple[int, ...]:
+    return agent.core.restorable.shared
 
 
 def make_snapshot(store: Path, step: int) -> None:
@@ -45,6 +50,7 @@ def test_the_steps_come_from_the_local_tier_and_the_backup_dir(tmp_path: Path) -
     agent = make_agent(tmp_path)
     asyncio.run(agent.worker.prepare(agent.core.session_starting()))
     assert restorable(agent) == (30, 20)
+    assert in_backup_dir(agent) == (20,)  # every member reads it: the coordinator counts it as everyone's
 
 
 def test_with_the_tier_off_only_the_backup_dir_counts(tmp_path: Path) -> None:
@@ -60,17 +66,17 @@ def test_a_hung_read_reports_no_step_and_is_not_started_again_while_it_hangs(
     release = threading.Event()
     calls: list[list[str]] = []
 
-    def hanging(roots: Iterable[str], limit: int = snapshots.MAX_REPORTED) -> list[int]:
+    def hanging(roots: list[str]) -> RestorableSteps:
         calls.append(list(roots))
         release.wait(10)
-        return [99]
+        return RestorableSteps((99,), (99,))
 
     monkeypatch.setattr(snapshot_scan, "SCAN_SECONDS", 0.05)
-    monkeypatch.setattr(snapshots, "restorable_steps", hanging)
+    monkeypatch.setattr(snapshot_scan, "_read_steps", hanging)
     agent = make_agent(tmp_path)
 
     async def joins() -> None:
-        agent.core.node_read(restorable=(5,))
+        agent.core.node_read(restorable=RestorableSteps((5,)))
         await agent.worker.prepare(agent.core.session_starting())
         assert restorable(agent) == ()  # not the old steps: they may have been pruned since
         await agent.worker.prepare(agent.core.session_starting())  # the first still hangs: no second thread
@@ -92,7 +98,7 @@ def test_a_failing_read_reports_no_step(tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(snapshots, "restorable_steps", broken)
     agent = make_agent(tmp_path)
-    agent.core.node_read(restorable=(5,))
+    agent.core.node_read(restorable=RestorableSteps((5,)))
     asyncio.run(agent.worker.prepare(agent.core.session_starting()))
     assert restorable(agent) == ()
 

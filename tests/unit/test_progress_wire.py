@@ -67,8 +67,19 @@ def test_an_announced_exit_uses_its_short_key_and_refuses_what_no_exit_status_ca
             decode(json.dumps({"g": 1, "pid": 2, "step": 3, "x": code}).encode())
 
 
+def test_a_survivors_save_uses_its_short_key_and_refuses_what_is_no_step() -> None:
+    message = ProgressMessage(1, 2, 37, survivor_save=37)
+    assert json.loads(encode(message)) == {"g": 1, "pid": 2, "step": 37, "sv": 37}
+    assert decode(encode(message)) == message
+    for step in ("37", 3.7, True, -1, 2**53 + 1):
+        with pytest.raises(ValueError, match="'sv'"):
+            decode(json.dumps({"g": 1, "pid": 2, "step": 3, "sv": step}).encode())
+    with pytest.raises(ValueError, match=r"^step -1 is not an integer in 0\.\."):
+        ProgressReporter(None, 1).announce_survivor_save(-1)
+
+
 def test_reporter_refuses_an_unknown_restore_tier_and_sends_a_restore_at_once(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="'disk' is not one of local, none, shared"):
+    with pytest.raises(ValueError, match="'disk' is not one of local, none, shared, survivors"):
         ProgressReporter(None, 1).report(3, restored_tier="disk")
 
 
@@ -256,6 +267,8 @@ def test_an_exit_is_announced_at_once_at_the_last_step_reached_and_leaves_the_st
     assert received(server) == [ProgressMessage(4, pid, 17), ProgressMessage(4, pid, 18, exit_code=42),
                                 ProgressMessage(4, pid, 16, exit_code=42)]
     assert progress.read_step_mark(mark, 4) == 18  # the agent counts the steps made from the mark: never back
+    assert reporter.announce_survivor_save(18) is True  # not throttled either
+    assert received(server) == [ProgressMessage(4, pid, 18, survivor_save=18)]
 
 
 @pytest.mark.parametrize("code", [42.0, True, "42", -1, 256])

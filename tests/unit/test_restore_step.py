@@ -11,7 +11,15 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 from prometheus_client import CollectorRegistry
-from tfelastic.daemon.agent.api import Connection, Identity, ScanSnapshots, Send, StopResult, Timing
+from tfelastic.daemon.agent.api import (
+    Connection,
+    Identity,
+    RestorableSteps,
+    ScanSnapshots,
+    Send,
+    StopResult,
+    Timing,
+)
 from tfelastic.daemon.agent.core import AgentCore
 from tfelastic.daemon.agent.runner import trainer_env
 from tfelastic.daemon.metrics.agent import AgentMetrics
@@ -54,6 +62,19 @@ SETTINGS = RendezvousSettings(last_call_seconds=1.0, restart_backoff_seconds=0.0
 def test_the_restore_step_is_the_newest_step_common_to_every_member(
         reported: list[tuple[int, ...]], expected: int | None) -> None:
     assert common_restore_step(reported) == expected
+
+
+@pytest.mark.parametrize(("reported", "shared", "expected"), [
+    # A survivor of a peer's failure wrote step 37 to the backup dir after the failed node had joined: every
+    # member reads the backup dir, so it counts as the failed node's too.
+    ([(37, 30, 20), (30, 20)], (37, 20), 37),
+    ([(30,), ()], (30,), 30),  # a member whose own scan found nothing still reads the backup dir
+    ([(40, 30), (30,)], (), 30),  # nothing in the backup dir: the intersection as before
+    ([(40,), (50,)], (20,), 20),  # local steps apart, a shared one in common
+])
+def test_a_step_in_the_backup_dir_counts_as_every_members(
+        reported: list[tuple[int, ...]], shared: tuple[int, ...], expected: int | None) -> None:
+    assert common_restore_step(reported, shared) == expected
 
 
 def test_the_choice_reads_the_members_lazily_and_stops_at_the_first_empty_intersection() -> None:
@@ -101,6 +122,12 @@ def test_every_member_is_assigned_the_common_step(caplog: pytest.LogCaptureFixtu
     # a has newer work than the step restored: it is named
     assert "generation 1: node a has a newer snapshot (step 30) than step 20; its newer work is redone" in caplog.text
     assert "node b has" not in caplog.text
+
+
+def test_the_coordinator_counts_a_members_backup_dir_steps_as_everyones() -> None:
+    rv, orders = formed(info("a", 30, 20), info("b", 37, 30, 20, shared_steps=(37, 20)))
+    assert rv.restore_step == 37
+    assert {n: o.restore_step for n, o in orders.items()} == {"a": 37, "b": 37}
 
 
 def test_without_a_common_step_the_assignment_has_none(caplog: pytest.LogCaptureFixture) -> None:
@@ -195,14 +222,26 @@ def test_the_coordinator_takes_as_many_steps_as_an_agent_reports() -> None:
     bounds.validate_join(valid_join(restorable_steps=[0, bounds.MAX_STEP]))
 
 
+@pytest.mark.parametrize("field", ["restorable_steps", "shared_steps"])
 @pytest.mark.parametrize(("steps", "named"), [
-    (list(range(bounds.MAX_RESTORABLE_STEPS + 1)), "restorable_steps has 65 steps, more than 64"),
-    ([10, -1], "restorable_steps holds a step out of range"),
-    ([bounds.MAX_STEP + 1], "restorable_steps holds a step out of range"),
+    (list(range(bounds.MAX_RESTORABLE_STEPS + 1)), "has 65 steps, more than 64"),
+    ([10, -1], "holds a step out of range"),
+    ([bounds.MAX_STEP + 1], "holds a step out of range"),
 ])
-def test_out_of_range_restorable_steps_are_refused(steps: list[int], named: str) -> None:
-    with pytest.raises(api.ProtocolError, match=r"^invalid Join: .*" + named):
-        bounds.validate_join(valid_join(restorable_steps=steps))
+def test_out_of_range_restorable_steps_are_refused(field: str, steps: list[int], named: str) -> None:
+    with pytest.raises(api.ProtocolError, match=r"^invalid Join: .*" + field + " " + named):
+        bounds.validate_join(valid_join(**{field: steps}))
+
+
+def test_a_joins_steps_in_the_backup_dir_cross_the_wire_both_ways() -> None:
+    node = info("a", 37, 30, shared_steps=(37,))
+    join = api.Join(node, SPEC, 0)
+    wire = convert.agent_message_to_proto(join, 0.0)
+    assert list(wire.join.shared_steps) == [37]
+    assert convert.agent_message_from_proto(wire, 0.0) == join
+    old = pb.AgentMessage(join=valid_join(restorable_steps=[30]))  # an agent older than the field
+    decoded = convert.agent_message_from_proto(old, 0.0)
+    assert isinstance(decoded, api.Join) and decoded.node.shared_steps == ()
 
 
 # --------------------------------------------------------------------------------------------- the agent
@@ -221,17 +260,17 @@ def joins(actions: Sequence[object]) -> list[api.Join]:
 
 def test_every_join_carries_the_steps_the_shell_read_last() -> None:
     c = core()
-    c.node_read(restorable=(40, 30))
+    c.node_read(restorable=RestorableSteps((40, 30), (30,)))
     [first] = joins(c.session_opened())
-    assert first.node.restorable_steps == (40, 30)
+    assert (first.node.restorable_steps, first.node.shared_steps) == ((40, 30), (30,))
     members = (Member("n1", 0, "10.0.0.1", 5555),)
     c.received(Assignment(1, 0, 1, members, 0, restore_step=30))
     c.worker_started(1, 4000)
     c.received(api.StopWorkers(1, RestartReason.WORKER_EXIT))
     assert c.worker_gone(()) == [ScanSnapshots()]  # the shell reads the steps again before it reports the stop
-    c.node_read(restorable=(50, 40, 30))
+    c.node_read(restorable=RestorableSteps((50, 40, 30), (50, 30)))
     [rejoin] = joins(c.worker_stopped(StopResult(-15, False)))
-    assert rejoin.node.restorable_steps == (50, 40, 30)
+    assert (rejoin.node.restorable_steps, rejoin.node.shared_steps) == ((50, 40, 30), (50, 30))
 
 
 def test_a_stop_for_leaving_is_not_followed_by_a_join() -> None:
