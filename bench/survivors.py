@@ -92,9 +92,11 @@ def failures(kills: int, node_losses: int, survivors_save: str, seed: int) -> li
             cluster.wait_running(len(kinds) + 1, 2, timeout=180, step=1)
             lines = _ledger(cluster)
             log = cluster.logs()
+            stops = [float(x) for x in re.findall(r"worker stopped in ([0-9.]+)s \((?:worker_exit|node_lost)\)", log)]
             for result, line in zip(results, lines[1:], strict=False):
                 result["redone"] = line["steps_redone"]
                 result["restored"] = line["restored_step"]
+                result["survivor_stop"] = max(stops.pop(0), stops.pop(0)) if len(stops) >= 2 else None
                 result["from"] = "survivors" if re.search(
                     rf"failed; it saves step {line['restored_step']},", log) else "snapshot"
         finally:
