@@ -133,7 +133,8 @@ class FastBackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         self.schedule.start(self._step)
         if self._survivors_save and strategy.num_replicas_in_sync > 1 and \
                 getattr(model, "train_function", None) is not None:
-            self._survivors = SurvivorSave(strategy, model, model.optimizer, self._reporter, self._env.rank)
+            self._survivors = SurvivorSave(strategy, model, model.optimizer, self._reporter, self._env.rank,
+                                           self._env.world_size)
             self._unguarded = model.train_function  # fit calls the attribute at each step: it calls this one
             model.train_function = self._keeping_the_survivors_step(self._unguarded)
         self._reporter.report(self._step, restored_step=self.restored.step, restored_tier=self.restored.tier,

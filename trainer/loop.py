@@ -38,9 +38,10 @@ def make_train_step(strategy: Any, model: Any, optimizer: Any, loss_fn: LossFn, 
     """A ``tf.function`` that runs one step on the next batch of a distributed iterator and returns the loss of
     the global batch (the sum over replicas of their share of the mean).
 
-    The step's one exchange between workers is one all-reduce of the loss and the gradients together, and every
-    update waits for it: a step that a peer's failure interrupts changed no variable, and one that completed
-    changed all of them, so the state a survivor holds is exactly one step's (:mod:`tfelastic.trainer.survivors`).
+    The step exchanges with the other workers twice: the distributed iterator's agreement on whether a batch is
+    left, then one all-reduce of the loss and the gradients together, and every update waits for both: a step
+    that a peer's failure interrupts changed no variable, and one that completed changed all of them, so the
+    state a survivor holds is exactly one step's (:mod:`tfelastic.trainer.survivors`).
     A sparse gradient (an embedding's) is exchanged by gathers of their own, after which a failure can leave the
     step half applied: the survivors' save sees it and saves nothing."""
 
@@ -130,8 +131,8 @@ class TrainLoop:
         self._train_step = make_train_step(strategy, model, optimizer, loss_fn, global_batch, metrics)
         # After a peer's failure, ranks 0 and 1 save the step they hold (trainer/survivors.py); off: the newest
         # snapshot is restored.
-        self._survivors = SurvivorSave(strategy, model, optimizer, self._reporter, self._env.rank) \
-            if survivors_save else None
+        self._survivors = SurvivorSave(strategy, model, optimizer, self._reporter, self._env.rank,
+                                       self._env.world_size) if survivors_save else None
         self._all_reduce = make_all_reduce(strategy)
 
     def restore(self) -> TierRestore:

@@ -22,7 +22,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import FrameType
 
 from tfelastic.trainer._tf import eager_context, tf
@@ -33,13 +33,18 @@ PEER_FAILED_SIGNAL_ENV = "TFELASTIC_PEER_FAILED_SIGNAL"  # tfelastic.daemon.work
 ABORT_MESSAGE = "tfelastic: a peer of this worker failed (its agent said so)"
 
 _listening: bool | None = None  # once decided, for the process
+_heard: list[Callable[[], None]] = []  # called in the watcher's thread once the collectives are aborted
 
 
-def listen_for_peer_failure(env: Mapping[str, str] = os.environ) -> bool:
-    """Installs the listener once per process (see the module docstring); whether it listens."""
+def listen_for_peer_failure(on_word: Callable[[], None] | None = None, env: Mapping[str, str] = os.environ) -> bool:
+    """Installs the listener once per process (see the module docstring); whether it listens. ``on_word`` is
+    called, in the listener's thread, each time the agent's word comes (the survivors' save tells the agent that
+    it will save, so that the stop waits for it while the training thread gets to its failed step)."""
     global _listening
     if _listening is None:
         _listening = _install(env)
+    if _listening and on_word is not None:
+        _heard.append(on_word)
     return _listening
 
 
@@ -82,3 +87,8 @@ def _watch(read_end: int, signum: int) -> None:
         if signum in data:  # every signal Python handles is written here: the others are not ours
             log.warning("the agent says a peer failed: aborting this worker's collectives")
             eager_context.context().abort_collective_ops(tf.errors.UNAVAILABLE, ABORT_MESSAGE)
+            for heard in _heard:
+                try:
+                    heard()
+                except Exception:  # advisory, as every report: the watcher must stay
+                    log.exception("after the agent's word")

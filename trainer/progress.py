@@ -285,6 +285,11 @@ class ProgressReporter:
         return self._send(ProgressMessage(self._generation, os.getpid(), self._step if step is None else int(step),
                                           exit_code=code))
 
+    @property
+    def last_step(self) -> int:
+        """The last step reached (given to :meth:`report` or :meth:`reached`)."""
+        return self._step
+
     def announce_survivor_save(self, step: int) -> bool:
         """Tells the agent that a peer failed and that this process now saves ``step``, the state it holds: the
         agent's stop then waits for the save (bounded) rather than SIGKILL the process after its failure grace."""

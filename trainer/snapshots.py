@@ -82,10 +82,11 @@ def temporary_dir(store: str, step: int) -> str:
     return os.path.join(store, f"{_TEMPORARY}{snapshot_name(step)}-{uuid.uuid4().hex[:8]}")
 
 
-def seal(building: str, store: str, step: int, private: bool = False) -> str:
+def seal(building: str, store: str, step: int, private: bool = False, replace: bool = True) -> str:
     """Writes the manifest of the files in ``building``, flushes them (``private``: the local tier's, made mode
     0600 and the directory 0700 first), and renames the directory to the step's snapshot. Returns the snapshot's
-    path. An older snapshot of the same step is replaced."""
+    path. An older snapshot of the same step is replaced; with ``replace=False`` (two writers of the same state)
+    it is kept, and ``building`` is removed."""
     files = {name: os.path.getsize(os.path.join(building, name)) for name in sorted(os.listdir(building))
              if name != MANIFEST}
     if not any(name.endswith(".index") or name == FLASH_LAYOUT for name in files):
@@ -102,8 +103,17 @@ def seal(building: str, store: str, step: int, private: bool = False) -> str:
         _fsync_file(os.path.join(building, name))
     final = snapshot_dir(store, step)
     if os.path.isdir(final):
+        if not replace:
+            shutil.rmtree(building, ignore_errors=True)
+            return final
         shutil.rmtree(final, ignore_errors=True)
-    os.rename(building, final)
+    try:
+        os.rename(building, final)
+    except OSError:  # another writer's rename came between (ENOTEMPTY, EEXIST): its copy of the state stays
+        if replace or not os.path.isdir(final):
+            raise
+        shutil.rmtree(building, ignore_errors=True)
+        return final
     _fsync_dir(store)
     return final
 

@@ -25,6 +25,9 @@ _FAILED_FUNCTION = re.compile(r"\[Op:(__inference_[A-Za-z0-9_]+)\]")
 _UPDATES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "ResourceApply", "ResourceSparseApply",
             "ResourceScatter")
 _PASS_THROUGH = ("Identity", "IdentityN")
+# Ops that run a function of their own (tf.cond, tf.while_loop, a call, an XLA cluster): a variable handed to one
+# may be updated there, unread here.
+_NESTED = ("If", "While", "Case", "PartitionedCall", "XlaLaunch", "XlaCompile")
 
 
 def failed_node(error: BaseException) -> str | None:
@@ -35,18 +38,25 @@ def failed_node(error: BaseException) -> str | None:
 
 def exchanges_every_update_waits_for(graph: Any, variables: Iterable[Any]) -> frozenset[str]:
     """The names of the collectives in ``graph`` (a traced step's FuncGraph) that every update of one of
-    ``variables`` waits for, through its inputs and control inputs; empty when no such update is found in it."""
+    ``variables`` waits for, through its inputs and control inputs; empty when no such update is found in it, or
+    when one of the variables is handed to a nested function (a loop, a condition, a call): what it does there is
+    not read. One pass over the graph, whatever its size."""
     handles = {id(_handle(v)) for v in variables}
     captured = {internal.op.name for external, internal in graph.captures if id(external) in handles}
-    updates = [op for op in graph.get_operations()
-               if op.type.startswith(_UPDATES) and op.inputs and _source(op.inputs[0]).op.name in captured]
+    operations = graph.get_operations()
+    takes_a_variable = [op for op in operations if any(_source(t).op.name in captured for t in op.inputs)]
+    if any(op.type.endswith(_NESTED) for op in takes_a_variable):
+        return frozenset()
+    updates = [op for op in takes_a_variable if op.type.startswith(_UPDATES)]
     if not updates:
         return frozenset()
-    common: set[str] | None = None
+    collectives = sorted({op.name for op in operations if op.type.startswith("Collective")})
+    bit = {name: 1 << i for i, name in enumerate(collectives)}
+    waits = _waits(operations, bit)
+    common = ~0
     for update in updates:
-        waited = {op.name for op in _upstream(update) if op.type.startswith("Collective")}
-        common = waited if common is None else common & waited
-    return frozenset(common or ())
+        common &= waits[update.name]
+    return frozenset(name for name in collectives if common & bit[name])
 
 
 def failed_function(error: BaseException) -> str | None:
@@ -80,14 +90,25 @@ def _source(tensor: Any) -> Any:
     return tensor
 
 
-def _upstream(op: Any) -> list[Any]:
-    """Every op that ``op`` waits for, through data and control edges."""
-    seen: dict[str, Any] = {}
-    stack = [op]
-    while stack:
-        current = stack.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent.name not in seen:
-                seen[parent.name] = parent
-                stack.append(parent)
-    return list(seen.values())
+def _waits(operations: Iterable[Any], bit: dict[str, int]) -> dict[str, int]:
+    """For every op, the collectives it waits for (a bit per collective), through its input and control edges to
+    the graph's start: a depth-first walk, each op finished after the ops it waits for."""
+    waits: dict[str, int] = {}
+    for root in operations:
+        if root.name in waits:
+            continue
+        stack: list[tuple[Any, bool]] = [(root, False)]
+        while stack:
+            op, parents_done = stack.pop()
+            if op.name in waits:
+                continue
+            parents = [t.op for t in op.inputs] + list(op.control_inputs)
+            if not parents_done:
+                stack.append((op, True))
+                stack.extend((parent, False) for parent in parents if parent.name not in waits)
+                continue
+            mask = 0
+            for parent in parents:
+                mask |= waits.get(parent.name, 0) | bit.get(parent.name, 0)
+            waits[op.name] = mask
+    return waits

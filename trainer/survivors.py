@@ -42,46 +42,65 @@ FAILED_EXIT = 1  # the error is raised on: the trainer exits 1, its state saved
 class SurvivorSave:
     """The survivors' save of one training loop (``fit``'s or :class:`~tfelastic.trainer.loop.TrainLoop`'s)."""
 
-    def __init__(self, strategy: Any, model: Any, optimizer: Any, reporter: ProgressReporter, rank: int) -> None:
+    def __init__(self, strategy: Any, model: Any, optimizer: Any, reporter: ProgressReporter, rank: int,
+                 world_size: int) -> None:
         self.strategy, self.model, self.optimizer = strategy, model, optimizer
         self.reporter, self.rank = reporter, rank
+        # A worker's own collective failure (one worker with several GPUs) is not a peer's: no survivors there.
+        self.writes = world_size > 1 and rank < WRITERS
         self.saved: str | None = None  # the snapshot written, once one is
-        # The agent's word that a peer failed aborts a collective that waits without a call in flight to it.
-        self.hears_peer_failure = strategy.num_replicas_in_sync > 1 and rank < WRITERS and \
-            listen_for_peer_failure()
+        # The agent's word that a peer failed aborts a collective that waits without a call in flight to it; the
+        # trainer's restore report says it listens, which is also what makes its agent hold a failure stop for it.
+        self.hears_peer_failure = self.writes and listen_for_peer_failure(self._word_heard)
+
+    def _word_heard(self) -> None:
+        """The agent said a peer failed: the save comes once the training thread meets its failed step, which may
+        finish work first (a periodic save): the stop waits for it (bounded by the agent)."""
+        self.reporter.announce_survivor_save(self.reporter.last_step)
 
     def after_failure(self, error: BaseException, step_function: Any, step_args: Sequence[Any], completed: int,
                       started_at: int, tier: TieredCheckpoint, prepare: Callable[[], None]) -> None:
         """``error`` ended a call of ``step_function`` (a ``tf.function``; ``step_args``: its arguments) after
         ``completed`` steps (the run began at ``started_at``): saves that step if the state is exactly it (see the
         module docstring). ``prepare`` sets the checkpointed position (epoch, place in it) to the step's."""
-        if self.strategy.num_replicas_in_sync == 1 or not isinstance(error, PEER_FAILURES) or \
-                self.rank >= WRITERS or completed <= started_at:
+        if not self.writes or not isinstance(error, PEER_FAILURES) or completed <= started_at:
             return
+        # Told first, the agent keeps its stop waiting (bounded); told last, it ends the stop: whatever happens in
+        # between (the graph's answer, a save that fails), nothing is left for the process to do.
+        self.reporter.announce_survivor_save(completed)
+        try:
+            self._save(error, step_function, step_args, completed, tier, prepare)
+        finally:
+            self.reporter.announce_exit(FAILED_EXIT, completed)
+
+    def _save(self, error: BaseException, step_function: Any, step_args: Sequence[Any], completed: int,
+              tier: TieredCheckpoint, prepare: Callable[[], None]) -> None:
         cause = f"{type(error).__name__}: {cause_line(error)}"
         if not self._one_steps_state(error, step_function, step_args, completed, cause):
             return
-        self.reporter.announce_survivor_save(completed)
         began = time.monotonic()
         try:
             prepare()
             path = tier.save_for_survivors(completed, task=f"rank {self.rank}", cause=cause)
         except Exception as e:  # the original error is the one to raise; this one is said
-            log.warning("a peer failed (%s); saving step %d, the state this worker holds, failed: %s: %s", cause,
-                        completed, type(e).__name__, cause_line(e))
+            log.warning("a peer failed (%s); saving step %d, the state this worker holds, failed: %s: %s (a "
+                        "sync-on-read variable, such as a batch normalization's statistics, is read by an "
+                        "all-reduce). The next generation restores the newest snapshot", cause, completed,
+                        type(e).__name__, cause_line(e))
             return
         self.saved = path
         log.warning("a peer failed (%s): saved step %d, the state this worker holds, for the next generation %s "
                     "(%.2fs)", cause, completed, f"to {path}" if path else "(the shared tier had it)",
                     time.monotonic() - began)
-        self.reporter.announce_exit(FAILED_EXIT, completed)
 
     def _one_steps_state(self, error: BaseException, step_function: Any, step_args: Sequence[Any], completed: int,
                          cause: str) -> bool:
         """Whether the variables hold exactly step ``completed`` (the optimizer's counter set back to it)."""
         try:
             traced = step_function.get_concrete_function(*step_args)
-            clean = interrupted_before_any_update(error, traced, self.model.trainable_variables)
+            # Every variable of the model: a layer's own state (a batch normalization's statistics, a generator)
+            # is updated in the step too, and need not wait for the exchange.
+            clean = interrupted_before_any_update(error, traced, self.model.variables)
         except Exception as e:  # a function this module cannot read: nothing is known
             log.debug("cannot read the step's graph: %s: %s", type(e).__name__, e)
             clean = False

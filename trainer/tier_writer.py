@@ -65,11 +65,12 @@ class SnapshotWriter:
         """A snapshot written before returning and without creating any variable: a flash snapshot, else
         TensorFlow's synchronous write (its asynchronous one makes host copies of the variables, which under a
         distribution strategy are created with a broadcast among the workers)."""
-        self.last_was_flash = self.flash
-        if self._flash is None:
-            self.checkpoint.write(snapshots.checkpoint_prefix(building))
-        else:
+        flash_now = self._flash is not None and self._flash.matches(self.checkpoint)  # no variable added since
+        self.last_was_flash = flash_now
+        if self._flash is not None and flash_now:
             self._flash.write(building)
+        else:
+            self.checkpoint.write(snapshots.checkpoint_prefix(building))
 
     def complete(self, snapshot: str) -> bool:
         """A snapshot is complete at ``snapshot`` (sealed, or a scratch one written); whether it is kept as the

@@ -165,7 +165,8 @@ class TieredCheckpoint:
             if os.path.isdir(snapshots.snapshot_dir(self.shared_store, step)):  # another survivor sealed it
                 shutil.rmtree(building, ignore_errors=True)
                 return None
-            return snapshots.seal(building, self.shared_store, step)
+            # The other writer (ranks 0 and 1 both write) may seal the same state meanwhile: its copy stays.
+            return snapshots.seal(building, self.shared_store, step, replace=False)
         except BaseException:
             shutil.rmtree(building, ignore_errors=True)
             raise

@@ -158,8 +158,8 @@ class AgentCore:
         """The worker core's actions, and what follows a stop that ended among them (:meth:`_after_stop`)."""
         return actions + self._after_stop() if self.worker_core.stop_ended() else actions
 
-    def _stop(self, why: str, *, planned: bool) -> list[Action]:
-        return self._then(self.worker_core.stop(why, planned=planned))
+    def _stop(self, why: str, *, planned: bool, peer_failed: bool = False) -> list[Action]:
+        return self._then(self.worker_core.stop(why, planned=planned, peer_failed=peer_failed))
 
     # ------------------------------------------------------------------------------------------- session
 
@@ -391,8 +391,9 @@ class AgentCore:
         # redone steps from the furthest one.
         running = self._worker_state is WorkerState.RUNNING
         unsent = self.worker_core.trainer.progress_report(stopping=True) if running else None
+        after_failure = reason.counts_against_budget
         return [Announce(f"restarting: {reason.value}"), *([unsent] if unsent else []),
-                *self._stop(reason.value, planned=not reason.counts_against_budget)]
+                *self._stop(reason.value, planned=not after_failure, peer_failed=after_failure)]
 
     def _finished(self, order: api.Finished) -> list[Action]:
         level = logging.INFO if order.state is api.JobState.SUCCEEDED else logging.ERROR

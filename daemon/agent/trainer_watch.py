@@ -65,7 +65,9 @@ class TrainerWatch:
         self._metrics, self._stop_grace, self._clock = metrics, stop_grace, clock
         self._step_mark = step_mark
         self._hang: Hang | None = None
-        self.found_hung = False  # this launch's trainer was found silent past its limit
+        # A hang of this launch's trainer was reported: not one held as waiting in a library call, which may be a
+        # peer's victim (a survivor's collective, whose abort lets it save the step it holds).
+        self.found_hung = False
         self._held: HeldHang | None = None
         self.tracker = ProgressTracker(clock, metrics)
         self.failures = FailureTimes(clock, metrics)
@@ -166,7 +168,6 @@ class TrainerWatch:
         if silent is None:
             return False
         self.failures.worker_failed()
-        self.found_hung = True
         self._hang = Hang(f"no progress for {silent:.1f}s ({self.stall.explain()})", self._clock())
         return True
 
@@ -200,6 +201,7 @@ class TrainerWatch:
         return self._hung(held.detail)
 
     def _hung(self, detail: str) -> Send:
+        self.found_hung = True
         return self.ending(api.WorkerStatus.STALLED, detail=detail, cause=api.FailureCause.HANG)
 
     def ending(self, status: api.WorkerStatus, *, exit_code: int = 0, detail: str = "",

@@ -87,8 +87,9 @@ class WorkerCore:
         self._stopping: tuple[bool, bool] = (False, False)  # the stop under way: (planned, it was running)
         self._announced_exit: int | None = None  # the exit code the trainer announced during the stop under way
         self._survivor_save: int | None = None  # the step this launch's trainer saves for the survivors, announced
-        self._on_fast_tier = False  # this launch's trainer restored on the fast tier (it can save as a survivor)
-        self._hears_peer_failure = 0  # the pid of this launch's trainer, when it listens for PEER_FAILED_SIGNAL
+        # The pid of this launch's trainer when it said (in its restore report) that it saves as a survivor and
+        # listens for PEER_FAILED_SIGNAL; 0 otherwise.
+        self._hears_peer_failure = 0
         self.ps_task = PsTask(policy.replacement, clock)  # a parameter-server job's task on this node
 
     @property
@@ -195,7 +196,6 @@ class WorkerCore:
         if message.survivor_save is not None:
             return self._survivor_save_announced(message.pid, message.survivor_save)
         if message.restored_tier is not None:
-            self._on_fast_tier = True
             self._hears_peer_failure = message.pid if message.hears_peer_failure else 0
         if message.done:
             self.tracker.done = True
@@ -268,8 +268,9 @@ class WorkerCore:
         """``generation`` is the one this node was last assigned."""
         return self.assignment is not None and self.assignment.generation == generation
 
-    def stop(self, why: str, *, planned: bool) -> list[Action]:
-        """Stop the worker (one stop at a time); with none alive, the stop has ended at once (:meth:`stop_ended`)."""
+    def stop(self, why: str, *, planned: bool, peer_failed: bool = False) -> list[Action]:
+        """Stop the worker (one stop at a time); with none alive, the stop has ended at once (:meth:`stop_ended`).
+        ``peer_failed``: the coordinator's order after a member's failure, which the trainer may survive."""
         state = self.worker.state
         if state is WorkerState.STOPPING:
             return []  # one stop at a time: the end of the one under way covers this request too
@@ -283,7 +284,7 @@ class WorkerCore:
         # failed at once) and the save is under way.
         kept = [ExtendStop(SURVIVOR_SAVE_PATIENCE)] if self._survivor_save is not None else []
         end_soon = [EndStopSoon(self._exit_patience())] if self._announced_exit is not None else []
-        hold = 0.0 if planned else self._survivor_window()
+        hold = self._survivor_window() if peer_failed and not planned else 0.0
         return [Stop(why, planned, hold, self._hears_peer_failure if hold else 0), *kept, *end_soon]
 
     def stop_ended(self) -> bool:
@@ -330,7 +331,7 @@ class WorkerCore:
     def _survivor_window(self) -> float:
         """How long a failure stop holds its SIGTERM for the survivors' save (see SURVIVOR_WINDOW_STEPS)."""
         a = self.assignment
-        if not self._on_fast_tier or self.trainer.found_hung or self.ps_task.task is not None or a is None or \
+        if not self._hears_peer_failure or self.trainer.found_hung or self.ps_task.task is not None or a is None or \
                 a.world_size < 2 or self.worker.state is not WorkerState.STOPPING or not self._stopping[1]:
             return 0.0
         rate = self.tracker.steps_per_second()
@@ -364,7 +365,7 @@ class WorkerCore:
         self.trainer.launched(generation)
         self._standby.launched(generation)
         self._announced_exit = self._survivor_save = None
-        self._on_fast_tier, self._hears_peer_failure = False, 0
+        self._hears_peer_failure = 0
 
     def _relaunches_after_stop(self) -> bool:
         """The stop under way ends in this worker task's relaunch alone (a parameter-server job)."""

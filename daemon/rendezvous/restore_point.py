@@ -15,9 +15,10 @@ def common_restore_step(reported: Iterable[Iterable[int]], shared: Iterable[int]
     """The snapshot step a generation restores: the newest step that every member reported it can restore (the
     ``restorable_steps`` of its latest Join: its local tier or the shared backup dir), a step in the backup dir
     that any member reported (``shared``) counting as every member's: the backup dir is shared storage, and a
-    member that joined before a survivor of a peer's failure wrote its step there did not see it. None when one
-    member reported none, when they have no step in common, or when there are no members; the trainers then
-    restore their own newest shared checkpoint. A member's steps newer than the one chosen are redone."""
+    member that joined before a survivor of a peer's failure wrote its step there did not see it. None when the
+    members have no step in common that way (one reported none, and no step is in the backup dir), or when there
+    are no members; the trainers then restore their own newest shared checkpoint. A member's steps newer than
+    the one chosen are redone."""
     everyone = set(shared)
     common: set[int] | None = None
     for steps in reported:

@@ -144,14 +144,17 @@ def test_keras_fit_under_two_agents_survives_a_killed_worker(make_cluster: Clust
     doc = cluster.wait_running(1, 2, timeout=TF_DEADLINE, step=25)
     kill(members(doc)[1]["worker_pid"])
     resumed = cluster.wait_running(2, 2, timeout=TF_DEADLINE, step=1)
-    assert resumed["goodput"]["steps_redone"] <= 1, resumed["goodput"]  # the chief kept the step it held
     assert cluster.wait_all(240) == [0, 0], cluster.logs()
     done = final_summaries(summary_file.read_text(), 2, cluster.logs())
     assert [(s["rank"], s["final_step"]) for s in done] == [(0, 180), (1, 180)], done
+    assert done[0]["weights_digest"] == done[1]["weights_digest"]
+    if "the state this worker holds is not saved" in cluster.logs():
+        return  # fit's documented window (trainer.md): the peer died between the gradients' and metrics' exchange
+    # The chief kept the step it held: at most one step redone
+    assert resumed["goodput"]["steps_redone"] <= 1, resumed["goodput"]
     held = done[0]["initial_step"]
     assert held >= 25 and f"a peer of the trainer (pid {members(doc)[0]['worker_pid']}) failed; it saves step " \
         f"{held}," in cluster.logs()
-    assert done[0]["weights_digest"] == done[1]["weights_digest"]
 
 
 def test_custom_loop_under_two_agents_survives_a_killed_worker(make_cluster: ClusterFactory, tmp_path: Path) -> None:

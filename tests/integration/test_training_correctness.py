@@ -70,12 +70,19 @@ def wait_for_start(cluster: Cluster, generation: int) -> int:
     return steps[generation - 1]
 
 
-def assert_at_most_one_step_redone(generations: list[dict[str, Any]], kills: int) -> None:
-    """Each generation after a kill redid at most one step, and none resumed past the furthest step reached."""
+FALLBACK = "the state this worker holds is not saved"  # trainer/survivors.py: the step may be half applied
+
+
+def assert_at_most_one_step_redone(generations: list[dict[str, Any]], kills: int, logs: str,
+                                   fallbacks: bool = False) -> None:
+    """Each generation after a kill redid at most one step, and none resumed past the furthest step reached.
+    ``fallbacks``: fit's documented window (a peer that dies after the gradients' all-reduce, before the
+    metrics'): a generation may redo more when a survivor logged that it saved nothing, for that reason."""
     assert len(generations) == kills + 1, generations
+    more = [after for after in generations[1:] if after["steps_redone"] > 1]
     for before, after in itertools.pairwise(generations):
         assert after["restored_step"] <= before["reached_step"], (before, after)
-        assert after["steps_redone"] <= 1, (before, after)
+    assert not more or (fallbacks and logs.count(FALLBACK) >= len(more)), (more, generations)
 
 
 def ledger(cluster: Cluster) -> dict[str, Any]:
@@ -107,7 +114,7 @@ def test_custom_loop_killed_three_times_ends_with_the_weights_of_an_uninterrupte
 
     [final] = chief_summaries(cluster)
     assert final["final_step"] == final["target_step"] == expected["final_step"] == 100
-    assert_at_most_one_step_redone(generations, 3)
+    assert_at_most_one_step_redone(generations, 3, cluster.logs())
     doc = cluster.status() or {}
     assert doc.get("restarts_total", 3) == 3
     # Exact restore (model, optimizer, step, position in the shuffled epoch): the same weights, bit for bit.
@@ -125,7 +132,7 @@ def test_keras_fit_killed_twice_reaches_the_target_step_redoing_at_most_one_step
     assert cluster.wait_all(300) == [0, 0], cluster.logs()[-4000:]
     [final] = chief_summaries(cluster)
     assert final["final_step"] == final["target_step"] == 80
-    assert_at_most_one_step_redone(generations, 2)
+    assert_at_most_one_step_redone(generations, 2, cluster.logs(), fallbacks=True)
 
 
 def keep_per_replica(world: int) -> tuple[int, int, float]:
@@ -169,12 +176,19 @@ def test_world_size_2_3_2_keeps_the_batch_policy_and_loses_nothing_on_the_planne
     final = [s for s in chief_summaries(cluster) if s["generation"] == 3]
     assert len(final) == 1 and final[0]["final_step"] == 100, chief_summaries(cluster)
     # The chief had reached `step` before the kill (it may have gone on a little: status lags it), so at most the
-    # save interval is redone, and generation 3 resumed from a save of the schedule or from the planned stop's.
+    # save interval is redone, and generation 3 resumed from a save of the schedule, from the planned stop's, or
+    # from the step a survivor of the lost node held and saved (trainer/survivors.py).
     resumed = final[0]["initial_step"]
     assert step - SAVE_EVERY <= resumed, (step, resumed)
-    assert resumed % SAVE_EVERY == 0 or resumed == stopped[0]["final_step"], (resumed, stopped[0]["final_step"])
+    survivors = [int(s) for s in re.findall(r"failed; it saves step (\d+),", cluster.logs())]
+    assert resumed % SAVE_EVERY == 0 or resumed == stopped[0]["final_step"] or resumed in survivors, \
+        (resumed, stopped[0]["final_step"], survivors)
     assert final[0]["restored_from"].endswith(f"/{snapshot_name(resumed)}"), final[0]
-    assert f"{tmp_path}/shm/" in final[0]["restored_from"], final[0]  # a surviving node: from its memory
+    # A surviving node: from its memory, or the survivors' step from the backup dir, where they wrote it (a step of
+    # the schedule both hold: the node's memory first)
+    where = [f"{tmp_path}/shm/"] if resumed not in survivors else [f"{tmp_path}/elastic/ckpt/"] + \
+        ([f"{tmp_path}/shm/"] if resumed % SAVE_EVERY == 0 else [])
+    assert any(w in final[0]["restored_from"] for w in where), (final[0], where)
     # Every generation's chief logged its plan at start.
     plans = re.findall(r"\[rank 0\] world size (\d+), (\d+) replicas: global batch (\d+), (\d+) per replica, "
                        rf"learning rate (\S+) \({policy}\)", cluster.agents[0].log())

@@ -107,8 +107,8 @@ def train(style: str, store: str, kill_seconds: float, chain: str, stall_after: 
             model.fit(data().repeat().batch(2 * BATCH), epochs=1000, steps_per_epoch=7, verbose=0,
                       callbacks=[*fit_callbacks(store, save_every=10_000, graceful_stop=False), Chain()])
     except tf.errors.OpError as e:
-        saved = [name for name in sorted(os.listdir(store)) if os.path.exists(os.path.join(store, name,
-                                                                                        "SURVIVORS.json"))]
+        names = sorted(os.listdir(store)) if os.path.isdir(store) else []  # none: nothing was ever saved
+        saved = [name for name in names if os.path.exists(os.path.join(store, name, "SURVIVORS.json"))]
         record({"failed": type(e).__name__, "survivors": saved})
         sys.exit(1)
 

@@ -548,9 +548,11 @@ def test_a_survivors_save_announced_before_the_stop_keeps_the_stop_that_follows_
     assert ExtendStop(SURVIVOR_SAVE_PATIENCE) not in h.core.received(api.StopWorkers(2, api.RestartReason.WORKER_EXIT))
 
 
-def on_the_fast_tier(h: Harness, steps_per_second: float = 0.0) -> None:
-    """The trainer restores on the fast tier (its report says from where), then trains at a steady rate."""
-    h.core.progress(ProgressMessage(1, 4001, step=10, restored_tier="local", restored_step=10))
+def on_the_fast_tier(h: Harness, steps_per_second: float = 0.0, saves_as_survivor: bool = True) -> None:
+    """The trainer restores on the fast tier (its report says from where, and whether it saves as a survivor and
+    listens for the agent's word), then trains at a steady rate."""
+    h.core.progress(ProgressMessage(1, 4001, step=10, restored_tier="local", restored_step=10,
+                                    hears_peer_failure=saves_as_survivor))
     if steps_per_second:
         for i in range(1, 8):
             h.clock.now += 1.0 / steps_per_second
@@ -582,7 +584,7 @@ def test_the_wait_for_a_survivors_save_is_bounded(steps_per_second: float) -> No
     assert survivor_waits(actions) == [SURVIVOR_WINDOW_UNKNOWN if not steps_per_second else SURVIVOR_WINDOW_MAX]
 
 
-def test_no_wait_for_a_survivors_save_in_a_planned_stop_off_the_fast_tier_or_alone() -> None:
+def test_no_wait_for_a_survivors_save_in_a_planned_stop_from_a_trainer_that_does_not_save_or_alone() -> None:
     planned = Harness()
     planned.running()
     on_the_fast_tier(planned)
@@ -591,6 +593,11 @@ def test_no_wait_for_a_survivors_save_in_a_planned_stop_off_the_fast_tier_or_alo
     unknown.running()
     unknown.core.progress(ProgressMessage(1, 4001, step=10))
     assert survivor_waits(unknown.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))) == []
+    # Keras's own BackupAndRestore, survivors_save=False, a rank of 2 or more: restored, but it does not save
+    writes_not = Harness()
+    writes_not.running()
+    on_the_fast_tier(writes_not, saves_as_survivor=False)
+    assert survivor_waits(writes_not.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT))) == []
     alone = Harness()
     alone.core.session_opened()
     alone.core.received(assignment(1, 0, world=1))
@@ -610,9 +617,9 @@ def test_a_held_stop_tells_a_trainer_that_listens_that_a_peer_failed() -> None:
     assert (stop.hold, stop.notify) == (SURVIVOR_WINDOW_UNKNOWN, 4001)
     deaf = Harness()
     deaf.running()
-    on_the_fast_tier(deaf)  # restored, but does not listen: no signal, whose default action would end it
+    on_the_fast_tier(deaf, saves_as_survivor=False)  # no signal, whose default action would end it, and no hold
     [stop] = stops(deaf.core.received(api.StopWorkers(1, api.RestartReason.WORKER_EXIT)))
-    assert (stop.hold, stop.notify) == (SURVIVOR_WINDOW_UNKNOWN, 0)
+    assert (stop.hold, stop.notify) == (0.0, 0)
 
 
 def test_no_wait_for_a_survivors_save_from_a_trainer_found_hung() -> None:
@@ -622,7 +629,22 @@ def test_no_wait_for_a_survivors_save_from_a_trainer_found_hung() -> None:
     h.clock.now += STALL + 0.25
     h.core.received(api.Heartbeat())
     assert any(isinstance(a, DumpStacks) for a in h.core.tick())  # found silent past its limit
+    assert reports(h.core.stacks_dumped(1, DUMP))  # hung in its own code: reported
     assert survivor_waits(h.core.received(api.StopWorkers(1, api.RestartReason.STALLED))) == []
+
+
+def test_a_trainer_held_as_a_peers_victim_still_gets_its_wait_for_a_survivors_save() -> None:
+    """Silent because it waits in a collective for the peer that hung: its report is held, and once the peer's
+    report stops the generation, the agent's word lets it abort that wait and save the step it holds."""
+    h = Harness()
+    h.running()
+    on_the_fast_tier(h, steps_per_second=2.0)
+    h.clock.now += STALL + 0.25
+    h.core.received(api.Heartbeat())
+    h.core.tick()
+    assert h.core.stacks_dumped(1, WAITING) == []  # held
+    [stop] = stops(h.core.received(api.StopWorkers(1, api.RestartReason.STALLED)))
+    assert stop.hold == pytest.approx(SURVIVOR_WINDOW_STEPS / 2.0) and stop.notify == 4001
 
 
 def test_only_the_trainers_own_process_announces_a_survivors_save() -> None:

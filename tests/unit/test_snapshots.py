@@ -70,6 +70,18 @@ def test_seal_refuses_a_directory_without_an_index(tmp_path: Path) -> None:
         snapshots.seal(str(building), str(tmp_path), 5)
 
 
+def test_a_second_writer_of_the_same_state_keeps_the_first_ones_snapshot(tmp_path: Path) -> None:
+    """Ranks 0 and 1 both save the survivors' step: the second seal leaves the first complete snapshot alone
+    (replacing it would leave no complete copy while it runs) and removes its own copy."""
+    first = build(tmp_path, 37)  # its index holds b"index"
+    second = Path(snapshots.temporary_dir(str(tmp_path), 37))
+    second.mkdir()
+    (second / "ckpt.index").write_bytes(b"other")
+    assert snapshots.seal(str(second), str(tmp_path), 37, replace=False) == str(first)
+    assert not second.exists() and (first / "ckpt.index").read_bytes() == b"index"
+    assert snapshots.complete_steps(str(tmp_path)) == [37]
+
+
 def test_prune_keeps_the_newest_complete_ones(tmp_path: Path) -> None:
     for step in (10, 20, 30, 40):
         build(tmp_path, step)
