@@ -178,8 +178,10 @@ def test_custom_loop_under_two_agents_survives_a_killed_worker(make_cluster: Clu
     assert held >= 25 and done[1]["initial_step"] == held, done
     assert f"a peer of the trainer (pid {members(doc)[1]['worker_pid']}) failed; it saves step {held}," in \
         cluster.logs()
-    for summary in done:  # from the backup dir, where the survivor wrote it, on both nodes
-        assert summary["restored_from"] == f"{tmp_path}/backup/custom_loop/{snapshot_name(held)}", summary
+    for summary in done:  # from the backup dir, where the survivor wrote it (a scheduled step: the node's memory)
+        where = [f"{tmp_path}/backup/custom_loop/"] + ([f"{tmp_path}/shm/"] if held % 10 == 0 else [])
+        assert summary["restored_from"].endswith(f"/{snapshot_name(held)}"), summary
+        assert any(summary["restored_from"].startswith(w) for w in where), (summary, where)
     # keep-per-replica: 2 replicas of 32, the learning rate of 1 replica scaled by 2
     assert (done[0]["global_batch"], done[0]["per_replica_batch"]) == (64, 32)
     assert done[0]["learning_rate"] == pytest.approx(0.002)
